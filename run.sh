@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# steadytrain quick start. Two commands, each does its own set-up on a fresh machine:
+#   ./run.sh demo [--json]      # tokenize the embedded corpus, train with crashes, report
+#   ./run.sh test [PYTEST ARGS] # the whole test suite
+# Set-up: a virtual environment in .venv with the pinned dependencies, reinstalled only when
+# pyproject.toml changes.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${STEADYTRAIN_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+stamp="$VENV/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  echo "setting up $VENV (first run only; pinned CPU torch, ~2 min)..." >&2
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip >&2
+  "$VENV/bin/pip" install -q -e '.[test]' >&2
+  rm -f "$VENV"/.installed-*
+  touch "$stamp"
+fi
+cmd="${1:-}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  demo) exec "$VENV/bin/steadytrain" demo "$@" ;;
+  test) exec "$VENV/bin/python" -m pytest "$@" ;;
+  *) echo "usage: ./run.sh demo [--json] | ./run.sh test [pytest args]" >&2; exit 64 ;;
+esac

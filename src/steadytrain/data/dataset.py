@@ -1,0 +1,184 @@
+"""``TokenDataset``: a read-only view of a token-shard dataset, local or remote.
+
+Shards are memory-mapped on first use and never loaded whole. A remote dataset
+(``s3://…``) is read through a node-local ``ShardCache`` that fetches, verifies and
+publishes each shard before it is mapped. The object pickles to a few strings (URL, cache
+directory, manifest), so loader worker processes re-open their own maps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from steadytrain.data.format import Manifest, read_manifest
+from steadytrain.errors import DatasetError
+from steadytrain.storage.store import Store
+
+__all__ = ["TokenDataset"]
+
+# Signature of the hook that turns a shard file name into a local path (the cache).
+Resolver = Callable[[str, int, str], str]
+
+
+class TokenDataset:
+    """A token-shard dataset opened for reading.
+
+    ``TokenDataset.open("s3://bucket/ds", cache_dir="/nvme/cache")`` or a local path.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        manifest: Manifest,
+        *,
+        cache_dir: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.url = url
+        self.manifest = manifest
+        self.cache_dir = cache_dir
+        self.storage_options = storage_options
+        self.store = Store(url, storage_options)
+        self._maps: dict[int, np.ndarray] = {}
+        self._doc_ends: dict[int, np.ndarray] = {}
+        self._resolver: Resolver | None = None
+        if not self.store.is_local:
+            self._resolver = self._make_cache_resolver()
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        *,
+        cache_dir: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> TokenDataset:
+        store = Store(url, storage_options)
+        manifest = read_manifest(store)
+        ds = cls(url, manifest, cache_dir=cache_dir, storage_options=storage_options)
+        if store.is_local:
+            ds._check_local_files()
+        return ds
+
+    def _check_local_files(self) -> None:
+        """Cheap structural check at open (sizes only); ``verify`` checks every byte."""
+        for shard in self.manifest.shards:
+            for name, expected in ((shard.name, shard.bytes), (shard.index_name, shard.index_bytes)):
+                path = self.store.local_path(name)
+                assert path is not None
+                try:
+                    size = os.path.getsize(path)
+                except FileNotFoundError:
+                    raise DatasetError(
+                        f"{path} is missing (listed in {self.store.display('manifest.json')}); "
+                        f"restore it or re-tokenize the dataset"
+                    ) from None
+                if size != expected:
+                    raise DatasetError(
+                        f"{path} has {size} bytes, the manifest says {expected}: the file is "
+                        f"truncated or was replaced; restore it or re-tokenize the dataset"
+                    )
+
+    def _make_cache_resolver(self) -> Resolver:
+        if self.cache_dir is None:
+            raise DatasetError(
+                f"{self.url} is remote: pass cache_dir= (a node-local directory, e.g. on NVMe) "
+                f"so shards are fetched once, verified and memory-mapped"
+            )
+        from steadytrain.storage.cache import ShardCache
+
+        cache = ShardCache(self.cache_dir, self.store, self.manifest)
+        self.cache = cache
+        return cache.local_path
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "manifest": self.manifest,
+            "cache_dir": self.cache_dir,
+            "storage_options": self.storage_options,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(  # type: ignore[misc]
+            state["url"],
+            state["manifest"],
+            cache_dir=state["cache_dir"],
+            storage_options=state["storage_options"],
+        )
+
+    # -- properties --------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest.fingerprint
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.manifest.shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.manifest.num_tokens
+
+    @property
+    def num_docs(self) -> int:
+        return self.manifest.num_docs
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.manifest.dtype).newbyteorder("<")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest.vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        return self.manifest.eos_id
+
+    def shard_token_counts(self) -> np.ndarray:
+        return np.array([s.tokens for s in self.manifest.shards], dtype=np.int64)
+
+    # -- data access -------------------------------------------------------------------
+    def local_path(self, name: str, size: int, checksum: str) -> str:
+        """Local path of a dataset file: the file itself, or its verified cache copy."""
+        if self._resolver is not None:
+            return self._resolver(name, size, checksum)
+        path = self.store.local_path(name)
+        assert path is not None
+        return path
+
+    def tokens(self, shard: int) -> np.ndarray:
+        """The shard's token ids as a read-only memory map (nothing is read until used)."""
+        arr = self._maps.get(shard)
+        if arr is None:
+            info = self.manifest.shards[shard]
+            path = self.local_path(info.name, info.bytes, info.checksum)
+            arr = np.memmap(path, dtype=self.dtype, mode="r", shape=(info.tokens,))
+            self._maps[shard] = arr
+        return arr
+
+    def doc_ends(self, shard: int) -> np.ndarray:
+        """Exclusive end offset (in tokens) of every document of the shard, ascending."""
+        arr = self._doc_ends.get(shard)
+        if arr is None:
+            info = self.manifest.shards[shard]
+            path = self.local_path(info.index_name, info.index_bytes, info.index_checksum)
+            arr = np.memmap(path, dtype="<u8", mode="r", shape=(info.docs,))
+            self._doc_ends[shard] = arr
+        return arr
+
+    def close(self) -> None:
+        self._maps.clear()
+        self._doc_ends.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenDataset({self.url!r}, shards={self.num_shards}, tokens={self.num_tokens}, "
+            f"fingerprint={self.fingerprint[:12]})"
+        )
