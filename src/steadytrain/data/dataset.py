@@ -68,7 +68,10 @@ class TokenDataset:
     def _check_local_files(self) -> None:
         """Cheap structural check at open (sizes only); ``verify`` checks every byte."""
         for shard in self.manifest.shards:
-            for name, expected in ((shard.name, shard.bytes), (shard.index_name, shard.index_bytes)):
+            for name, expected in (
+                (shard.name, shard.bytes),
+                (shard.index_name, shard.index_bytes),
+            ):
                 path = self.store.local_path(name)
                 assert path is not None
                 try:

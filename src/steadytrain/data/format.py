@@ -90,7 +90,11 @@ class ShardInfo:
             "tokens": self.tokens,
             "docs": self.docs,
             "checksum": self.checksum,
-            "index": {"name": self.index_name, "bytes": self.index_bytes, "checksum": self.index_checksum},
+            "index": {
+                "name": self.index_name,
+                "bytes": self.index_bytes,
+                "checksum": self.index_checksum,
+            },
         }
 
     @classmethod

@@ -69,7 +69,9 @@ class Store:
     def path(self, name: str) -> str:
         """The full filesystem path (local) or key (remote) of a relative name."""
         name = safe_relpath(name)
-        return posixpath.join(self.root, name) if not self.is_local else os.path.join(self.root, name)
+        return (
+            posixpath.join(self.root, name) if not self.is_local else os.path.join(self.root, name)
+        )
 
     def display(self, name: str) -> str:
         """A name for error messages: the URL the user gave plus the relative name."""
