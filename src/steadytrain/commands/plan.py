@@ -1,0 +1,211 @@
+"""``steadytrain plan``: failure model -> checkpoint interval that maximises goodput."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+DEFAULT_CKPT_COST_S = 30.0
+DEFAULT_RESTART_COST_S = 300.0
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="choose the checkpoint interval from cluster size, failure rate and costs",
+        description=(
+            "Probability of failure, best checkpoint interval (Young, Daly, exact) and the "
+            "goodput of sync and async saves, checked by a Monte-Carlo simulation. Give the "
+            "failure rate one way: --gpus/--afr, --mtbf-hours or --interruptions-per-day "
+            "(default: the Llama 3 rate per GPU). See docs/planning.md."
+        ),
+    )
+    g = p.add_argument_group("failure rate (one of --afr, --mtbf-hours, --interruptions-per-day)")
+    g.add_argument(
+        "--gpus", type=int, metavar="N", help="GPUs in the job (scales --afr; default 1024)"
+    )
+    g.add_argument(
+        "--days", type=float, default=30.0, metavar="D", help="run length in days (default 30)"
+    )
+    g.add_argument(
+        "--afr", type=float, metavar="RATE", help="failures per GPU per year, e.g. 0.01 for 1%%"
+    )
+    g.add_argument(
+        "--mtbf-hours", type=float, metavar="H", help="mean time between failures of the job"
+    )
+    g.add_argument(
+        "--interruptions-per-day", type=float, metavar="X", help="observed job interruptions a day"
+    )
+    c = p.add_argument_group("costs (seconds; --from-run measures them)")
+    c.add_argument(
+        "--ckpt-cost",
+        type=float,
+        metavar="S",
+        help=f"seconds a save blocks training (default {DEFAULT_CKPT_COST_S:g})",
+    )
+    c.add_argument(
+        "--durable-time",
+        type=float,
+        metavar="S",
+        help="seconds from the start of a save until it is durable (async; default = --ckpt-cost)",
+    )
+    c.add_argument(
+        "--async-ckpt-cost",
+        type=float,
+        metavar="S",
+        help="blocking seconds of an async save, for the sync/async comparison",
+    )
+    c.add_argument(
+        "--restart-cost",
+        type=float,
+        metavar="S",
+        help=f"seconds one restart costs (default {DEFAULT_RESTART_COST_S:g})",
+    )
+    c.add_argument(
+        "--data-stall", type=float, metavar="FRAC", help="share of step time waiting for data (0-1)"
+    )
+    c.add_argument("--from-run", metavar="RUN_DIR", help="measure costs from RUN_DIR/ledger.jsonl")
+    p.add_argument("--interval", type=float, metavar="MIN", help="evaluate this interval (minutes)")
+    s = p.add_argument_group("simulation")
+    s.add_argument(
+        "--sim-runs", type=int, default=2000, metavar="N", help="simulated runs (0: skip)"
+    )
+    s.add_argument("--seed", type=int, default=0, help="simulation seed (default 0)")
+    s.add_argument(
+        "--failure-shape",
+        type=float,
+        default=1.0,
+        metavar="K",
+        help="Weibull shape of failure gaps (1: Poisson)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _pick(given: float | None, measured: float | None, default: float, name: str, src: dict):
+    if given is not None:
+        src[name] = "given"
+        return given
+    if measured is not None:
+        src[name] = "measured"
+        return measured
+    src[name] = "default"
+    return default
+
+
+def run(args: argparse.Namespace) -> int:
+    from steadytrain.commands._util import print_json
+    from steadytrain.errors import ConfigError
+    from steadytrain.planning import measure_run
+    from steadytrain.planning.summary import choose_failure_model, make_plan
+
+    if args.interval is not None and not args.interval > 0:
+        raise ConfigError(f"--interval {args.interval:g} must be a positive number of minutes")
+    if not args.days > 0:
+        raise ConfigError(f"--days {args.days:g} must be positive")
+    measured = measure_run(args.from_run) if args.from_run else None
+    model, notes = choose_failure_model(
+        args.gpus, args.afr, args.mtbf_hours, args.interruptions_per_day, measured
+    )
+    src: dict[str, str] = {}
+    m = measured
+    ckpt = _pick(args.ckpt_cost, m and m.ckpt_cost_s, DEFAULT_CKPT_COST_S, "ckpt_cost_s", src)
+    durable = args.durable_time
+    if durable is None and m is not None and args.ckpt_cost is None:
+        durable = m.durable_s
+    restart = _pick(
+        args.restart_cost, m and m.restart_cost_s, DEFAULT_RESTART_COST_S, "restart_cost_s", src
+    )
+    stall = _pick(args.data_stall, m and m.data_stall_frac, 0.0, "data_stall_frac", src)
+    result = make_plan(
+        model,
+        days=args.days,
+        ckpt_cost_s=ckpt,
+        durable_s=durable,
+        async_ckpt_cost_s=args.async_ckpt_cost,
+        restart_s=restart,
+        interval_s=args.interval * 60.0 if args.interval is not None else None,
+        stall_frac=stall,
+        simulate_runs=args.sim_runs,
+        seed=args.seed,
+        failure_shape=args.failure_shape,
+    )
+    result["sources"] = src
+    result["notes"] = notes + result["notes"]
+    if measured is not None:
+        result["measured"] = measured.to_dict()
+    if args.json:
+        print_json(result)
+    else:
+        _print_human(result)
+    return 0
+
+
+def _pct(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return ">99.9%" if 0.999 < x < 1.0 else f"{100 * x:.1f}%"
+
+
+def _min(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f} min"
+
+
+def _print_human(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    t = Table(title="steadytrain plan", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("failure model", r["failure_model"])
+    t.add_row(f"P(>=1 failure in {r['days']:g} days)", _pct(r["p_failure"]))
+    t.add_row("interruptions / day", f"{r['interruptions_per_day']:.3g}")
+    t.add_row("expected interruptions", f"{r['expected_interruptions']:.3g}")
+    t.add_row("MTBF", f"{r['mtbf_hours']:.3g} h")
+    s = r["sources"]
+    t.add_row(
+        f"costs ({r['mode']} save)",
+        f"C={r['ckpt_cost_s']:.3g} s ({s['ckpt_cost_s']}), L={r['durable_s']:.3g} s, "
+        f"R={r['restart_cost_s']:.3g} s ({s['restart_cost_s']}), "
+        f"data stall {_pct(r['data_stall_frac'])}",
+    )
+    t.add_row("Young / Daly / exact", " / ".join(
+        _min(r[k]) for k in ("young_interval_min", "daly_interval_min", "exact_interval_min")
+    ))  # fmt: skip
+    t.add_row("optimal interval", _min(r["optimal_interval_min"]))
+    t.add_row(f"goodput at {_min(r['interval_min'])} ({r['interval_source']})",
+              f"{_pct(r['goodput'])} first order, {_pct(r['goodput_exact'])} exact")  # fmt: skip
+    sim = r.get("simulation")
+    if sim:
+        t.add_row(
+            f"simulated ({sim['runs']} runs)",
+            f"{_pct(sim['mean'])} [{_pct(sim['ci95'][0])}, {_pct(sim['ci95'][1])}]; "
+            f"{sim['days']:g}-day runs p5 {_pct(sim['p5'])}, p50 {_pct(sim['p50'])}, "
+            f"p95 {_pct(sim['p95'])}",
+        )
+        agree = {True: "agrees", False: "outside the 99.9% interval"}
+        t.add_row(
+            "closed form vs simulation",
+            f"exact {agree[sim['exact_agrees']]}, first order {agree[sim['first_order_agrees']]}",
+        )
+    con.print(t)
+
+    modes = r["modes"]
+    tab = Table(title="goodput by interval (first order / exact)", title_justify="left")
+    tab.add_column("interval", justify="right")
+    for name, info in modes.items():
+        label = f"{name} C={info['ckpt_cost_s']:.3g}s L={info['durable_s']:.3g}s"
+        tab.add_column(label + (" (assumed)" if info["assumed"] else ""), justify="right")
+    by_interval: dict[float, dict[str, dict]] = {}
+    for row in r["table"]:
+        by_interval.setdefault(row["interval_min"], {})[row["mode"]] = row
+    best = {round(i["optimal_interval_min"] or -1, 2): n for n, i in modes.items()}
+    for mins, rows in by_interval.items():
+        cells = [f"{_pct(rows[n]['goodput'])} / {_pct(rows[n]['goodput_exact'])}" for n in modes]
+        mark = f"  <- best {best[mins]}" if mins in best else ""
+        tab.add_row(f"{mins:g} min{mark}", *cells)
+    con.print(tab)
+    for note in r["notes"]:
+        con.print(f"note: {note}")
