@@ -1,0 +1,39 @@
+"""`steadytrain report RUN_DIR [--out DIR] [--json]`: goodput, incidents, plots."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="goodput breakdown, incidents with diagnoses, and plots of a run",
+        description=(
+            "Read RUN_DIR/ledger.jsonl (every attempt of the run) and write throughput, "
+            "wait and goodput plots (PNG), one HTML page and report.json."
+        ),
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding ledger.jsonl")
+    p.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/report)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from steadytrain.commands._util import print_json
+    from steadytrain.monitor.report import build_report
+
+    s = build_report(args.run_dir, args.out)
+    if args.json:
+        print_json(s)
+        return 0
+    print(f"goodput {s['goodput']:.1%} of {s['total_s'] / 60:.1f} min, {s['attempts']} attempt(s)")
+    for k, v in s["badput"].items():
+        if v > 0:
+            print(f"  {k:<18} {v:6.1%}  ({s['badput_s'][k]:.1f} s)")
+    for i, a in enumerate(s["incidents"], 1):
+        print(f"incident {i} at step {a['step']}: {a['kind']} -> {a['diagnosis']}: {a['message']}")
+    print(f"report: {s['html']}")
+    return 0

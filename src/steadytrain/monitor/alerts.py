@@ -1,0 +1,330 @@
+"""Alerts with a diagnosis: when throughput leaves its band, say which signal moved with it.
+
+The engine watches the stream of ledger records (in the meter's background thread, never in
+the training loop) and compares a rolling window of recent steps with a baseline taken
+after warm-up in the same attempt. Each alert carries:
+
+* ``kind``: what crossed a threshold (``throughput_band``, ``data_wait_share``,
+  ``checkpoint_blocking``, ``memory_growth``, ``read_latency``, ``recovery_point_age``,
+  ``checkpoint_failed``);
+* ``diagnosis``: the likely cause, from which signals moved together with the drop --
+  ``storage`` (data wait up with read latency p99 or cache misses up), ``data-loader
+  memory`` (data wait up, or memory growing, while process RSS / shared memory grows with
+  the step count), ``data loading`` (data wait up, storage and memory flat),
+  ``checkpointing`` (blocking saves), ``compute/hardware`` (the step's own compute time up
+  with data wait flat), ``other`` (time between steps grew: logging, eval, GC);
+* ``next``: what to look at next; ``evidence``: the numbers behind it.
+
+Window alerts fire once their condition has held for ``sustain`` consecutive steps, once per
+incident; they re-arm when the condition clears.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from steadytrain.errors import ConfigError
+from steadytrain.monitor.diagnosis import NEXT_STEPS, Stats, diagnose
+
+__all__ = ["AlertConfig", "AlertEngine"]
+
+MiB = 1 << 20
+
+
+@dataclass(kw_only=True)
+class AlertConfig:
+    """Thresholds. Windows count steps; shares are fractions of step wall time."""
+
+    window: int = 20  # recent steps compared with the baseline
+    warmup: int = 5  # steps ignored at the start of every attempt (compile, cache fill)
+    baseline: int = 20  # steps after warm-up that define "normal" for this attempt
+    band_tolerance: float = 0.2  # learned band: alert below (1 - tol) x baseline tokens/s
+    data_wait_share: float = 0.2
+    checkpoint_block_share: float = 0.2
+    memory_window: int = 50  # memory samples fitted for growth
+    memory_growth_bytes: int = 256 * MiB  # fitted growth across the window to alert
+    memory_min_r2: float = 0.8
+    read_p99_factor: float = 3.0
+    read_p99_min_s: float = 0.005
+    max_recovery_age_s: float | None = 3600.0
+    # Window alerts fire after their condition held this many consecutive steps; the
+    # default (window + 1) is longer than one outlier step (a GC pause, a descheduled
+    # process) can hold a window's mean down.
+    sustain: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.sustain is None:
+            self.sustain = self.window + 1
+        for name in ("window", "baseline", "memory_window"):
+            if getattr(self, name) < 3:
+                raise ConfigError(f"AlertConfig.{name}={getattr(self, name)}: use at least 3")
+        if not 0 < self.band_tolerance < 1:
+            raise ConfigError(
+                f"AlertConfig.band_tolerance={self.band_tolerance}: use a fraction in (0, 1)"
+            )
+
+
+def _band(expected: Any) -> tuple[float, float] | None:
+    if expected is None:
+        return None
+    if isinstance(expected, (int, float)):
+        # One number is a floor: at least 90 % of it (faster is never an incident).
+        return (0.9 * float(expected), float("inf"))
+    lo, hi = expected
+    if lo > hi:
+        raise ConfigError(f"expected_tokens_per_s={expected}: low bound is above high bound")
+    return (float(lo), float(hi))
+
+
+def _fit(points: deque[tuple[int, float]]) -> tuple[float, float, float]:
+    """Least-squares slope (per step), r^2, and the fraction of rising samples."""
+    n = len(points)
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    if sxx == 0 or syy == 0:
+        return 0.0, 0.0, 0.0
+    rising = sum(1 for a, b in zip(ys, ys[1:], strict=False) if b > a) / (n - 1)
+    return sxy / sxx, (sxy * sxy) / (sxx * syy), rising
+
+
+class AlertEngine:
+    """Consumes ledger records in order; :meth:`observe` returns new alert records."""
+
+    def __init__(
+        self,
+        config: AlertConfig | None = None,
+        expected_tokens_per_s: Any = None,
+        world_size: int = 1,
+    ) -> None:
+        self.cfg = config or AlertConfig()
+        self.band = _band(expected_tokens_per_s)
+        self.world_size = max(1, world_size)
+        self.last_ckpt_t: float | None = None
+        self._reset(None)
+
+    def _reset(self, t: float | None) -> None:
+        c = self.cfg
+        self.seen = 0  # steps in this attempt
+        self.window: deque[dict[str, Any]] = deque(maxlen=c.window)
+        self.base_steps: list[dict[str, Any]] = []
+        self.base: Stats | None = None
+        self.mem: dict[str, deque[tuple[int, float]]] = {
+            "rss_bytes": deque(maxlen=c.memory_window),
+            "shm_bytes": deque(maxlen=c.memory_window),
+        }
+        self.active: set[str] = set()
+        self.streak: dict[str, int] = {}
+        self.attempt_t = t
+        self.learned_band: tuple[float, float] | None = None
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _memory_growth(self) -> tuple[bool, bool, dict[str, Any]]:
+        """(alert, moving, evidence): ``alert`` when the fitted growth over the memory
+        window reaches ``memory_growth_bytes``; ``moving`` when the last ``window`` samples
+        grow at the rate that would get there (what the diagnosis of a drop looks at)."""
+        c = self.cfg
+        out: dict[str, Any] = {}
+        alert = moving = False
+        rate = c.memory_growth_bytes / c.memory_window
+        for key, pts in self.mem.items():
+            if len(pts) >= max(5, c.memory_window // 4):
+                slope, r2, rising = _fit(pts)
+                growth = slope * (pts[-1][0] - pts[0][0])
+                out[key] = {"bytes_per_step": slope, "growth_bytes": growth, "r2": r2}
+                # Steady growth, not one allocation jump: most samples must rise.
+                if growth >= c.memory_growth_bytes and r2 >= c.memory_min_r2 and rising >= 0.5:
+                    alert = True
+            recent = deque(list(pts)[-c.window :])
+            if len(recent) >= 5:
+                slope, r2, rising = _fit(recent)
+                moving |= slope >= rate and r2 >= c.memory_min_r2 and rising >= 0.5
+        return alert, alert or moving, out
+
+    def _fire(
+        self, kind: str, on: bool, rec: dict[str, Any], make: Any, sustain: int = 1
+    ) -> list[dict[str, Any]]:
+        if not on:
+            self.active.discard(kind)
+            self.streak[kind] = 0
+            return []
+        self.streak[kind] = self.streak.get(kind, 0) + 1
+        if kind in self.active or self.streak[kind] < sustain:
+            return []
+        self.active.add(kind)
+        message, diagnosis, evidence = make()
+        return [
+            {
+                "type": "alert",
+                "t": rec.get("t"),
+                "step": rec.get("step"),
+                "kind": kind,
+                "message": message,
+                "diagnosis": diagnosis,
+                "next": NEXT_STEPS.get(diagnosis, ""),
+                "evidence": evidence,
+            }
+        ]
+
+    # -- the stream ------------------------------------------------------------------------
+    def observe(self, rec: dict[str, Any]) -> list[dict[str, Any]]:
+        kind = rec.get("type")
+        if kind == "job_start":
+            self._reset(rec.get("t"))
+            if self.last_ckpt_t is None:
+                self.last_ckpt_t = rec.get("t")
+            return []
+        if kind == "checkpoint":
+            if rec.get("ok", True):
+                self.last_ckpt_t = rec.get("t") or self.last_ckpt_t
+                return []
+            # Every failed save is its own incident: no re-arming needed.
+            return [
+                {
+                    "type": "alert",
+                    "t": rec.get("t"),
+                    "step": rec.get("step"),
+                    "kind": "checkpoint_failed",
+                    "message": f"checkpoint at step {rec.get('step')} failed: {rec.get('error')}",
+                    "diagnosis": "checkpointing",
+                    "next": NEXT_STEPS["checkpointing"],
+                    "evidence": {"path": rec.get("path"), "error": rec.get("error")},
+                }
+            ]
+        if kind != "step":
+            return []
+        return self._step(rec)
+
+    def _step(self, rec: dict[str, Any]) -> list[dict[str, Any]]:
+        c = self.cfg
+        s = {
+            "step_s": float(rec.get("step_s") or 0.0),
+            "tokens": int(rec.get("tokens") or 0),
+            "data_wait_s": float(rec.get("data_wait_s") or 0.0),
+            "checkpoint_block_s": float(rec.get("checkpoint_block_s") or 0.0),
+            "compute_s": float(rec.get("compute_s") or 0.0),
+            "read_p99_s": rec.get("read_p99_s"),
+            "cache_misses": rec.get("cache_misses"),
+        }
+        self.seen += 1
+        step = int(rec.get("step", self.seen))
+        if self.seen > c.warmup:
+            for key, pts in self.mem.items():
+                if rec.get(key) is not None:
+                    pts.append((step, float(rec[key])))
+            if self.base is None:
+                self.base_steps.append(s)
+                if len(self.base_steps) >= c.baseline:
+                    self.base = Stats(self.base_steps)
+                    self.base_steps = []
+                    tps = self.base.tokens / self.base.wall / self.world_size
+                    self.learned_band = ((1 - c.band_tolerance) * tps, float("inf"))
+        self.window.append(s)
+        out: list[dict[str, Any]] = []
+        mem_alert, growing, mem_ev = self._memory_growth()
+        out += self._fire(
+            "memory_growth",
+            mem_alert,
+            rec,
+            lambda: (
+                "process memory grows with the step count: "
+                + ", ".join(
+                    f"{k} +{v['bytes_per_step'] / MiB:.2f} MiB/step (r2={v['r2']:.2f})"
+                    for k, v in mem_ev.items()
+                ),
+                "data-loader memory",
+                mem_ev,
+            ),
+        )
+        band = self.band or self.learned_band
+        if len(self.window) == c.window and (self.seen > c.warmup + c.window):
+            recent = Stats(list(self.window))
+            tps = recent.tokens / recent.wall / self.world_size
+            if band is not None:
+                outside = not (band[0] <= tps <= band[1])
+                out += self._fire(
+                    "throughput_band",
+                    outside,
+                    rec,
+                    lambda: self._explain(
+                        f"tokens/s per GPU {tps:,.0f} outside the expected band "
+                        f"{band[0]:,.0f}-{band[1]:,.0f} over the last {c.window} steps",
+                        recent,
+                        growing,
+                        {"tokens_per_s_per_gpu": tps, "band": list(band)},
+                    ),
+                    sustain=c.sustain,
+                )
+            share = recent.data / recent.wall
+            out += self._fire(
+                "data_wait_share",
+                share > c.data_wait_share,
+                rec,
+                lambda: self._explain(
+                    f"data wait is {share:.0%} of step time over the last {c.window} steps "
+                    f"(threshold {c.data_wait_share:.0%})",
+                    recent,
+                    growing,
+                    {},
+                    force="data",
+                ),
+                sustain=c.sustain,
+            )
+            ck = recent.ckpt / recent.wall
+            out += self._fire(
+                "checkpoint_blocking",
+                ck > c.checkpoint_block_share,
+                rec,
+                lambda: (
+                    f"checkpoint saves block {ck:.0%} of wall time over the last {c.window} "
+                    f"steps (threshold {c.checkpoint_block_share:.0%})",
+                    "checkpointing",
+                    {"checkpoint_block_share": ck},
+                ),
+                sustain=c.sustain,
+            )
+            if self.base is not None and self.base.read_p99 is not None:
+                p99, b99 = recent.read_p99, self.base.read_p99
+                jump = p99 is not None and p99 >= max(c.read_p99_factor * b99, c.read_p99_min_s)
+                out += self._fire(
+                    "read_latency",
+                    jump,
+                    rec,
+                    lambda: (
+                        f"read latency p99 {p99 * 1e3:.1f} ms vs {b99 * 1e3:.1f} ms baseline",
+                        "storage",
+                        {"read_p99_s": p99, "baseline_read_p99_s": b99},
+                    ),
+                    sustain=c.sustain,
+                )
+        if c.max_recovery_age_s is not None and self.last_ckpt_t is not None:
+            age = float(rec.get("t") or 0.0) - self.last_ckpt_t
+            out += self._fire(
+                "recovery_point_age",
+                age > c.max_recovery_age_s,
+                rec,
+                lambda: (
+                    f"newest committed checkpoint is {age:,.0f} s old (limit "
+                    f"{c.max_recovery_age_s:,.0f} s): a failure now loses that much work",
+                    "checkpointing",
+                    {"recovery_point_age_s": age},
+                ),
+            )
+        return out
+
+    def _explain(
+        self,
+        headline: str,
+        recent: Stats,
+        growing: bool,
+        extra: dict[str, Any],
+        force: str | None = None,
+    ) -> tuple[str, str, dict[str, Any]]:
+        diagnosis, ev = diagnose(recent, self.base, growing, self.cfg, force == "data")
+        ev.update(extra)
+        return f"{headline}; likely cause: {diagnosis}", diagnosis, ev

@@ -1,0 +1,261 @@
+"""Goodput arithmetic: where every second of a run went. The ONE place it is computed.
+
+Definitions follow the buckets of Google's ml-goodput-measurement
+(https://github.com/AI-Hypercomputer/ml-goodput-measurement, ``goodput_utils.BadputType``:
+PROGRAM_STARTUP, TRAINING_PREP, DATA_LOADING, UNPRODUCTIVE_CHECKPOINT_SAVE_TIME,
+UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME, WASTED_PROGRESS_FROM_DISRUPTION, OTHER), where
+"goodput is the share of wall-clock time spent on preserved, productive work: training
+steps that completed and were not lost to a restart or rollback".
+
+Over the whole job (every attempt in the ledger):
+
+* ``total_s`` = end - start, where start is the first attempt's process start
+  (``job_start.t - startup_s - restore_s``) and end is the last record (or ``now``).
+* productive time of a step = ``compute_s`` (forward, backward, optimizer), capped at
+  ``step_s - data_wait_s - checkpoint_block_s``; if a record has no ``compute_s``, that cap.
+* ``goodput_s`` = productive time of the steps that were **kept**. A step ``s`` recorded by
+  attempt ``a`` is superseded when a later attempt restores a step ``< s`` and redoes it.
+* badput buckets (seconds; they and ``goodput_s`` sum to ``total_s``):
+
+  - ``startup``: ``job_start.startup_s`` (process start, imports, model build, compile);
+  - ``restore``: ``job_start.restore_s`` (loading the checkpoint);
+  - ``data_wait``: ``data_wait_s`` of every step record (time blocked in ``next()``);
+  - ``checkpoint_block``: ``checkpoint_block_s`` of every step record (the part of a save
+    the loop waited for; the background part of an async save costs nothing here);
+  - ``lost_to_failures``: productive time of superseded steps (the work redone after a
+    resume: steps after the checkpoint that the next attempt restored);
+  - ``restart_gap``: wall time from the last record of an attempt to the process start of
+    the next one (failure detection, rescheduling, queueing);
+  - ``other``: the rest (loop overhead between ``next()`` and the step, logging, eval, the
+    tail after the last step).
+
+Waits of superseded steps stay in their own buckets: they were waits either way.
+``recovery_point_age_s`` = end - time of the newest committed (``ok``) checkpoint (end -
+start when none): the work a failure at ``end`` would throw away.
+
+Streaming: ``GoodputAccumulator`` consumes records one at a time in O(1) memory per step
+(it remembers the cumulative kept time at each committed checkpoint and the steps since the
+last one), so the live meter and the offline report share this code.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BUCKETS", "Breakdown", "GoodputAccumulator", "compute_goodput", "productive_s"]
+
+BUCKETS = (
+    "startup",
+    "restore",
+    "data_wait",
+    "checkpoint_block",
+    "lost_to_failures",
+    "restart_gap",
+    "other",
+)
+
+# Committed checkpoints remembered for rollback arithmetic: restores never go back further
+# than checkpoint retention keeps, so a bounded map is exact in practice.
+_MAX_CHECKPOINTS = 4096
+
+
+def productive_s(rec: dict[str, Any]) -> float:
+    """Productive seconds of one step record (see module docstring)."""
+    step_s = float(rec.get("step_s") or 0.0)
+    waits = float(rec.get("data_wait_s") or 0.0) + float(rec.get("checkpoint_block_s") or 0.0)
+    cap = max(0.0, step_s - waits)
+    compute = rec.get("compute_s")
+    if compute is None:
+        return cap
+    return min(max(0.0, float(compute)), cap)
+
+
+@dataclass
+class Breakdown:
+    total_s: float
+    goodput_s: float
+    badput_s: dict[str, float]
+    attempts: int
+    steps_recorded: int
+    steps_kept: int
+    steps_lost: int
+    tokens_kept: int
+    last_step: int
+    recovery_point_age_s: float | None
+    attempt_summaries: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def goodput(self) -> float:
+        return self.goodput_s / self.total_s if self.total_s > 0 else 0.0
+
+    def badput_fraction(self) -> dict[str, float]:
+        t = self.total_s
+        return {k: (v / t if t > 0 else 0.0) for k, v in self.badput_s.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "goodput": self.goodput,
+            "goodput_s": self.goodput_s,
+            "total_s": self.total_s,
+            "badput_s": dict(self.badput_s),
+            "badput": self.badput_fraction(),
+            "attempts": self.attempts,
+            "restarts": max(0, self.attempts - 1),
+            "steps_recorded": self.steps_recorded,
+            "steps_kept": self.steps_kept,
+            "steps_lost": self.steps_lost,
+            "tokens_kept": self.tokens_kept,
+            "last_step": self.last_step,
+            "recovery_point_age_s": self.recovery_point_age_s,
+            "attempt_summaries": list(self.attempt_summaries),
+        }
+
+
+class GoodputAccumulator:
+    """Feed ledger records in order with :meth:`add`; read totals with :meth:`breakdown`."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.last_t: float | None = None
+        self.sums = dict.fromkeys(BUCKETS, 0.0)
+        self.productive_all = 0.0
+        self.attempts = 0
+        self.steps_recorded = 0
+        # The live timeline: cumulative kept (productive_s, tokens, steps) up to last_step.
+        self.cum = (0.0, 0, 0)
+        self.last_step = 0
+        self.steps_lost = 0
+        self._recent: list[tuple[int, tuple[float, int, int]]] = []  # since last checkpoint
+        self._ckpt: OrderedDict[int, tuple[float, int, int]] = OrderedDict()
+        self.last_ckpt_t: float | None = None
+        self._attempt: dict[str, Any] | None = None
+        self.attempt_summaries: list[dict[str, Any]] = []
+
+    # -- records ---------------------------------------------------------------------------
+    def add(self, rec: dict[str, Any]) -> None:
+        kind = rec.get("type")
+        t = float(rec.get("t") or 0.0)
+        if kind == "job_start":
+            self._job_start(rec, t)
+        elif kind == "step":
+            self._step(rec)
+        elif kind == "checkpoint" and rec.get("ok", True):
+            self._checkpoint(int(rec.get("step", 0)), t)
+        elif kind == "job_end" and self._attempt is not None:
+            self._attempt["reason"] = rec.get("reason", "finished")
+        if t and self.start is not None:
+            self.last_t = t if self.last_t is None else max(self.last_t, t)
+            if self._attempt is not None:
+                self._attempt["end_t"] = max(self._attempt["end_t"], t)
+
+    def _job_start(self, rec: dict[str, Any], t: float) -> None:
+        startup = float(rec.get("startup_s") or 0.0)
+        restore = float(rec.get("restore_s") or 0.0)
+        began = t - startup - restore
+        if self.start is None:
+            self.start = began
+        elif self.last_t is not None:
+            self.sums["restart_gap"] += max(0.0, began - self.last_t)
+        self.sums["startup"] += startup
+        self.sums["restore"] += restore
+        self.attempts += 1
+        self._rollback(int(rec.get("restored_step") or 0))
+        self._attempt = {
+            "attempt": rec.get("attempt", self.attempts - 1),
+            "start_t": began,
+            "end_t": t,
+            "restored_step": int(rec.get("restored_step") or 0),
+            "first_step": None,
+            "last_step": None,
+            "steps": 0,
+            "reason": "crashed",  # until a job_end says otherwise
+        }
+        self.attempt_summaries.append(self._attempt)
+
+    def _lookup(self, step: int) -> tuple[float, int, int]:
+        for s, cum in reversed(self._recent):
+            if s == step:
+                return cum
+        if step in self._ckpt:
+            return self._ckpt[step]
+        # Unknown restore point: the nearest committed checkpoint at or before it.
+        keys = list(self._ckpt)
+        i = bisect.bisect_right(keys, step)
+        return self._ckpt[keys[i - 1]] if i else (0.0, 0, 0)
+
+    def _rollback(self, restored: int) -> None:
+        if restored >= self.last_step:
+            return  # nothing recorded beyond the restore point: nothing redone
+        new = self._lookup(restored)
+        self.sums["lost_to_failures"] += max(0.0, self.cum[0] - new[0])
+        self.steps_lost += max(0, self.cum[2] - new[2])
+        self.cum = new
+        self.last_step = restored
+        self._recent = []
+        for s in [s for s in self._ckpt if s > restored]:
+            del self._ckpt[s]  # checkpoints of the abandoned timeline
+
+    def _step(self, rec: dict[str, Any]) -> None:
+        step = int(rec.get("step", self.last_step + 1))
+        p = productive_s(rec)
+        self.productive_all += p
+        self.sums["data_wait"] += float(rec.get("data_wait_s") or 0.0)
+        self.sums["checkpoint_block"] += float(rec.get("checkpoint_block_s") or 0.0)
+        self.steps_recorded += 1
+        c = self.cum
+        self.cum = (c[0] + p, c[1] + int(rec.get("tokens") or 0), c[2] + 1)
+        self.last_step = step
+        self._recent.append((step, self.cum))
+        a = self._attempt
+        if a is not None:
+            a["steps"] += 1
+            a["last_step"] = step
+            if a["first_step"] is None:
+                a["first_step"] = step
+
+    def _checkpoint(self, step: int, t: float) -> None:
+        self.last_ckpt_t = t if self.last_ckpt_t is None else max(self.last_ckpt_t, t)
+        if step == 0:
+            return
+        self._ckpt[step] = self._lookup(step)
+        self._ckpt.move_to_end(step)
+        while len(self._ckpt) > _MAX_CHECKPOINTS:
+            self._ckpt.popitem(last=False)
+        # Async saves commit a few steps late: keep the steps after the committed one.
+        self._recent = [(s, c) for s, c in self._recent if s > step]
+
+    # -- totals ----------------------------------------------------------------------------
+    def breakdown(self, now: float | None = None) -> Breakdown:
+        if self.start is None:
+            return Breakdown(0.0, 0.0, dict.fromkeys(BUCKETS, 0.0), 0, 0, 0, 0, 0, 0, None)
+        end = max(now if now is not None else 0.0, self.last_t or self.start)
+        total = max(0.0, end - self.start)
+        goodput_s = self.productive_all - self.sums["lost_to_failures"]
+        bad = dict(self.sums)
+        bad["other"] = max(0.0, total - goodput_s - sum(v for k, v in bad.items() if k != "other"))
+        age_from = self.last_ckpt_t if self.last_ckpt_t is not None else self.start
+        return Breakdown(
+            total_s=total,
+            goodput_s=goodput_s,
+            badput_s=bad,
+            attempts=self.attempts,
+            steps_recorded=self.steps_recorded,
+            steps_kept=self.cum[2],
+            steps_lost=self.steps_lost,
+            tokens_kept=self.cum[1],
+            last_step=self.last_step,
+            recovery_point_age_s=max(0.0, end - age_from),
+            attempt_summaries=[dict(a) for a in self.attempt_summaries],
+        )
+
+
+def compute_goodput(records: Iterable[dict[str, Any]], now: float | None = None) -> Breakdown:
+    """Goodput and the badput breakdown of a whole ledger (all attempts)."""
+    acc = GoodputAccumulator()
+    for rec in records:
+        acc.add(rec)
+    return acc.breakdown(now)

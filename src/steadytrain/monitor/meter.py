@@ -1,0 +1,319 @@
+"""``GoodputMeter``: the training loop's one handle on the goodput ledger.
+
+    meter = GoodputMeter(run_dir, rank=rank, world_size=world,
+                         expected_tokens_per_s=(13_500, 14_000),
+                         sinks=("jsonl", "mlflow", "console"))
+    meter.job_start(restored_step=step, startup_s=startup_s, restore_s=restore_s)
+    for step in range(step + 1, total + 1):
+        t0 = time.perf_counter(); batch = next(it); t1 = time.perf_counter()
+        loss = train_step(batch); t2 = time.perf_counter()
+        block = ckpt.maybe_save(step, states)
+        meter.step(step, tokens=G * seq_len, data_wait_s=t1 - t0, compute_s=t2 - t1,
+                   checkpoint_block_s=block, loss=loss.detach(), **loader.metrics())
+    meter.close()
+
+The hot path (``step``) builds one dict, samples process RSS and /dev/shm use every
+``memory_every`` steps, and puts the dict on a queue: a few microseconds. Everything else
+-- goodput arithmetic, alerts, JSON encoding, MLflow, the console -- runs in one background
+thread (``sinks.BackgroundWriter``). Only rank 0 records; other ranks' meters do nothing.
+Pass ``loss`` as a tensor: it is converted in the background thread, so the loop never
+waits for the device to produce it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from steadytrain.monitor.alerts import AlertConfig, AlertEngine, _band
+from steadytrain.monitor.goodput import Breakdown, GoodputAccumulator
+from steadytrain.monitor.ledger import iter_ledger, ledger_path
+from steadytrain.monitor.sinks import BackgroundWriter, make_sink
+
+__all__ = ["GoodputMeter", "shm_used_bytes"]
+
+log = logging.getLogger("steadytrain.monitor")
+
+
+def shm_used_bytes(path: str = "/dev/shm") -> int | None:
+    """Bytes in use on the shared-memory file system (node-wide; what blew up in the
+    incident this project remembers). ``None`` where there is no /dev/shm."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+class _RssReader:
+    """This process's resident memory. On Linux a kept-open /proc/self/statm read with
+    pread (~30 us after the loop slept; psutil re-opens the file: ~150 us)."""
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        try:
+            self._fd: int | None = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY)
+        except OSError:
+            import psutil
+
+            self._fd = None
+            self._proc = psutil.Process()
+
+    def __call__(self) -> int:
+        if self._fd is None:
+            return int(self._proc.memory_info().rss)
+        return int(os.pread(self._fd, 128, 0).split()[1]) * self._page
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class GoodputMeter:
+    """Records every step, checkpoint and restart of a job into ``RUN_DIR/ledger.jsonl``."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        rank: int = 0,
+        world_size: int = 1,
+        expected_tokens_per_s: float | tuple[float, float] | None = None,
+        sinks: Iterable[Any] = ("jsonl",),
+        *,
+        alert_config: AlertConfig | None = None,
+        tracking_uri: str | None = None,
+        experiment: str = "steadytrain",
+        console: Any = None,
+        total_steps: int | None = None,
+        memory_every: int = 1,
+        flush_interval_s: float = 0.25,
+        sink_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.world_size = world_size
+        self.enabled = rank == 0
+        self.alerts: deque[dict[str, Any]] = deque(maxlen=1000)
+        self.live: dict[str, Any] = {}
+        self._closed = False
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._band = _band(expected_tokens_per_s)  # validates early, at construction
+        self.memory_every = max(1, int(memory_every))
+        self.total_steps = total_steps
+        # History of earlier attempts: goodput so far, attempt number, last commit time.
+        self._acc = GoodputAccumulator()
+        self._engine = AlertEngine(alert_config, expected_tokens_per_s, world_size)
+        self.attempt = 0
+        if ledger_path(self.run_dir).exists():
+            for rec in iter_ledger(ledger_path(self.run_dir)):
+                self._acc.add(rec)
+                if rec.get("type") == "job_start":
+                    self.attempt = max(self.attempt, int(rec.get("attempt", 0)) + 1)
+                elif rec.get("type") == "checkpoint" and rec.get("ok", True):
+                    self._engine.last_ckpt_t = rec.get("t")
+        self._sink_specs = list(sinks)
+        self._sink_context = {
+            "run_dir": self.run_dir,
+            "rank": rank,
+            "tracking_uri": tracking_uri,
+            "experiment": experiment,
+            "console": console,
+            "total_steps": total_steps,
+            **(sink_options or {}),  # e.g. window_s / flush_s for MLflow, refresh_s for console
+        }
+        self._sinks: list[Any] = []
+        self._window: deque[tuple[int, float, float]] = deque(maxlen=20)
+        self._last_mono: float | None = None
+        self._last_step = 0
+        self._n = 0
+        self._close_reason = "finished"
+        self._rss = _RssReader()
+        self._writer = BackgroundWriter(
+            self._process,
+            self._tick,
+            on_start=self._open_sinks,
+            on_stop=self._close_sinks,
+            interval_s=flush_interval_s,
+        )
+        ref = weakref.ref(self)
+        self._atexit = lambda: (m := ref()) is not None and m.close("interpreter_exit")
+        atexit.register(self._atexit)
+
+    # -- the training loop's API -----------------------------------------------------------
+    def job_start(
+        self,
+        restored_step: int = 0,
+        startup_s: float = 0.0,
+        restore_s: float = 0.0,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        """Mark the start of this attempt (after start-up and restore, before step 1)."""
+        if not self.enabled:
+            return
+        self._last_mono = time.monotonic()
+        self._last_step = int(restored_step)
+        band = self._band
+        self._writer.put(
+            {
+                "type": "job_start",
+                "t": time.time(),
+                "attempt": self.attempt,
+                "world_size": self.world_size,
+                "restored_step": int(restored_step),
+                "startup_s": float(startup_s),
+                "restore_s": float(restore_s),
+                "config": dict(config or {}),
+                # JSON has no infinity: an open upper bound is stored as null.
+                "expected_tokens_per_s": None
+                if band is None
+                else [band[0], None if band[1] == float("inf") else band[1]],
+            }
+        )
+
+    def step(
+        self,
+        step: int,
+        tokens: int,
+        data_wait_s: float,
+        compute_s: float,
+        checkpoint_block_s: float = 0.0,
+        loss: Any = None,
+        **extra: Any,
+    ) -> None:
+        """Record one finished global step (``tokens``: tokens of the step over all ranks)."""
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if self._last_mono is None:  # job_start() was not called: start the clock here
+            self.job_start(restored_step=max(0, step - 1))
+            step_s = data_wait_s + compute_s + checkpoint_block_s
+        else:
+            step_s = now - self._last_mono
+        self._last_mono = now
+        self._last_step = step
+        rec = {
+            "type": "step",
+            "t": time.time(),
+            "step": step,
+            "tokens": tokens,
+            "step_s": step_s,
+            "data_wait_s": data_wait_s,
+            "compute_s": compute_s,
+            "checkpoint_block_s": checkpoint_block_s,
+            "loss": loss,
+        }
+        if extra:
+            rec.update(extra)
+        if self._n % self.memory_every == 0:
+            rec["rss_bytes"] = self._rss()
+            rec["shm_bytes"] = shm_used_bytes()
+        self._n += 1
+        self._writer.put(rec)
+
+    def event(self, ev: dict[str, Any]) -> None:
+        """Record a checkpoint / restore event (the Checkpointer's ``on_event``) or any
+        other record with a ``type``. Safe to call from the checkpointer's threads."""
+        if not self.enabled:
+            return
+        rec = dict(ev)
+        rec.setdefault("t", time.time())
+        self._writer.put(rec)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every record so far is in the sinks and alerts are evaluated."""
+        if self.enabled and not self._closed:
+            self._writer.flush(timeout)
+
+    def close(self, reason: str = "finished") -> None:
+        """Write ``job_end``, drain the queue, fsync the ledger, close every sink."""
+        if not self.enabled or self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        self._close_reason = reason
+        self._writer.put(
+            {"type": "job_end", "t": time.time(), "step": self._last_step, "reason": reason}
+        )
+        self._writer.close()
+        self._rss.close()
+
+    def breakdown(self, now: float | None = None) -> Breakdown:
+        """Goodput so far, all attempts included (consistent after ``flush``/``close``)."""
+        return self._acc.breakdown(now)
+
+    def __enter__(self) -> GoodputMeter:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.close("finished" if exc_type is None else f"error: {exc_type.__name__}")
+
+    # -- the background thread -------------------------------------------------------------
+    def _open_sinks(self) -> None:
+        for spec in self._sink_specs:
+            try:
+                self._sinks.append(make_sink(spec, **self._sink_context))
+            except Exception:
+                log.exception("meter sink %r could not start; continuing without it", spec)
+
+    def _close_sinks(self) -> None:
+        for sink in self._sinks:
+            try:
+                sink.close(self._close_reason)
+            except Exception:
+                log.exception("meter sink %r failed to close", getattr(sink, "name", sink))
+
+    def _process(self, batch: list[dict[str, Any]]) -> None:
+        out: list[dict[str, Any]] = []
+        for rec in batch:
+            if rec.get("type") == "step":
+                loss = rec.get("loss")
+                if loss is not None and not isinstance(loss, float):
+                    rec["loss"] = float(loss)  # the device sync happens here, not in the loop
+                self._window.append((rec["step"], rec["tokens"], rec["step_s"]))
+                self.live["step"] = rec["step"]
+                dw = rec.get("data_wait_s") or 0.0
+                self.live["data_wait_share"] = dw / rec["step_s"] if rec["step_s"] else 0.0
+            self._acc.add(rec)
+            out.append(rec)
+            for alert in self._engine.observe(rec):
+                out.append(alert)
+                self.alerts.append(alert)
+                self.live["last_alert"] = f"{alert['kind']}: {alert['diagnosis']}"
+                log.warning("steadytrain alert %s: %s", alert["kind"], alert["message"])
+        self._update_live()
+        for sink in list(self._sinks):
+            try:
+                sink.write(out, self.live)
+            except Exception:
+                log.exception("meter sink %r failed; switching it off", getattr(sink, "name", sink))
+                self._sinks.remove(sink)
+
+    def _update_live(self) -> None:
+        b = self._acc.breakdown()  # as of the newest record, not of a late batch
+        self.live["goodput"] = b.goodput if b.total_s > 0 else None
+        if self._window:
+            wall = sum(w[2] for w in self._window)
+            toks = sum(w[1] for w in self._window)
+            self.live["tokens_per_s"] = toks / wall if wall > 0 else 0.0
+            if self.total_steps:
+                left = max(0, self.total_steps - self._window[-1][0])
+                self.live["eta_s"] = left * wall / len(self._window)
+
+    def _tick(self) -> None:
+        for sink in list(self._sinks):
+            tick = getattr(sink, "tick", None)
+            if tick is not None:
+                try:
+                    tick(self.live)
+                except Exception:
+                    log.exception("meter sink %r failed on tick", getattr(sink, "name", sink))

@@ -1,0 +1,230 @@
+"""Goodput arithmetic on constructed ledgers with answers worked out by hand, and the
+ledger's durability across a real crash (a child process killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from steadytrain.monitor.goodput import BUCKETS, compute_goodput, productive_s
+from steadytrain.monitor.ledger import next_attempt, read_ledger
+from steadytrain.monitor.meter import GoodputMeter
+
+
+def start(t, attempt=0, restored=0, startup=0.0, restore=0.0):
+    return {
+        "type": "job_start",
+        "t": t,
+        "attempt": attempt,
+        "world_size": 1,
+        "restored_step": restored,
+        "startup_s": startup,
+        "restore_s": restore,
+        "config": {},
+    }
+
+
+def step(t, s, step_s=1.0, compute=0.8, dw=0.1, cb=0.0, tokens=100):
+    return {
+        "type": "step",
+        "t": t,
+        "step": s,
+        "tokens": tokens,
+        "step_s": step_s,
+        "data_wait_s": dw,
+        "compute_s": compute,
+        "checkpoint_block_s": cb,
+        "loss": None,
+    }
+
+
+def ckpt(t, s, ok=True):
+    return {
+        "type": "checkpoint",
+        "t": t,
+        "step": s,
+        "block_s": 0.0,
+        "durable_s": 0.1,
+        "ok": ok,
+        "path": f"ckpt/step-{s}",
+        "error": None if ok else "disk full",
+    }
+
+
+def end(t, s, reason="finished"):
+    return {"type": "job_end", "t": t, "step": s, "reason": reason}
+
+
+def assert_sums(b):
+    assert b.goodput_s + sum(b.badput_s.values()) == pytest.approx(b.total_s)
+
+
+def test_single_attempt_buckets():
+    recs = [start(100.0, startup=10.0)]
+    for s in range(1, 11):
+        cb = 0.3 if s == 5 else 0.0
+        recs.append(step(100.0 + 2 * s, s, step_s=2.0, compute=1.2, dw=0.5, cb=cb))
+    recs.append(end(121.0, 10))
+    b = compute_goodput(recs)
+    assert b.total_s == pytest.approx(31.0)  # from 90 (start - startup) to 121
+    assert b.goodput_s == pytest.approx(12.0)
+    assert b.badput_s["startup"] == pytest.approx(10.0)
+    assert b.badput_s["data_wait"] == pytest.approx(5.0)
+    assert b.badput_s["checkpoint_block"] == pytest.approx(0.3)
+    assert b.badput_s["other"] == pytest.approx(3.7)
+    assert b.badput_s["lost_to_failures"] == 0 and b.badput_s["restart_gap"] == 0
+    assert b.goodput == pytest.approx(12.0 / 31.0)
+    assert b.steps_kept == 10 and b.steps_lost == 0 and b.tokens_kept == 1000
+    assert set(b.badput_s) == set(BUCKETS)
+    assert_sums(b)
+
+
+def test_restart_with_redone_steps():
+    # Attempt 0: steps 1..10, checkpoints at 4 and 8, crash after step 10 (no job_end).
+    recs = [start(0.0, startup=5.0)]
+    for s in range(1, 11):
+        recs.append(step(float(s), s, cb=0.0, dw=0.1))
+        if s in (4, 8):
+            recs.append(ckpt(s + 0.5, s))
+    # Attempt 1 starts 13 s after the last record, restores step 8 and redoes 9 and 10.
+    recs.append(start(30.0, attempt=1, restored=8, startup=5.0, restore=2.0))
+    for i, s in enumerate(range(9, 13), 1):
+        recs.append(step(30.0 + i, s))
+    recs.append(end(34.0, 12))
+    b = compute_goodput(recs)
+    assert b.total_s == pytest.approx(39.0)
+    assert b.badput_s["restart_gap"] == pytest.approx(13.0)  # 10 -> 23 (= 30 - 5 - 2)
+    assert b.badput_s["lost_to_failures"] == pytest.approx(1.6)  # steps 9, 10 of attempt 0
+    assert b.badput_s["startup"] == pytest.approx(10.0)
+    assert b.badput_s["restore"] == pytest.approx(2.0)
+    assert b.badput_s["data_wait"] == pytest.approx(1.4)
+    assert b.badput_s["other"] == pytest.approx(1.4)
+    assert b.goodput_s == pytest.approx(12 * 0.8)
+    assert b.steps_lost == 2 and b.steps_kept == 12 and b.last_step == 12
+    assert b.attempts == 2
+    assert b.recovery_point_age_s == pytest.approx(34.0 - 8.5)
+    assert [a["reason"] for a in b.attempt_summaries] == ["crashed", "finished"]
+    assert_sums(b)
+
+
+def test_rollback_past_newest_checkpoint_twice():
+    # The newest checkpoint (8) is unusable: attempt 1 restores 4; it crashes after 6;
+    # attempt 2 restores 4 again. Lost: 5..10 (6 steps) then 5..6 (2 steps).
+    recs = [start(0.0)]
+    for s in range(1, 11):
+        recs.append(step(float(s), s))
+        if s in (4, 8):
+            recs.append(ckpt(s + 0.5, s))
+    recs.append(start(20.0, attempt=1, restored=4))
+    recs += [step(21.0, 5), step(22.0, 6)]
+    recs.append(start(40.0, attempt=2, restored=4))
+    recs += [step(40.0 + i, s) for i, s in enumerate(range(5, 11), 1)]
+    b = compute_goodput(recs)
+    assert b.steps_lost == 8
+    assert b.badput_s["lost_to_failures"] == pytest.approx(8 * 0.8)
+    assert b.steps_kept == 10
+    assert b.goodput_s == pytest.approx(10 * 0.8)
+    assert b.badput_s["restart_gap"] == pytest.approx((20 - 10) + (40 - 22))
+    assert_sums(b)
+
+
+def test_async_commit_arrives_late_and_restore_from_scratch():
+    # The commit for step 4 lands after step 6 was recorded: restoring 4 loses exactly 5, 6.
+    recs = [start(0.0)] + [step(float(s), s) for s in range(1, 7)] + [ckpt(6.2, 4)]
+    recs += [start(10.0, attempt=1, restored=4), step(11.0, 5)]
+    b = compute_goodput(recs)
+    assert b.steps_lost == 2 and b.badput_s["lost_to_failures"] == pytest.approx(1.6)
+    # No checkpoint at all: a restart from 0 loses everything before it.
+    recs = [start(0.0)] + [step(float(s), s) for s in range(1, 4)]
+    recs += [start(5.0, attempt=1, restored=0), step(6.0, 1)]
+    b = compute_goodput(recs)
+    assert b.steps_lost == 3 and b.steps_kept == 1
+    assert b.recovery_point_age_s == pytest.approx(6.0)  # no checkpoint: since the start
+    assert_sums(b)
+
+
+def test_failed_checkpoint_is_not_a_recovery_point():
+    recs = [start(0.0), step(1.0, 1), step(2.0, 2), ckpt(2.5, 2, ok=False), step(3.0, 3)]
+    recs += [start(5.0, attempt=1, restored=0)]
+    b = compute_goodput(recs)
+    assert b.steps_lost == 3
+
+
+def test_productive_time_is_capped_by_the_step():
+    assert productive_s(step(0, 1, step_s=1.0, compute=5.0, dw=0.3, cb=0.2)) == pytest.approx(0.5)
+    rec = step(0, 1, step_s=1.0, dw=0.3)
+    del rec["compute_s"]
+    assert productive_s(rec) == pytest.approx(0.7)
+
+
+def test_torn_tail_is_skipped_and_attempts_continue(tmp_path):
+    lines = [json.dumps(start(0.0)), json.dumps(step(1.0, 1)), '{"type": "step", "t": 2.0, "st']
+    (tmp_path / "ledger.jsonl").write_text("\n".join(lines))
+    assert [r["type"] for r in read_ledger(tmp_path)] == ["job_start", "step"]
+    assert next_attempt(tmp_path) == 1
+    m = GoodputMeter(tmp_path)
+    assert m.attempt == 1
+    m.job_start(restored_step=1)
+    m.step(2, tokens=10, data_wait_s=0.0, compute_s=0.0)
+    m.close()
+    recs = read_ledger(tmp_path)
+    assert [r["type"] for r in recs] == ["job_start", "step", "job_start", "step", "job_end"]
+    assert recs[2]["attempt"] == 1
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from steadytrain.monitor.meter import GoodputMeter
+    m = GoodputMeter(sys.argv[1])
+    m.job_start(startup_s=0.2)
+    for s in range(1, 7):
+        time.sleep(0.005)
+        m.step(s, tokens=100, data_wait_s=0.001, compute_s=0.003)
+        if s == 4:
+            m.event({"type": "checkpoint", "step": 4, "block_s": 0.0, "durable_s": 0.01,
+                     "ok": True, "path": "ckpt/4", "error": None})
+    m.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # a real crash: no close(), no job_end
+    """
+)
+
+
+def test_real_crash_then_resume_counts_redone_steps(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], env=env, timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    recs = read_ledger(tmp_path)
+    assert recs[-1]["type"] == "step" and recs[-1]["step"] == 6  # flushed before the kill
+    m = GoodputMeter(tmp_path)
+    assert m.attempt == 1
+    m.job_start(restored_step=4)  # start-up not measured: the whole pause is a gap
+    for s in (5, 6, 7):
+        m.step(s, tokens=100, data_wait_s=0.001, compute_s=0.003)
+    m.close()
+    b = compute_goodput(read_ledger(tmp_path))
+    assert b.attempts == 2 and b.steps_lost == 2 and b.steps_kept == 7
+    assert b.badput_s["lost_to_failures"] > 0 and b.badput_s["restart_gap"] > 0
+    assert m.breakdown().steps_lost == 2  # the live accumulator agrees with the offline one
+    assert_sums(b)
+
+
+def test_only_rank0_records_and_job_start_is_implicit(tmp_path):
+    other = GoodputMeter(tmp_path / "r1", rank=1, world_size=2)
+    other.job_start()
+    other.step(1, tokens=10, data_wait_s=0.0, compute_s=0.0)
+    other.close()
+    assert not (tmp_path / "r1" / "ledger.jsonl").exists()
+    with GoodputMeter(tmp_path / "r0", world_size=2) as m:
+        m.step(1, tokens=10, data_wait_s=0.01, compute_s=0.02)  # no job_start() first
+        m.step(2, tokens=10, data_wait_s=0.01, compute_s=0.02)
+    recs = read_ledger(tmp_path / "r0")
+    assert [r["type"] for r in recs] == ["job_start", "step", "step", "job_end"]
+    assert recs[1]["step_s"] == pytest.approx(0.03) and recs[-1]["reason"] == "finished"
+    assert recs[0]["world_size"] == 2
