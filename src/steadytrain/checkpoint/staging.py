@@ -1,0 +1,99 @@
+"""Snapshot a state dict into CPU buffers that are allocated once and reused.
+
+The training loop is blocked only while this copy runs. A fresh ``clone()`` pays a page fault
+per 4 KiB page on first touch (~2 GB/s here); copying into memory that was touched by the
+previous save runs at memcpy speed (~13 GB/s), which is what makes frequent checkpoints
+nearly free. Buffers are keyed by their path in the state dict and reallocated only when a
+shape or dtype changes. For the ``process`` mode they live in shared memory so handing them
+to the writer process sends a file descriptor, not the bytes.
+
+The snapshot is consistent: every tensor is copied before ``stage()`` returns, so a later
+optimizer step cannot leak into what is written.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Stager"]
+
+
+_NUMPY_OK = {
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+}
+
+
+class Stager:
+    """Copies tensors of a nested state dict into reusable CPU buffers."""
+
+    def __init__(self, shared_memory: bool = False) -> None:
+        self.shared_memory = shared_memory
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self.bytes_staged = 0
+
+    def _buffer(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+            if self.shared_memory:
+                buf.share_memory_()
+            self._buffers[key] = buf
+        return buf
+
+    def _copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            local = self._copy(key + ("<local>",), t.to_local())
+            return DTensor.from_local(
+                local,
+                t.device_mesh,
+                t.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
+        src = t.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        buf = self._buffer(key, src)
+        if src.device.type == "cpu" and src.dtype in _NUMPY_OK and src.numel():
+            # numpy's copy is one memcpy on this thread; torch's copy_ wakes its OpenMP pool,
+            # which on a busy host costs milliseconds per small tensor.
+            np.copyto(buf.numpy(), src.numpy())
+        else:
+            buf.copy_(src)
+        self.bytes_staged += buf.numel() * buf.element_size()
+        return buf
+
+    def stage(self, state: Any) -> Any:
+        """Return a deep snapshot of ``state`` with every tensor copied to a CPU buffer."""
+        self.bytes_staged = 0
+        return self._walk((), state)
+
+    def _walk(self, key: tuple, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._copy(key, obj)
+        if isinstance(obj, dict):
+            return {k: self._walk(key + (k,), v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._walk(key + (i,), v) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return tuple(self._walk(key + (i,), v) for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
+
+    def release(self) -> None:
+        """Drop all buffers (the next ``stage`` allocates again)."""
+        self._buffers.clear()

@@ -1,0 +1,48 @@
+"""``steadytrain checkpoints DIR [--json]``: committed and partial checkpoints, newest first."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "checkpoints",
+        help="list committed and partial checkpoints, newest first",
+        description="List checkpoints under DIR (a local path or a URL) with step, size, age "
+        "and whether each verifies against its COMMIT manifest (sizes and checksums).",
+    )
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--no-checksums", action="store_true", help="check sizes only (faster on big runs)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from steadytrain.checkpoint.inspect import list_checkpoints
+
+    rows = list_checkpoints(args.directory, checksums=not args.no_checksums)
+    if args.json:
+        from steadytrain.commands._util import print_json
+
+        print_json({"directory": args.directory, "checkpoints": rows})
+        return 0
+    if not rows:
+        print(f"no checkpoints in {args.directory}")
+        return 0
+    print(f"{'name':<22} {'step':>9} {'state':<10} {'size':>10} {'age':>8}  verifies")
+    for r in rows:
+        size = f"{r['size_bytes'] / 2**20:.1f}M" if r["size_bytes"] else "-"
+        age = _age(r["age_s"])
+        ver = "yes" if r["verifies"] else f"no: {r['error']}"
+        print(f"{r['name']:<22} {r['step']:>9} {r['state']:<10} {size:>10} {age:>8}  {ver}")
+    return 0
+
+
+def _age(s: float) -> str:
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.1f}{unit}"
+    return f"{max(s, 0):.0f}s"

@@ -1,0 +1,249 @@
+"""Two-phase commit, verification, damaged checkpoints, retention and the in-flight policy.
+
+Single process (DCP without a process group); the multi-rank paths are in tests/dist/.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from steadytrain.checkpoint import Checkpointer
+from steadytrain.checkpoint.commit import parse_commit, safe_name
+from steadytrain.errors import CheckpointError, ConfigError
+
+
+class Cursor:
+    def __init__(self) -> None:
+        self.cursor = 0
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.cursor = sd["cursor"]
+
+
+def _states(step: int = 0) -> dict:
+    model = nn.Linear(8, 4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(step))
+    loader = Cursor()
+    loader.cursor = step
+    return {"model": model, "loader": loader}
+
+
+def _save_steps(directory, steps, **kw) -> list[dict]:
+    events: list[dict] = []
+    ckpt = Checkpointer(
+        str(directory), every_steps=1, async_mode="sync", on_event=events.append, **kw
+    )
+    for s in steps:
+        ckpt.maybe_save(s, _states(s), tokens_seen=10 * s)
+    ckpt.close()
+    return events
+
+
+def _restore(directory, **kw) -> tuple[int, dict, dict]:
+    events: list[dict] = []
+    states = _states(-1)
+    ckpt = Checkpointer(str(directory), async_mode="sync", on_event=events.append, **kw)
+    step = ckpt.restore_latest(states)
+    if step:
+        assert states["loader"].cursor == step
+        assert torch.all(states["model"].weight == float(step))
+    return step, states, events[-1]
+
+
+def test_commit_manifest_is_written_last_and_complete(tmp_path):
+    _save_steps(tmp_path, [5])
+    d = tmp_path / "step-00000005"
+    doc = json.loads((d / "COMMIT").read_text())
+    assert doc["format"] == "steadytrain-checkpoint" and doc["format_version"] == 1
+    assert doc["step"] == 5 and doc["tokens_seen"] == 50
+    assert doc["world"]["world_size"] == 1
+    listed = {f["path"] for f in doc["files"]}
+    assert listed == {p.name for p in d.iterdir()} - {"COMMIT"}
+    assert all(len(f["xxh3_64"]) == 16 and f["size"] > 0 for f in doc["files"])
+    assert doc["total_bytes"] == sum(f["size"] for f in doc["files"])
+
+
+def test_restore_empty_dir_returns_zero(tmp_path):
+    step, _, event = _restore(tmp_path)
+    assert step == 0 and event["type"] == "restore" and event["skipped"] == []
+
+
+@pytest.mark.parametrize("damage", ["missing_metadata", "truncated", "bitflip", "bad_commit"])
+def test_damaged_newest_falls_back_to_older(tmp_path, damage):
+    _save_steps(tmp_path, [1, 2])
+    d = tmp_path / "step-00000002"
+    shard = next(d.glob("__0_*.distcp"))
+    if damage == "missing_metadata":
+        (d / ".metadata").unlink()
+    elif damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-7])
+    elif damage == "bitflip":
+        raw = bytearray(shard.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        shard.write_bytes(bytes(raw))
+    else:
+        (d / "COMMIT").write_bytes(b'{"format": "steadytrain-checkpoint", "step": ')
+    step, _, event = _restore(tmp_path)
+    assert step == 1, "must fall back to the older committed checkpoint"
+    assert [s["step"] for s in event["skipped"]] == [2]
+    reason = event["skipped"][0]["reason"]
+    expect = {
+        "missing_metadata": "missing",
+        "truncated": "truncated",
+        "bitflip": "checksum",
+        "bad_commit": "not valid JSON",
+    }[damage]
+    assert expect in reason
+
+
+def test_partial_directory_is_never_loaded_and_never_reused(tmp_path):
+    _save_steps(tmp_path, [3])
+    partial = tmp_path / "step-00000004"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    step, _, event = _restore(tmp_path)
+    assert step == 3 and event["skipped"][0]["step"] == 4
+    events = _save_steps(tmp_path, [4])
+    assert events[0]["path"].endswith("step-00000004.1"), "a directory is never reused"
+    assert (tmp_path / "step-00000004.1" / "COMMIT").exists()
+    assert not partial.exists(), "retention removes the abandoned partial once 4.1 commits"
+    assert _restore(tmp_path)[0] == 4
+
+
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "/abs/file", "a/../../b", "x\\y", ""])
+def test_commit_paths_escaping_the_directory_are_refused(tmp_path, bad):
+    with pytest.raises(CheckpointError):
+        safe_name(bad)
+    _save_steps(tmp_path, [1, 2])
+    d = tmp_path / "step-00000002"
+    doc = json.loads((d / "COMMIT").read_text())
+    doc["files"].append({"path": bad, "size": 1, "xxh3_64": "0" * 16, "rank": 0})
+    (d / "COMMIT").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError):
+        parse_commit((d / "COMMIT").read_bytes(), str(d))
+    assert _restore(tmp_path)[0] == 1
+
+
+def test_symlink_out_of_the_directory_is_refused(tmp_path):
+    _save_steps(tmp_path / "c", [1, 2])
+    d = tmp_path / "c" / "step-00000002"
+    shard = next(d.glob("__0_*.distcp"))
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)
+    step, _, event = _restore(tmp_path / "c")
+    assert step == 1 and "outside" in event["skipped"][0]["reason"]
+
+
+def test_unknown_format_version_is_refused_with_the_fix(tmp_path):
+    _save_steps(tmp_path, [1])
+    c = tmp_path / "step-00000001" / "COMMIT"
+    doc = json.loads(c.read_text())
+    doc["format_version"] = 99
+    with pytest.raises(CheckpointError, match="upgrade steadytrain"):
+        parse_commit(json.dumps(doc).encode(), str(c))
+
+
+def test_retention_keeps_last_k_and_milestones_and_drops_old_partials(tmp_path):
+    (tmp_path / "step-00000002.1").mkdir(parents=True)  # abandoned partial, older
+    (tmp_path / "step-00000099").mkdir()  # newer partial: might be in flight, kept
+    (tmp_path / "notes.txt").write_text("not ours")
+    _save_steps(tmp_path, range(1, 8), keep_last=2, keep_every=3)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [
+        "notes.txt",
+        "step-00000003",
+        "step-00000006",
+        "step-00000007",
+        "step-00000099",
+    ]
+
+
+def test_in_flight_policy_waits_for_the_previous_save(tmp_path):
+    events: list[dict] = []
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, async_mode="thread", on_event=events.append)
+    states = _states(1)
+    ckpt.maybe_save(1, states)
+    ckpt.maybe_save(2, states)  # due while step 1 may still be writing: waits for it first
+    assert [e["step"] for e in events] == [1], "step 1 must be durable before step 2 stages"
+    ckpt.close()
+    assert [e["step"] for e in events] == [1, 2] and all(e["ok"] for e in events)
+
+
+def test_snapshot_is_consistent_with_the_step(tmp_path):
+    """Mutating the model right after save() returns must not leak into the checkpoint."""
+    ckpt = Checkpointer(str(tmp_path), async_mode="thread")
+    states = _states(7)
+    ckpt.save(7, states)
+    with torch.no_grad():
+        states["model"].weight.fill_(1e9)  # the next optimizer step, while the write runs
+    ckpt.close()
+    assert _restore(tmp_path)[0] == 7  # _restore checks the weights are exactly 7
+
+
+def test_config_errors_name_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="async_mode"):
+        Checkpointer(str(tmp_path), async_mode="fast")
+    with pytest.raises(ConfigError, match="keep_last"):
+        Checkpointer(str(tmp_path), keep_last=0)
+    with pytest.raises(ConfigError, match="remote="):
+        Checkpointer("s3://bucket/ckpt")
+    with pytest.raises(ConfigError, match="every_seconds"):
+        Checkpointer(str(tmp_path), interval="seconds")
+    with pytest.raises(ConfigError, match="torch.distributed"):
+        Checkpointer(str(tmp_path), async_mode="process")
+
+
+def test_interval_every_steps_and_every_seconds(tmp_path):
+    events = _save_steps(tmp_path / "a", [])
+    ckpt = Checkpointer(
+        str(tmp_path / "a"), every_steps=3, async_mode="sync", on_event=events.append
+    )
+    for s in range(1, 10):
+        ckpt.maybe_save(s, _states(s))
+    assert [e["step"] for e in events] == [3, 6, 9]
+    ev2: list[dict] = []
+    ck2 = Checkpointer(
+        str(tmp_path / "b"), every_seconds=3600, async_mode="sync", on_event=ev2.append
+    )
+    for s in range(1, 5):
+        ck2.maybe_save(s, _states(s))
+    assert ev2 == [], "nothing is due within the first hour"
+    ck2._last_save_t -= 3601  # an hour passes
+    ck2.maybe_save(5, _states(5))
+    assert [e["step"] for e in ev2] == [5]
+
+
+def _flip_shard(d) -> None:
+    shard = next(d.glob("__0_*.distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    shard.write_bytes(bytes(raw))
+
+
+def test_overlap_verify_falls_back_when_a_shard_fails_after_loading(tmp_path):
+    _save_steps(tmp_path, [1, 2])
+    _flip_shard(tmp_path / "step-00000002")
+    step, _, event = _restore(tmp_path, verify="overlap")  # checks weights == 1 exactly
+    assert step == 1 and "checksum" in event["skipped"][0]["reason"]
+
+
+def test_overlap_verify_with_nothing_older_raises_instead_of_training_on_garbage(tmp_path):
+    _save_steps(tmp_path, [1])
+    _flip_shard(tmp_path / "step-00000001")
+    with pytest.raises(CheckpointError, match="overwrote part of the live state"):
+        Checkpointer(str(tmp_path), verify="overlap").restore_latest(_states(-1))
+    # The default ("full") verifies before loading: nothing is touched, resume from scratch.
+    states = _states(-1)
+    assert Checkpointer(str(tmp_path)).restore_latest(states) == 0
+    assert torch.all(states["model"].weight == -1.0)
