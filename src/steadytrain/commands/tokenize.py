@@ -1,0 +1,90 @@
+"""``steadytrain tokenize INPUT... --out DEST``: raw text (or a Megatron .bin/.idx) → dataset."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "tokenize",
+        help="tokenize JSON Lines / Parquet / text files into a token-shard dataset",
+        description=(
+            "Tokenize inputs (JSON Lines, Parquet, text files, directories of them) into a "
+            "token-shard dataset at DEST (a local path or an fsspec URL). EOS is appended to "
+            "every document. Non-UTF-8 bytes are replaced with U+FFFD and reported per file. "
+            "Or import a Megatron-LM .bin/.idx pair with --from-megatron PREFIX."
+        ),
+    )
+    p.add_argument("inputs", nargs="*", metavar="INPUT", help="files or directories")
+    p.add_argument("--out", required=True, metavar="DEST", help="new dataset directory or URL")
+    p.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="bytes (default, vocab 257, EOS 256) | PATH/tokenizer.json | train:VOCAB",
+    )
+    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 64Mi)")
+    p.add_argument("--workers", type=int, default=None, help="encoder processes (default: CPUs)")
+    p.add_argument("--text-field", default="text", help="JSON Lines / Parquet text field")
+    p.add_argument("--from-megatron", metavar="PREFIX", help="import PREFIX.bin / PREFIX.idx")
+    p.add_argument("--vocab-size", type=int, default=None, help="(--from-megatron) vocabulary size")
+    p.add_argument("--eos-id", type=int, default=None, help="(--from-megatron) EOS id")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from steadytrain.commands._util import print_json
+    from steadytrain.data.progress import make_progress
+    from steadytrain.data.writer import DEFAULT_SHARD_TOKENS
+    from steadytrain.errors import ConfigError
+
+    def warn(msg: str) -> None:
+        print(f"steadytrain tokenize: warning: {msg}", file=sys.stderr)
+
+    shard_tokens = args.shard_tokens or DEFAULT_SHARD_TOKENS
+    if args.from_megatron:
+        if args.inputs:
+            raise ConfigError("--from-megatron takes no INPUT arguments (only the PREFIX)")
+        from steadytrain.data.megatron import import_megatron
+
+        tok = None if args.tokenizer == "bytes" else args.tokenizer
+        result = import_megatron(
+            args.from_megatron,
+            args.out,
+            tokenizer=tok,
+            vocab_size=args.vocab_size,
+            eos_id=args.eos_id,
+            progress=make_progress(args.quiet),
+        )
+    else:
+        if not args.inputs:
+            raise ConfigError("give at least one INPUT (file or directory), or --from-megatron")
+        from steadytrain.data.tokenize import tokenize
+
+        result = tokenize(
+            args.inputs,
+            args.out,
+            tokenizer=args.tokenizer,
+            shard_tokens=shard_tokens,
+            workers=args.workers,
+            text_field=args.text_field,
+            progress=make_progress(args.quiet),
+            warn=warn,
+        )
+    info = result.to_json()
+    if args.json:
+        print_json(info)
+        return 0
+    if info["up_to_date"]:
+        print(f"{args.out} is up to date (fingerprint {info['fingerprint']})")
+        return 0
+    print(
+        f"wrote {args.out}: {info['num_tokens']:,} tokens, {info['num_docs']:,} documents, "
+        f"{info['num_shards']} shard(s), {info['dtype']}, vocab {info['vocab_size']}, "
+        f"{info['seconds']:.1f} s ({info['tokens_per_s'] / 1e6:.2f} M tokens/s)\n"
+        f"fingerprint {info['fingerprint']}"
+    )
+    return 0

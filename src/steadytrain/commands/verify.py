@@ -1,0 +1,37 @@
+"""``steadytrain verify DATASET [--json]``: check every checksum and invariant; exit 0 if sound."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "verify",
+        help="check every checksum and structural invariant of a dataset",
+        description="Read every file of a dataset and check checksums, sizes, document "
+        "indexes and token ids. Exit 0 when sound, 1 (naming each bad file) when not.",
+    )
+    p.add_argument("dataset", metavar="DATASET", help="dataset directory or URL")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from steadytrain.commands._util import print_json
+    from steadytrain.data.progress import make_progress
+    from steadytrain.data.verify import verify_dataset
+
+    report = verify_dataset(args.dataset, progress=make_progress(args.quiet))
+    if args.json:
+        print_json(report.to_json())
+    elif report.ok:
+        print(
+            f"{args.dataset}: OK ({report.checked_files} files, {report.checked_bytes:,} bytes "
+            f"checked, fingerprint {report.manifest.fingerprint})"
+        )
+    for problem in report.problems:
+        print(f"steadytrain verify: {problem}", file=sys.stderr)
+    return 0 if report.ok else 1

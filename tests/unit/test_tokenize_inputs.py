@@ -1,0 +1,158 @@
+"""tokenize: input formats, tokenizers, determinism, non-UTF-8, empty input, round trip."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from steadytrain.data import tokenize as tok_mod
+from steadytrain.data.dataset import TokenDataset
+from steadytrain.data.tokenize import tokenize
+from steadytrain.data.verify import dataset_info, verify_dataset
+from steadytrain.errors import DatasetError
+
+DOCS = ["hello world\n", "the second document, with ünïcødé ✓\n", "x" * 50, "last one"]
+
+
+def _docs_of(url: str) -> list[list[int]]:
+    ds = TokenDataset.open(url)
+    out = []
+    for s in range(ds.num_shards):
+        toks = np.asarray(ds.tokens(s))
+        start = 0
+        for end in np.asarray(ds.doc_ends(s)):
+            out.append(toks[start:end].tolist())
+            start = int(end)
+    return out
+
+
+def _bytes_decode(doc: list[int]) -> str:
+    assert doc[-1] == 256, "every document ends with EOS"
+    assert 256 not in doc[:-1]
+    return bytes(doc[:-1]).decode("utf-8")
+
+
+def _write_texts(d, docs=DOCS) -> str:
+    os.makedirs(d, exist_ok=True)
+    for i, text in enumerate(docs):
+        with open(os.path.join(d, f"doc{i:02d}.txt"), "w", encoding="utf-8") as f:
+            f.write(text)
+    return str(d)
+
+
+def test_bytes_round_trip_text_dir(tmp_path):
+    src = _write_texts(tmp_path / "in")
+    res = tokenize([src], str(tmp_path / "ds"), workers=0)
+    assert res.manifest.num_docs == len(DOCS)
+    assert [_bytes_decode(d) for d in _docs_of(str(tmp_path / "ds"))] == DOCS
+    assert res.manifest.vocab_size == 257 and res.manifest.eos_id == 256
+    assert verify_dataset(str(tmp_path / "ds")).ok
+
+
+def test_jsonl_custom_field_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jl = tmp_path / "a.jsonl"
+    jl.write_text("".join(json.dumps({"body": t, "id": i}) + "\n" for i, t in enumerate(DOCS)))
+    pqf = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"body": DOCS, "n": list(range(len(DOCS)))}), pqf, row_group_size=2)
+    res = tokenize([str(jl), str(pqf)], str(tmp_path / "ds"), workers=0, text_field="body")
+    assert [_bytes_decode(d) for d in _docs_of(str(tmp_path / "ds"))] == DOCS + DOCS
+    assert res.input_files == 2
+    with pytest.raises(DatasetError, match=r"a\.jsonl:1: no field 'text'"):
+        tokenize([str(jl)], str(tmp_path / "ds2"), workers=0)
+    with pytest.raises(DatasetError, match=r"b\.parquet: no column 'text'"):
+        tokenize([str(pqf)], str(tmp_path / "ds3"), workers=0)
+    assert not (tmp_path / "ds2").exists() and not (tmp_path / "ds3").exists()
+
+
+def test_same_fingerprint_whatever_the_workers(tmp_path, monkeypatch):
+    docs = [f"document number {i} " * (i % 7 + 1) for i in range(60)]
+    src = _write_texts(tmp_path / "in", docs)
+    monkeypatch.setattr(tok_mod, "CHUNK_DOCS", 4)  # many chunks: exercises ordering
+    fps = set()
+    for w in (0, 1, 2):
+        res = tokenize([src], str(tmp_path / f"ds{w}"), workers=w, shard_tokens=500)
+        assert len(res.manifest.shards) > 3
+        fps.add(res.manifest.fingerprint)
+    assert len(fps) == 1
+    assert [_bytes_decode(d) for d in _docs_of(str(tmp_path / "ds2"))] == docs
+
+
+def test_non_utf8_file_is_replaced_and_reported(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "good.txt").write_text("fine\n")
+    (d / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
+    warnings: list[str] = []
+    res = tokenize([str(d)], str(tmp_path / "ds"), workers=0, warn=warnings.append)
+    assert len(warnings) == 1 and "latin1.txt" in warnings[0] and "2 invalid" in warnings[0]
+    assert res.replaced_files == 1 and res.replacements == 2
+    docs = [_bytes_decode(x) for x in _docs_of(str(tmp_path / "ds"))]
+    assert docs == ["fine\n", "caf\ufffd cr\ufffdme\n"]
+    assert dataset_info(str(tmp_path / "ds"))["extra"]["input"]["replaced_files"] == 1
+
+
+@pytest.mark.parametrize("kind", ["no-files", "empty-files", "empty-json-texts"])
+def test_empty_input_is_an_error_and_writes_nothing(tmp_path, kind):
+    d = tmp_path / "in"
+    d.mkdir()
+    if kind == "empty-files":
+        (d / "a.txt").write_text("")
+    elif kind == "empty-json-texts":
+        (d / "a.jsonl").write_text('{"text": ""}\n{"text": null}\n')
+    with pytest.raises(DatasetError, match="the input is empty"):
+        tokenize([str(d)], str(tmp_path / "ds"), workers=0)
+    assert sorted(os.listdir(tmp_path)) == ["in"]  # no DEST, no temporary sibling
+
+
+def test_missing_input_names_it(tmp_path):
+    with pytest.raises(DatasetError, match="nope.txt does not exist"):
+        tokenize([str(tmp_path / "nope.txt")], str(tmp_path / "ds"))
+
+
+def test_failure_midway_leaves_no_dataset(tmp_path):
+    jl = tmp_path / "a.jsonl"
+    jl.write_text(json.dumps({"text": "ok"}) + "\n" + "{broken\n")
+    with pytest.raises(DatasetError, match=r"a\.jsonl:2: not valid JSON"):
+        tokenize([str(jl)], str(tmp_path / "ds"), workers=0)
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl"]
+
+
+def test_train_bpe_stores_tokenizer_and_round_trips(tmp_path):
+    from tokenizers import Tokenizer
+
+    docs = [f"def f{i}(x):\n    return x + {i}\n" for i in range(40)]
+    src = _write_texts(tmp_path / "in", docs)
+    res = tokenize([src], str(tmp_path / "ds"), tokenizer="train:300", workers=0)
+    m = res.manifest
+    assert m.tokenizer["type"] == "huggingface" and m.tokenizer["file"] == "tokenizer.json"
+    path = tmp_path / "ds" / "tokenizer.json"
+    assert m.tokenizer["hash"].startswith("xxh3_64:")
+    tok = Tokenizer.from_file(str(path))
+    assert tok.token_to_id("<|endoftext|>") == m.eos_id
+    decoded = [tok.decode(d[:-1]) for d in _docs_of(str(tmp_path / "ds"))]
+    assert decoded == docs
+    assert verify_dataset(str(tmp_path / "ds")).ok
+
+
+def test_hf_tokenizer_without_eos_gets_one(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(DOCS, trainer)
+    tok.save(str(tmp_path / "tok.json"))
+    src = _write_texts(tmp_path / "in")
+    res = tokenize([src], str(tmp_path / "ds"), tokenizer=str(tmp_path / "tok.json"), workers=0)
+    stored = Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json"))
+    assert stored.token_to_id("<|endoftext|>") == res.manifest.eos_id
+    assert res.manifest.eos_id == res.manifest.vocab_size - 1
+    assert all(d[-1] == res.manifest.eos_id for d in _docs_of(str(tmp_path / "ds")))
