@@ -88,7 +88,7 @@ def translate_error(
         )
     if isinstance(exc, FileNotFoundError):
         msg = str(exc)
-        if "bucket" in msg.lower():
+        if url.startswith(S3_PROTOCOLS) and "bucket" in msg.lower():
             bucket = url.split("://", 1)[-1].split("/", 1)[0]
             return StorageError(
                 f"{what}: bucket {bucket!r} does not exist at {endpoint}; create it or fix the URL"
