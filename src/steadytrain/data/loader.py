@@ -1,0 +1,317 @@
+"""``TokenLoader``: micro-batches of a pure, resumable sample order, prefetched in background.
+
+The order comes from ``Sampler`` (position -> sample) and ``BatchPlan`` (step -> rank slice
+-> micro-batches), so the loader's state is a cursor plus the settings that define the order.
+Background work runs on one thread (``num_workers=0``) or in worker processes that hold only
+memory maps and integers and send raw token bytes over pipes (``_worker.py``). Every wait of
+the training loop is measured (``last_data_wait_s``), and a read that does not finish within
+``read_timeout_s`` becomes a ``ReadDeadlineError`` naming the files it was reading.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from steadytrain.data._worker import Reader
+from steadytrain.data.loader_state import check_state, make_state
+from steadytrain.data.prefetch import ProcessProducer, ThreadProducer
+from steadytrain.data.sampler import BatchPlan, Refs, Sampler
+from steadytrain.errors import ConfigError, ReadDeadlineError
+
+__all__ = ["TokenLoader"]
+
+_POLL_S = 0.05
+
+
+class TokenLoader:
+    """Infinite iterator of ``{"input_ids", "labels", "sample_ids"}`` micro-batches.
+
+    ``ds`` is a ``TokenDataset`` or a list of them blended with ``weights``. Each rank reads
+    ``global_batch // world_size`` samples per step in micro-batches of ``micro_batch``.
+    """
+
+    def __init__(
+        self,
+        ds: Any,
+        seq_len: int,
+        global_batch: int,
+        micro_batch: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: str = "global",
+        num_workers: int = 0,
+        *,
+        weights: Sequence[float] | None = None,
+        shuffle_settings: dict[str, Any] | None = None,
+        blend_period: int | None = None,
+        prefetch: int = 4,
+        pin_memory: bool = False,
+        read_timeout_s: float | None = None,
+        startup_timeout_s: float = 120.0,
+        return_doc_ids: bool = False,
+        return_position_ids: bool = False,
+        allow_dataset_change: bool = False,
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
+        self.datasets = list(ds) if isinstance(ds, (list, tuple)) else [ds]
+        if num_workers < 0 or prefetch < 0:
+            raise ConfigError(
+                f"num_workers and prefetch must be >= 0, got {num_workers} and {prefetch}"
+            )
+        if read_timeout_s is not None and not read_timeout_s > 0:
+            raise ConfigError(f"read_timeout_s must be positive or None, got {read_timeout_s}")
+        if prefetch == 0 and (num_workers or read_timeout_s is not None):
+            raise ConfigError(
+                "prefetch=0 reads synchronously inside next(): it cannot use worker processes "
+                "or enforce read_timeout_s; use prefetch >= 1 for either"
+            )
+        self.sampler = Sampler(
+            self.datasets,
+            seq_len,
+            global_batch,
+            seed=seed,
+            mode=shuffle,
+            mode_settings=shuffle_settings,
+            weights=weights,
+            blend_period=blend_period,
+        )
+        self.plan = BatchPlan(global_batch, micro_batch, rank, world_size)
+        self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
+        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
+        self.num_workers, self.prefetch = num_workers, prefetch
+        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
+        self.read_timeout_s = read_timeout_s
+        # The first micro-batch after (re)starting also waits for worker processes to
+        # import and map their shards: it gets at least this long.
+        self.startup_timeout_s = startup_timeout_s
+        self._first_after_start = False
+        self.return_doc_ids, self.return_position_ids = return_doc_ids, return_position_ids
+        self.allow_dataset_change = allow_dataset_change
+        self.on_step = on_step
+        self._cursor = 0  # this rank's micro-batches handed out so far
+        self._producer: ThreadProducer | ProcessProducer | None = None
+        self._refs = Reader(self.datasets, self.sampler, self.plan)  # main-thread lookups
+        self.last_data_wait_s = 0.0
+        self._reads: collections.deque[float] = collections.deque(maxlen=1024)
+        self._bytes_total, self._wait_total = 0, 0.0
+        self._baseline = (0, 0, 0.0)  # (micro-batches, bytes, wait) at the last metrics()
+        self._handed = 0  # micro-batches handed out by this object (not reset by a resume)
+
+    # -- position ----------------------------------------------------------------------
+    @property
+    def micro_per_step(self) -> int:
+        return self.plan.micro_per_step
+
+    @property
+    def step(self) -> int:
+        """The step the next micro-batch belongs to (steps completed at a step boundary)."""
+        return self._cursor // self.plan.micro_per_step
+
+    @property
+    def position(self) -> int:
+        """Stream position of the start of the current step (``step * global_batch``)."""
+        return self.step * self.global_batch
+
+    def shards_for_steps(self, start: int, stop: int, **kw: Any) -> list[tuple[int, int]]:
+        """The sampler's look-ahead (``Sampler.shards_for_steps``), for a cache prefetcher."""
+        return self.sampler.shards_for_steps(start, stop, **kw)
+
+    # -- iteration ---------------------------------------------------------------------
+    def __iter__(self) -> TokenLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        q = self._cursor
+        t0 = time.perf_counter()
+        if self.prefetch == 0:  # synchronous: the read is the wait
+            batch = self._finish(q, None, self._refs)
+            got_q, read_s = q, time.perf_counter() - t0
+            nbytes = self._refs.nbytes(self._refs.rows(q)[0])
+        else:
+            if self._producer is None:  # starting it is part of the wait: it is counted
+                self._producer = self._start(q)
+                self._first_after_start = self.num_workers > 0
+            got_q, batch, read_s, nbytes = self._wait_for(q, t0)
+            self._first_after_start = False
+        self.last_data_wait_s = time.perf_counter() - t0
+        assert got_q == q, f"loader produced micro-batch {got_q}, expected {q}"
+        if q % self.plan.micro_per_step == 0 and self.on_step is not None:
+            self.on_step(q // self.plan.micro_per_step)
+        self._cursor = q + 1
+        self._handed += 1
+        self._reads.append(read_s)
+        self._bytes_total += nbytes
+        self._wait_total += self.last_data_wait_s
+        return batch
+
+    def _wait_for(self, q: int, t0: float) -> tuple[int, dict[str, torch.Tensor], float, int]:
+        assert self._producer is not None
+        while True:
+            item = self._producer.get(_POLL_S)
+            if item is not None:
+                if isinstance(item, BaseException):
+                    self.close()
+                    raise item
+                return item
+            waited = time.perf_counter() - t0
+            limit = self.read_timeout_s
+            if limit is not None and self._first_after_start:
+                limit = max(limit, self.startup_timeout_s)
+            if limit is not None and waited > limit:
+                message = self._stall_message(q, waited)
+                self.close()
+                raise ReadDeadlineError(message)
+
+    def _stall_message(self, q: int, waited: float) -> str:
+        refs = self._refs.refs(q)
+        names = []
+        for d, s in sorted(set(zip(refs.dataset.tolist(), refs.shard.tolist(), strict=True))):
+            ds = self.datasets[d]
+            names.append(ds.store.display(ds.manifest.shards[s].name))
+        current = self._producer.current() if self._producer is not None else None
+        now = ""
+        if current is not None:
+            d, s = current
+            now = f"; stuck reading {self.datasets[d].store.display(self.datasets[d].manifest.shards[s].name)}"
+        return (
+            f"rank {self.rank}: micro-batch {q} (step {q // self.plan.micro_per_step}) was not "
+            f"read within read_timeout_s={self.read_timeout_s} (waited {waited:.1f} s); it reads "
+            f"{', '.join(names)}{now}. The storage or the shard cache is not answering: check "
+            f"it, or raise read_timeout_s if reads are merely slow"
+        )
+
+    def _start(self, q0: int) -> ThreadProducer | ProcessProducer:
+        if self.num_workers == 0:
+            return ThreadProducer(
+                Reader(self.datasets, self.sampler, self.plan), self._finish, q0, self.prefetch
+            )
+        return ProcessProducer(
+            self.datasets,
+            self.sampler,
+            self.plan,
+            self.num_workers,
+            q0,
+            self.prefetch,
+            self._finish,
+        )
+
+    def _finish(self, q: int, raw: np.ndarray | None, reader: Reader) -> dict[str, torch.Tensor]:
+        """Build micro-batch ``q``'s tensors: from raw windows (workers) or from the maps."""
+        rows, sample_ids = reader.rows(q)
+        mb, length = self.micro_batch, self.seq_len
+        # One numpy allocation for both, wrapped without copies: torch.empty plus indexing
+        # costs ~5 us, a tenth of a 16k-token micro-batch (measured), this ~1.8 us.
+        both = np.empty((2, mb, length), dtype=np.int64)
+        inp, lab = both[0], both[1]
+        if raw is None:
+            reader.fill_pair(rows, inp, lab)
+        else:
+            inp[...] = raw[:, :-1]
+            lab[...] = raw[:, 1:]
+        batch = {
+            "input_ids": torch.from_numpy(inp),
+            "labels": torch.from_numpy(lab),
+            "sample_ids": torch.from_numpy(sample_ids),  # a view of a chunk never written again
+        }
+        if self.return_doc_ids or self.return_position_ids:
+            doc_ids, pos_ids = self._doc_info(reader.refs(q))
+            if self.return_doc_ids:
+                batch["doc_ids"] = torch.from_numpy(doc_ids)
+            if self.return_position_ids:
+                batch["position_ids"] = torch.from_numpy(pos_ids)
+        if self.pin_memory:
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return batch
+
+    def _doc_info(self, refs: Refs) -> tuple[np.ndarray, np.ndarray]:
+        """Per token: which document of the sample it belongs to, and its position in it."""
+        rows = refs.offset.size
+        doc_ids = np.empty((rows, self.seq_len), dtype=np.int64)
+        pos_ids = np.empty((rows, self.seq_len), dtype=np.int64)
+        span = np.arange(self.seq_len, dtype=np.int64)
+        for row, (d, s, o) in enumerate(
+            zip(refs.dataset.tolist(), refs.shard.tolist(), refs.offset.tolist(), strict=True)
+        ):
+            ends = self.datasets[d].doc_ends(s)
+            p = o + span
+            idx = np.searchsorted(ends, p.astype(np.uint64), side="right").astype(np.int64)
+            starts = np.where(idx > 0, np.asarray(ends[np.maximum(idx - 1, 0)], np.int64), 0)
+            doc_ids[row] = idx - idx[0]
+            pos_ids[row] = p - starts
+        return doc_ids, pos_ids
+
+    # -- measurements ------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """Counters since the previous call (one call per step gives per-step values),
+        ``*_total`` since construction, and read-time percentiles of the last 1024 reads."""
+        reads = np.fromiter(self._reads, dtype=np.float64) if self._reads else np.zeros(1)
+        n0, b0, w0 = self._baseline
+        micro = self._handed - n0
+        out: dict[str, float] = {
+            "micro_batches": micro,
+            "samples": micro * self.micro_batch,
+            "tokens": micro * self.micro_batch * self.seq_len,
+            "bytes_read": self._bytes_total - b0,
+            "data_wait_s": self._wait_total - w0,
+            "micro_batches_total": self._handed,
+            "samples_total": self._handed * self.micro_batch,
+            "bytes_read_total": self._bytes_total,
+            "data_wait_s_total": self._wait_total,
+            "read_p50_s": float(np.percentile(reads, 50)),
+            "read_p99_s": float(np.percentile(reads, 99)),
+            "last_data_wait_s": self.last_data_wait_s,
+        }
+        self._baseline = (self._handed, self._bytes_total, self._wait_total)
+        hits = misses = 0
+        for ds in self.datasets:
+            stats = getattr(getattr(ds, "cache", None), "stats", None)
+            if callable(stats):
+                st = stats()
+                hits += int(st.get("hits", 0))
+                misses += int(st.get("misses", 0))
+        out["cache_hits"], out["cache_misses"] = hits, misses
+        return out
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable: a cursor and the settings that define the order."""
+        return make_state(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the saved cursor in O(1); refuses a state that defines another order."""
+        cursor = check_state(self, state_dict)
+        self.close()
+        self._cursor = cursor
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the background thread or worker processes (a later next() restarts them)."""
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to clean
+            pass
+
+    def __enter__(self) -> TokenLoader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenLoader(step={self.step}, seq_len={self.seq_len}, global_batch="
+            f"{self.global_batch}, micro_batch={self.micro_batch}, rank={self.rank}/"
+            f"{self.world_size}, shuffle={self.shuffle!r}, workers={self.num_workers})"
+        )
