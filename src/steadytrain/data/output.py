@@ -1,6 +1,6 @@
 """Where a new dataset is built and how it becomes visible (``tokenize``, Megatron import).
 
-Rules (docs/format-dataset.md, "Publication"):
+Rules (docs/format.md, part A, "Publication"):
 
 - A local ``DEST`` is built in a hidden temporary sibling (``.NAME.tmp-XXXXXXXX``) and renamed
   into place at the end. Until the rename ``DEST`` does not exist (or is still empty), so a

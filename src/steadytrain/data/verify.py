@@ -1,6 +1,6 @@
 """``verify`` and ``inspect``: is a dataset sound, and what is in it.
 
-``verify_dataset`` checks every invariant of format v1 (docs/format-dataset.md):
+``verify_dataset`` checks every invariant of format v1 (docs/format.md, part A):
 
 - the manifest parses, has a known format and version, safe relative file names and a
   fingerprint that matches its shard list, and its totals agree with the shards;
