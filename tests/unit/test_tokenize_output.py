@@ -102,12 +102,13 @@ def test_cli_errors_exit_nonzero_with_message(tmp_path, capsys):
     assert rc == 2 and "manifest.json does not exist" in capsys.readouterr().err
 
 
-def test_demo_json(tmp_path, capsys):
+def test_demo_data_stage(tmp_path, capsys):
     from steadytrain.demo import run_demo
 
-    out = run_demo(str(tmp_path / "run"), workers=0, corpus_limit_bytes=200_000)
+    out = run_demo(str(tmp_path / "run"), workers=0, corpus_limit_bytes=200_000, train=False)
     assert out["steps"] == 0 and out["restarts"] == 0 and out["goodput"] is None
     assert out["report"] is None and out["run_dir"] == str(tmp_path / "run")
+    assert out["dataset"]["verified"] is True
     assert out["dataset"]["num_tokens"] > 200_000 and out["dataset"]["num_docs"] > 1
     assert main(["verify", str(tmp_path / "run" / "data"), "--quiet"]) == 0
 
@@ -192,9 +193,9 @@ def test_sigkill_midway_leaves_nothing_inspect_accepts(tmp_path):
     assert dataset_info(dest)["fingerprint"] == res.manifest.fingerprint
 
 
-def test_cli_demo_json(tmp_path, capsys):
+def test_cli_demo_json_data_stage(tmp_path, capsys):
     run_dir = str(tmp_path / "run")
-    assert main(["demo", "--json", "--run-dir", run_dir, "--workers", "0"]) == 0
+    assert main(["demo", "--json", "--run-dir", run_dir, "--workers", "0", "--no-train"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["run_dir"] == run_dir and out["steps"] == 0 and out["restarts"] == 0
     assert out["goodput"] is None and out["report"] is None

@@ -1,0 +1,47 @@
+"""``steadytrain train CONFIG [--set key=value ...]``: run the reference training loop.
+
+Alone (one process) or under torchrun (one process per rank; every rank gets the same
+arguments). ``CONFIG`` is a TOML file, or the name of a packaged config (``demo``, ``small``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train the small GPT with checkpoints and automatic resume (alone or under torchrun)",
+        description=(
+            "Train the reference model on a token dataset. Every start resumes from the newest "
+            "committed checkpoint in the run directory, so `torchrun --max-restarts N` "
+            "recovers from crashes by itself."
+        ),
+    )
+    p.add_argument("config", help="TOML config file, or a packaged config name: demo, small")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set optim.lr=3e-4 --set train.max_steps=50",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON summary at the end (rank 0)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    from steadytrain.train.config import load_config, resolve_config_path
+    from steadytrain.train.train import train
+
+    cfg = load_config(resolve_config_path(args.config), args.overrides)
+    summary = train(cfg)
+    if args.json and int(os.environ.get("RANK", 0)) == 0:
+        from steadytrain.commands._util import print_json
+
+        print_json(summary)
+    return 0

@@ -1,0 +1,221 @@
+"""The demo's training stage: 2 ranks under torchrun, crashes injected, automatic resume.
+
+``run_demo_training(run_dir, dataset)`` launches ``torchrun --nproc-per-node 2
+--max-restarts N -m steadytrain.cli train demo`` on CPU, injects a crash in the middle of a
+step and another one while a checkpoint is being written, lets torchrun restart the ranks
+(each restart resumes from the newest committed checkpoint by itself), and returns what
+happened, measured from the run's own ledger::
+
+    {"run_dir", "steps", "restarts", "goodput", "report", "ledger", "crashes", "wall_s"}
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["run_demo_training", "demo_crash_steps"]
+
+
+def demo_crash_steps(steps: int, every_steps: int) -> tuple[int, int]:
+    """(mid-step crash, crash during a save): one third and two thirds into the run.
+
+    The mid-step crash lands just before a checkpoint would commit (the most work lost); the
+    second one is on a checkpoint step, right after that save started writing.
+    """
+    kill = max(2, (steps // 3) // every_steps * every_steps + every_steps - 1)
+    save_kill = max(every_steps, (2 * steps // 3) // every_steps * every_steps)
+    if save_kill <= kill:
+        save_kill = (kill // every_steps + 1) * every_steps
+    return kill, min(save_kill, steps - 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_demo_training(
+    run_dir: str,
+    dataset: str,
+    *,
+    steps: int = 300,
+    nproc: int = 2,
+    every_steps: int = 20,
+    crashes: Sequence[int] | None = None,
+    save_crashes: Sequence[int] | None = None,
+    max_restarts: int = 4,
+    settings: Sequence[str] = (),
+    out: Callable[[str], None] | None = print,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """Train the demo model under torchrun with injected crashes; returns the outcome.
+
+    ``crashes``: steps at which rank 0 is SIGKILLed mid-step; ``save_crashes``: checkpoint
+    steps at which rank 0 is SIGKILLed while that save is in flight (default: one of each, see
+    ``demo_crash_steps``). ``settings``: extra ``--set key=value`` overrides. Output lines of
+    the ranks and of torchrun's agent go to ``out`` (None: silent).
+    """
+    from steadytrain.errors import SteadyError
+
+    if crashes is None or save_crashes is None:
+        kill, save_kill = demo_crash_steps(steps, every_steps)
+        crashes = [kill] if crashes is None else crashes
+        save_crashes = [save_kill] if save_crashes is None else save_crashes
+    for s in save_crashes:
+        if s % every_steps:
+            raise SteadyError(f"save crash at step {s} is not a checkpoint step ({every_steps})")
+    os.makedirs(run_dir, exist_ok=True)
+    faults = ";".join(
+        part
+        for part in (
+            "kill_at_steps=" + ",".join(map(str, crashes)) if crashes else "",
+            "kill_in_save_at_steps=" + ",".join(map(str, save_crashes)) if save_crashes else "",
+        )
+        if part
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        "--monitor-interval=0.2",
+        "-m",
+        "steadytrain.cli",
+        "train",
+        "demo",
+        "--set",
+        f"run_dir={run_dir}",
+        "--set",
+        f"data.dataset={dataset}",
+        "--set",
+        f"train.max_steps={steps}",
+        "--set",
+        f"checkpoint.every_steps={every_steps}",
+    ]
+    for s in settings:
+        cmd += ["--set", s]
+    env = dict(
+        os.environ,
+        STEADYTRAIN_FAULTS=faults,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        # Fresh rendezvous store per attempt: the shared one breaks restarts (pytorch#135712).
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    say = out or (lambda _line: None)
+    say(
+        f"[demo] torchrun: {nproc} ranks on CPU, {steps} steps, async checkpoint every "
+        f"{every_steps} steps; crashes injected at step(s) {list(crashes)} (mid-step) and "
+        f"{list(save_crashes)} (while the checkpoint is written)"
+    )
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    tail: list[str] = []
+    present = _Presenter()
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail = (tail + [line])[-60:]
+            shown = present(line)
+            if shown:
+                say(shown)
+            if time.perf_counter() - t0 > timeout_s:
+                proc.kill()
+                raise SteadyError(f"demo training exceeded {timeout_s:.0f}s; see {run_dir}")
+        rc = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wall_s = time.perf_counter() - t0
+    if rc != 0:
+        raise SteadyError(
+            f"demo training failed (torchrun exit {rc}); last output:\n" + "\n".join(tail)
+        )
+    return _summarise(run_dir, wall_s, list(crashes) + list(save_crashes))
+
+
+_EXIT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+_PEER = re.compile(r"\[rank(\d+)\]: RuntimeError: .*(Connection closed by peer|Connection reset)")
+
+
+class _Presenter:
+    """Keeps the lines a person wants (progress, faults, restarts); drops launcher noise.
+
+    One failure makes torchrun log every rank's exit; only the first is worth a line.
+    """
+
+    def __init__(self) -> None:
+        self.failure_told = False
+
+    def __call__(self, line: str) -> str | None:
+        if line.startswith("[train] attempt"):
+            self.failure_told = False
+        if line.startswith(("[train]", "[fault]")):
+            return line
+        if line.startswith("steadytrain train: error:"):
+            return "[error] " + line[len("steadytrain train: error:") :].strip()
+        m = _EXIT.search(line)
+        if m and not self.failure_told:
+            self.failure_told = True
+            code = int(m.group(1))
+            how = "was killed (SIGKILL)" if code == -9 else f"exited with status {code}"
+            return (
+                f"[torchrun] local rank {m.group(2)} {how}: torchrun stops the other ranks and "
+                "restarts them; every rank resumes from the newest committed checkpoint"
+            )
+        m = _PEER.search(line)
+        if m:
+            return f"[train] rank {m.group(1)}: lost its peer in a collective (the other rank died)"
+        if "checkpoint of step" in line and "failed" in line:
+            return (
+                "[train] " + line.split(":")[0].strip() + ": it never committed, so it is ignored"
+            )
+        return None
+
+
+def _summarise(run_dir: str, wall_s: float, crashes: list[int]) -> dict[str, Any]:
+    from steadytrain.monitor.goodput import compute_goodput
+    from steadytrain.monitor.ledger import read_ledger
+
+    path = os.path.join(run_dir, "ledger.jsonl")
+    records = read_ledger(path)
+    starts = [r for r in records if r.get("type") == "job_start"]
+    steps = max((r["step"] for r in records if r.get("type") == "step"), default=0)
+    breakdown = compute_goodput(records)
+    report = _write_report(run_dir)
+    return {
+        "run_dir": run_dir,
+        "steps": steps,
+        "restarts": max(0, len(starts) - 1),
+        "restored_steps": [r.get("restored_step", 0) for r in starts[1:]],
+        "crashes": crashes,
+        "goodput": breakdown.goodput,
+        "breakdown": breakdown.to_dict(),
+        "report": report.get("html") or report.get("json"),
+        "report_json": report.get("json"),
+        "ledger": path,
+        "wall_s": wall_s,
+    }
+
+
+def _write_report(run_dir: str) -> dict[str, Any]:
+    """The goodput report (``steadytrain report``'s HTML page, plots and report.json)."""
+    from steadytrain.monitor.report import build_report
+
+    return build_report(run_dir)

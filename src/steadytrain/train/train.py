@@ -1,0 +1,359 @@
+"""The reference training loop: a small GPT on a token-shard dataset, fault tolerant.
+
+Read it top to bottom; it is one function on purpose. It wires the pieces together:
+TokenDataset (+ node-local ShardCache when the data is remote) -> TokenLoader -> DDP/FSDP2
+model -> AdamW with warm-up and cosine decay -> Checkpointer (async, sharded, COMMIT last) ->
+GoodputMeter (RUN_DIR/ledger.jsonl). Every start, first or after a crash, calls
+``restore_latest`` and continues from the newest committed checkpoint, so a job run under
+``torchrun --max-restarts N`` recovers without a human.
+
+Restarts need a fresh rendezvous store per attempt (pytorch/pytorch#135712)::
+
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
+One machine, 2 processes on CPU (gloo)::
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 3 \\
+        -m steadytrain.cli train small --set data.dataset=/data/ds
+
+Several machines (run on each; c10d rendezvous, elastic between 2 and 4 nodes)::
+
+    torchrun --nnodes 2:4 --nproc-per-node 8 --max-restarts 10 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST0:29400 --rdzv-id job42 \\
+        -m steadytrain.cli train small --set data.dataset=s3://bucket/ds \\
+        --set data.cache_dir=/nvme/steady-cache
+
+Exact resume: with ``train.deterministic`` on CPU, a run that crashes and resumes produces
+bit-identical weights and per-step losses to an uninterrupted one, because everything that
+decides the next step is restored at the same step: weights, optimizer moments, scheduler,
+loader cursor, step/token counters and every RNG. ``RUN_DIR/trace-rank{R}.jsonl`` records the
+loss and the sample ids of every step (every attempt appends) so runs can be compared.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from steadytrain.train.config import Config
+from steadytrain.train.faults import FaultInjector, faults_from_env
+from steadytrain.train.model import GPT, GPTConfig
+from steadytrain.train.support import (
+    close_quietly,
+    goodput_so_far,
+    loader_metrics,
+    preflight,
+    process_start,
+    weights_digest,
+)
+
+__all__ = ["train", "TrainState", "lr_factor"]
+
+
+PROCESS_START = process_start()  # start-up cost is measured from the process's birth
+
+
+class TrainState:
+    """The loop's own counters, checkpointed with everything else (JSON)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.step, self.tokens = int(sd["step"]), int(sd["tokens"])
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total`` (nanoGPT)."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if step >= total:
+        return min_ratio
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - min_ratio)
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run (or resume) the job described by ``cfg``; returns a summary (rank 0's view)."""
+    from steadytrain.checkpoint import Checkpointer
+    from steadytrain.data.dataset import TokenDataset
+    from steadytrain.data.loader import TokenLoader
+    from steadytrain.monitor.meter import GoodputMeter
+
+    # -- 1. Processes: one per rank, started by torchrun (or alone: a world of one) -------
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    use_cuda = cfg.train.device == "cuda" or (
+        cfg.train.device == "auto" and torch.cuda.is_available()
+    )
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    else:  # plain `steadytrain train`: a one-rank group, so every code path is the same
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        # Bit-exact resume needs every kernel to be deterministic (CPU: all of ours are).
+        torch.use_deterministic_algorithms(True)
+    run_dir = cfg.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # pytorch/pytorch#135712: with the agent's shared store, restarted workers can read
+        # the previous attempt's gloo/NCCL addresses and fail to connect, again and again.
+        print(
+            "[train] warning: torchrun shares its TCPStore with the workers; restarts may fail "
+            "to reconnect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun.",
+            flush=True,
+        )
+    faults = FaultInjector(faults_from_env(cfg.faults), run_dir, rank)
+
+    # -- 2. Data: open the dataset (through the node-local cache when remote) ---------------
+    if cfg.data.global_batch % (world * cfg.data.micro_batch):
+        from steadytrain.errors import ConfigError
+
+        raise ConfigError(
+            f"data.global_batch = {cfg.data.global_batch} must be a multiple of world size "
+            f"({world}) x data.micro_batch ({cfg.data.micro_batch})"
+        )
+    cache_dir = os.path.expandvars(cfg.data.cache_dir) or None  # e.g. $SLURM_TMPDIR/cache
+    ds = TokenDataset.open(cfg.data.dataset, cache_dir=cache_dir)
+    # The loader's order is a pure function of (dataset, seed, seq_len, position): rank r
+    # of W takes its slice of each global batch, whatever W was when the checkpoint was made.
+    loader = TokenLoader(
+        ds,
+        seq_len=cfg.data.seq_len,
+        global_batch=cfg.data.global_batch,
+        micro_batch=cfg.data.micro_batch,
+        rank=rank,
+        world_size=world,
+        seed=cfg.seed,
+        shuffle=cfg.data.shuffle,
+        num_workers=cfg.data.num_workers,
+    )
+    accum = cfg.data.global_batch // world // cfg.data.micro_batch  # micro-batches per step
+    tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+
+    # -- 3. Model: weights are a function of the seed; DDP or FSDP2 ---------------------------
+    torch.manual_seed(cfg.seed)  # dropout's RNG (checkpointed per rank)
+    vocab = cfg.model.vocab_size or ds.vocab_size
+    model = GPT(
+        GPTConfig(
+            vocab_size=vocab,
+            seq_len=cfg.data.seq_len,
+            n_layer=cfg.model.n_layer,
+            n_head=cfg.model.n_head,
+            n_embd=cfg.model.n_embd,
+            dropout=cfg.model.dropout,
+            bias=cfg.model.bias,
+        ),
+        seed=cfg.seed,
+    ).to(device)
+    if cfg.train.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        ddp_model = model
+    else:
+        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)
+    # bf16 autocast on GPU; fp32 on CPU (exact and, at this size, no slower).
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda else nullcontext()
+
+    # -- 4. Optimizer: AdamW (decay on matrices only), warm-up then cosine decay ------------
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optim = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        foreach=False,  # the plain per-parameter kernel: same bits on every run
+    )
+    total = cfg.train.max_steps
+    min_ratio = cfg.optim.min_lr / cfg.optim.lr
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: lr_factor(s, cfg.optim.warmup_steps, total, min_ratio)
+    )
+
+    # -- 5. Ledger and checkpointer; then resume from the newest committed checkpoint ------
+    meter = GoodputMeter(
+        run_dir,
+        rank=rank,
+        world_size=world,
+        expected_tokens_per_s=cfg.train.expected_tokens_per_s or None,
+        total_steps=total,
+    )
+    held: list[dict] = []  # the restore event waits until job_start opens this attempt
+    if cfg.checkpoint.engine == "torch_save":  # the synchronous baseline (benchmarks)
+        from steadytrain.train.torch_save import TorchSaveCheckpointer
+
+        ckpt = TorchSaveCheckpointer(cfg.checkpoint_dir, cfg.checkpoint.every_steps, held.append)
+    else:
+        ckpt = Checkpointer(
+            cfg.checkpoint_dir,
+            every_steps=cfg.checkpoint.every_steps or None,
+            every_seconds=cfg.checkpoint.every_seconds or None,
+            interval=cfg.checkpoint.interval,
+            keep_last=cfg.checkpoint.keep_last,
+            async_mode=cfg.checkpoint.async_mode,
+            remote=cfg.checkpoint.remote or None,
+            on_event=held.append,  # makes its own gloo group (on DDP's group: deadlock)
+            mtbf_s=cfg.checkpoint.mtbf_s or None,  # interval = "auto" plans with it
+        )
+    state = TrainState()
+    states = {"model": model, "optim": optim, "sched": sched, "loader": loader, "train": state}
+    t_restore = time.perf_counter()
+    step = ckpt.restore_latest(states)
+    restore_s = time.perf_counter() - t_restore
+    if step != state.step:
+        from steadytrain.errors import CheckpointError
+
+        raise CheckpointError(
+            f"checkpoint step {step} disagrees with its saved train state step {state.step}"
+        )
+    if cfg.data.preflight and local_rank == 0:
+        node_ranks = list(range(rank, rank + int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        preflight(ds, cfg, step, world, node_ranks)  # after restore: the steps ahead of us
+    meter.job_start(
+        restored_step=step,
+        startup_s=time.time() - PROCESS_START - restore_s,  # interpreter start to now
+        restore_s=restore_s,
+        config=cfg.to_dict(),
+    )
+    for event in held:
+        meter.event(event)
+    ckpt.on_event = meter.event
+    meter.flush()  # the attempt's start is on disk even if it dies in its first step
+    trace = None
+    # One id per attempt, shared by all ranks (each agent counts its own restarts).
+    attempt_id = [time.time()]
+    dist.broadcast_object_list(attempt_id, src=0)
+    if cfg.train.trace:
+        trace = open(os.path.join(run_dir, f"trace-rank{rank}.jsonl"), "a")  # noqa: SIM115
+    if rank == 0:
+        where = f"resumed from step {step}" if step else "starting from scratch"
+        print(
+            f"[train] attempt {meter.attempt}, {world} rank(s) on {device.type}, "
+            f"{model.num_params() / 1e6:.2f}M parameters, {where}, {total} steps",
+            flush=True,
+        )
+
+    # -- 6. The loop ----------------------------------------------------------------------
+    model.train()
+    batches = iter(loader)
+    t_log, tokens_log, wait_log, block_log = time.perf_counter(), 0, 0.0, 0.0
+    try:
+        while step < total:
+            t0 = time.perf_counter()
+            data_wait = faults.before_data(step + 1)  # an injected slow/stalled read
+            losses, sample_ids = [], []
+            for micro in range(accum):
+                t_data = time.perf_counter()
+                batch = next(batches)
+                data_wait += time.perf_counter() - t_data
+                x = batch["input_ids"].to(device, non_blocking=True)
+                y = batch["labels"].to(device, non_blocking=True)
+                sample_ids.extend(int(i) for i in batch["sample_ids"])
+                # Gradients are all-reduced once per step, on the last micro-batch.
+                sync = micro == accum - 1 or cfg.train.parallel == "fsdp"
+                with nullcontext() if sync else ddp_model.no_sync(), autocast:
+                    _, loss = ddp_model(x, y)
+                (loss / accum).backward()
+                losses.append(loss.detach())
+            faults.mid_step(step + 1)  # an injected crash between backward and update
+            if cfg.optim.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            optim.step()
+            sched.step()
+            optim.zero_grad(set_to_none=True)
+            step += 1
+            state.step, state.tokens = step, state.tokens + tokens_per_step
+            # The reported loss is the mean over all ranks (one small all-reduce).
+            local_loss = torch.stack(losses).mean().float().cpu()
+            global_loss = local_loss.clone()
+            dist.all_reduce(global_loss)
+            global_loss = float(global_loss) / world
+
+            # Checkpoint: every rank snapshots its state; writing continues in the background.
+            block_s = ckpt.maybe_save(step, states, tokens_seen=state.tokens)
+            faults.after_save_started(step)
+            step_s = time.perf_counter() - t0
+            meter.step(
+                step,
+                tokens=tokens_per_step,
+                data_wait_s=data_wait,
+                compute_s=max(0.0, step_s - data_wait - block_s),
+                checkpoint_block_s=block_s,
+                loss=global_loss,
+                **loader_metrics(loader),
+            )
+            if trace is not None:
+                rec = {
+                    "step": step,
+                    "attempt": attempt,
+                    "attempt_id": attempt_id[0],
+                    "node": os.environ.get("STEADYTRAIN_NODE", socket.gethostname()),
+                    "world": world,
+                    "rank": rank,
+                    "loss": global_loss,
+                    "local_loss": float(local_loss),
+                    "lr": sched.get_last_lr()[0],
+                    "sample_ids": sample_ids,
+                }
+                trace.write(json.dumps(rec) + "\n")
+                trace.flush()
+            tokens_log += tokens_per_step
+            wait_log += data_wait
+            block_log += block_s
+            if rank == 0 and (step % cfg.train.log_every == 0 or step == total):
+                dt = time.perf_counter() - t_log
+                print(
+                    f"[train] step {step:>5}/{total} | loss {global_loss:.4f} | "
+                    f"{tokens_log / dt / 1e3:7.1f}k tok/s | data wait {100 * wait_log / dt:4.1f}% "
+                    f"| ckpt block {block_log * 1e3:5.1f} ms | goodput {goodput_so_far(meter)}",
+                    flush=True,
+                )
+                t_log, tokens_log, wait_log, block_log = time.perf_counter(), 0, 0.0, 0.0
+
+        # -- 7. Finish: make sure the final state is committed, then close everything ------
+        ckpt.wait()
+        last = ckpt.last_event or {}
+        if not (last.get("step") == step and last.get("ok", True)):
+            ckpt.save(step, states, tokens_seen=state.tokens)
+            ckpt.wait()
+        weights = weights_digest(model)
+        if rank == 0:
+            with open(os.path.join(run_dir, "final.json"), "w") as f:
+                json.dump({"step": step, "tokens": state.tokens, "weights": weights}, f)
+    except BaseException as exc:
+        meter.close(reason=f"error: {type(exc).__name__}: {exc}")
+        raise
+    meter.close(reason="finished")
+    ckpt.close()
+    if trace is not None:
+        trace.close()
+    close_quietly(loader)
+    ds.close()
+    dist.destroy_process_group()
+    return {"step": step, "tokens": state.tokens, "weights": weights, "run_dir": run_dir}

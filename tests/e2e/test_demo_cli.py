@@ -1,0 +1,42 @@
+"""`steadytrain demo --json` end to end, reduced in size (corpus and steps).
+
+Compares the JSON the command prints with the run's own files: it tokenized and verified the
+corpus, trained every step under torchrun through two injected crashes (two automatic
+restarts), its goodput equals the ledger's, the report it names exists, and the planner's
+recommendation was computed from the costs measured in that ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def test_demo_command_reduced(tmp_path) -> None:
+    from steadytrain.monitor.goodput import compute_goodput
+    from steadytrain.monitor.ledger import read_ledger
+
+    run_dir = str(tmp_path / "demo")
+    cmd = [sys.executable, "-m", "steadytrain.cli", "demo", "--json", "--run-dir", run_dir]
+    cmd += ["--corpus-bytes", "400000", "--steps", "40", "--workers", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)  # stdout holds only the JSON object
+    assert out["run_dir"] == run_dir
+    assert out["dataset"]["verified"] is True and out["dataset"]["num_tokens"] > 400_000
+    assert out["steps"] == 40 and out["restarts"] == 2
+    records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
+    assert sum(r["type"] == "job_start" for r in records) == 3
+    assert 0.0 < out["goodput"] < 1.0
+    assert out["goodput"] == pytest.approx(compute_goodput(records).goodput)
+    assert os.path.getsize(out["report"]) > 0
+    plan = out["plan"]
+    assert plan["measured"]["ckpt_cost_s"] > 0 and plan["measured"]["interruptions_per_day"] > 0
+    assert plan["this_run"]["optimal_interval_min"] > 0
+    assert "[demo] 4/4" in proc.stderr and "[fault]" in proc.stderr
