@@ -51,6 +51,8 @@ class DataConfig:
     shuffle: Literal["global", "block", "sequential"] = "global"  # data.modes
     num_workers: int = 0
     preflight: bool = True  # check every shard is reachable before the first step
+    prefetch_steps: int = 64  # remote data: fetch the shards of the next N steps ahead
+    cache_budget_bytes: int = 0  # remote data: node cache byte budget (0: unlimited)
 
     def __post_init__(self) -> None:
         _check(bool(self.dataset), "data.dataset", self.dataset, "set the dataset path or URL")
@@ -63,6 +65,13 @@ class DataConfig:
             f"use a positive multiple of data.micro_batch ({self.micro_batch})",
         )
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "use 0 or more")
+        _check(self.prefetch_steps >= 0, "data.prefetch_steps", self.prefetch_steps, "use 0+")
+        _check(
+            self.cache_budget_bytes >= 0,
+            "data.cache_budget_bytes",
+            self.cache_budget_bytes,
+            "use 0 (unlimited) or a positive byte count",
+        )
 
 
 @dataclasses.dataclass(kw_only=True)

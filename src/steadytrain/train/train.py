@@ -232,9 +232,22 @@ def train(cfg: Config) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint step {step} disagrees with its saved train state step {state.step}"
         )
+    node_ranks = list(range(rank, rank + int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if cfg.data.preflight and local_rank == 0:
-        node_ranks = list(range(rank, rank + int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         preflight(ds, cfg, step, world, node_ranks)  # after restore: the steps ahead of us
+    prefetcher = None
+    if local_rank == 0 and cfg.data.prefetch_steps:
+        # Remote data: the order is known, so one fetcher per node pulls the shards of the
+        # node's ranks for the next N steps ahead of need (None for a local dataset).
+        from steadytrain.storage.prefetch import Prefetcher
+
+        prefetcher = Prefetcher.for_loader(
+            loader,
+            ranks=node_ranks,
+            horizon_steps=cfg.data.prefetch_steps,
+            budget_bytes=cfg.data.cache_budget_bytes or None,
+            total_steps=total,
+        )
     meter.job_start(
         restored_step=step,
         startup_s=time.time() - PROCESS_START - restore_s,  # interpreter start to now
@@ -351,6 +364,8 @@ def train(cfg: Config) -> dict[str, Any]:
         raise
     meter.close(reason="finished")
     ckpt.close()
+    if prefetcher is not None:
+        prefetcher.close()
     if trace is not None:
         trace.close()
     close_quietly(loader)
