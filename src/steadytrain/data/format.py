@@ -144,6 +144,18 @@ class Manifest:
     def itemsize(self) -> int:
         return np.dtype(self.dtype).itemsize
 
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers every command reports (``inspect``'s JSON keys)."""
+        return {
+            "num_tokens": self.num_tokens,
+            "num_docs": self.num_docs,
+            "num_shards": len(self.shards),
+            "dtype": self.dtype,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "fingerprint": self.fingerprint,
+        }
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,
