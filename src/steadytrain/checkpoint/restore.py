@@ -1,10 +1,12 @@
 """Restore the newest committed checkpoint that verifies; skip and report the others.
 
 Rank 0 discovers candidates (only directories with a valid COMMIT) and broadcasts them. For
-each candidate, newest first, every rank verifies the files it will read against COMMIT
-(sizes and xxh3 checksums, before DCP unpickles ``.metadata``) and all ranks agree; then DCP
-loads and reshards the tensors, and the JSON states and RNG are applied. A candidate that
-fails anywhere is reported in ``skipped`` and the next older one is tried.
+each candidate, newest first: every rank checks names and sizes of every file and reads
+``.metadata`` and its JSON state once, checksummed (``_preverify``), and all ranks agree; then
+DCP loads and reshards the tensors through ``reader.VerifyingReader``, which (``verify="full"``)
+checksums every shard file before any live tensor is written and then copies tensor bytes
+straight into place; the JSON states and RNG are applied. A candidate that fails anywhere is
+reported in ``skipped`` and the next older one is tried.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 import time
 from typing import Any
 
 from steadytrain.checkpoint import commit as C
+from steadytrain.checkpoint import reader as R
 from steadytrain.checkpoint import state as S
 from steadytrain.checkpoint.remote import Root, discover
 from steadytrain.checkpoint.writer import FAILURES as _FAILURES
@@ -52,42 +54,63 @@ def _local_copy(cand: dict, local: Root, remote: Root, rank: int, shards: bool) 
     return tmp, True
 
 
-def _load(states: dict[str, Any], path: str, manifest: dict, group: Group) -> None:
+def _json_name(manifest: dict, rank: int) -> str:
+    """The JSON state file this rank applies: its own, or rank 0's for a rank the saved job
+    did not have."""
+    own = rank < int(manifest["world"]["world_size"])
+    return f"state-rank{(rank if own else 0):05d}.json"
+
+
+def _preverify(path: str, manifest: dict, rank: int, part: tuple[int, int]) -> dict[str, bytes]:
+    """Names, symlinks and sizes of every file; the small files, each read once and hashed.
+
+    ``.metadata`` (the pickle) and this rank's JSON state are read into memory, checked, and
+    later used from these very bytes; the other ranks' JSON files are split among the ranks.
+    Shard checksums are left to the reader (before serving, or streamed for "overlap").
+    """
+    C.verify_local(path, manifest, checksums=False)
+    entries = {f["path"]: f for f in manifest["files"]}
+    mine = {".metadata", _json_name(manifest, rank)}
+    blobs = {name: R.read_verified(path, entries[name]) for name in sorted(mine)}
+    others = [n for n in sorted(entries) if not C.is_shard(n) and n not in mine]
+    R.check_files(path, [entries[n] for n in others[part[0] :: part[1]]], threads=1)
+    return blobs
+
+
+def _load(
+    states: dict[str, Any],
+    path: str,
+    manifest: dict,
+    group: Group,
+    blobs: dict[str, bytes],
+    mode: str,
+    flags: dict[str, Any],
+) -> None:
     import torch.distributed.checkpoint as dcp
 
     template = S.dcp_state_dict(states)
     if template:
-        dcp.load(
-            template,
-            storage_reader=dcp.FileSystemReader(path),
-            process_group=group.pg,
-            no_dist=not group.dist,
-        )
+        reader = R.VerifyingReader(path, manifest, blobs[".metadata"], group, verify=mode)
+        try:
+            dcp.load(
+                template,
+                storage_reader=reader,
+                process_group=group.pg,
+                no_dist=not group.dist,
+            )
+        finally:
+            flags["touched"] = reader.touched
+            flags["verify_error"] = reader.error
+            flags["fast_items"], flags["slow_items"] = reader.fast_items, reader.slow_items
+        flags["touched"] = True
         S.apply_dcp_state_dict(states, template)
-    saved_world = int(manifest["world"]["world_size"])
-    own = group.rank < saved_world
-    with open(os.path.join(path, f"state-rank{(group.rank if own else 0):05d}.json")) as f:
-        rank_json = json.load(f)
+    flags["touched"] = True
+    rank_json = json.loads(blobs[_json_name(manifest, group.rank)])
     S.apply_json_states(states, rank_json["states"])
-    if own:
+    if group.rank < int(manifest["world"]["world_size"]):
         S.set_rng_state(rank_json["rng"])
     else:  # a rank the saved job did not have: deterministic, distinct per rank
         S.seed_rng(S.derive_seed(int(manifest["step"]), group.rank))
-
-
-def _verify_shards_async(path: str, manifest: dict, part: tuple[int, int]):
-    """Checksum the shard files on a thread while DCP reads them (one pass over the disk)."""
-    box: dict[str, BaseException] = {}
-
-    def work() -> None:
-        try:
-            C.verify_local(path, manifest, part=part, shards=True, others=False)
-        except _FAILURES as exc:  # noqa: BLE001
-            box["error"] = exc
-
-    t = threading.Thread(target=work, name="steadytrain-verify", daemon=True)
-    t.start()
-    return t, box
 
 
 def restore_latest(
@@ -95,12 +118,14 @@ def restore_latest(
 ) -> dict[str, Any]:
     """Load the newest verified checkpoint into ``states``; returns the ``restore`` event.
 
-    ``verify="full"``: every size and checksum is checked before anything is loaded.
+    ``verify="full"``: every size and checksum is checked before any live state is written
+    (shards by the reader inside ``dcp.load``, each read from disk once).
     ``verify="overlap"`` (local directories): sizes, ``.metadata`` (the pickle) and the JSON
-    files are checked first; the shard checksums are computed while DCP loads them, so the
-    disk is read once. A shard that then fails its checksum makes the load fail: the next
-    older checkpoint is loaded over it, and if none is left a CheckpointError says so (the
-    live state was overwritten). Shards are read with torch's weights-only unpickler.
+    files are checked first; each shard file is then read once, in order, with tensor bytes
+    going straight into the live tensors and every byte hashed on the way. A shard that
+    fails its checksum makes the load fail: the next older checkpoint is loaded over it,
+    and if none is left a CheckpointError says so (the live state was overwritten). Shards
+    are read with torch's weights-only unpickler before their checksum is known.
     """
     t0 = time.perf_counter()
     root = remote if remote is not None else local
@@ -110,35 +135,31 @@ def restore_latest(
     cands, skipped = group.broadcast(found)
     dirty = False  # live states hold data from a checkpoint that failed verification
     for cand in cands:
-        path, err, tmp = "", None, False
+        path, err, tmp, blobs = "", None, False, {}
         try:
             if remote is not None:
                 path, tmp = _local_copy(cand, local, remote, group.rank, True)  # verified
             else:
                 path = os.path.join(local.root, cand["name"])
-                C.verify_local(path, cand["manifest"], part=part, shards=not overlap)
+            blobs = _preverify(path, cand["manifest"], group.rank, part)
         except _FAILURES as exc:  # noqa: BLE001 - any failure means: try an older one
             err = f"rank {group.rank}: {exc}"
         errs = [e for e in group.all_gather(err) if e]
         if not errs:
-            checker, box = (
-                _verify_shards_async(path, cand["manifest"], part)
-                if overlap
-                else (
-                    None,
-                    {},
-                )
-            )
+            # full: every shard checked before any is served; overlap: hashed while read
+            # straight into place; a remote checkpoint's local copy is already verified.
+            mode = "none" if remote is not None else ("stream" if overlap else "before")
+            flags: dict[str, Any] = {"touched": False}
             try:
-                _load(states, path, cand["manifest"], group)
+                _load(states, path, cand["manifest"], group, blobs, mode, flags)
             except _FAILURES as exc:  # noqa: BLE001
-                err = f"rank {group.rank}: load failed: {type(exc).__name__}: {exc}"
-            if checker is not None:
-                checker.join()
-                if "error" in box:
-                    err, dirty = f"rank {group.rank}: {box['error']}", True
-            errs = [e for e in group.all_gather(err) if e]
-            dirty = dirty or bool(errs)
+                err = flags.get("verify_error") or (
+                    f"rank {group.rank}: load failed: {type(exc).__name__}: {exc}"
+                )
+            gathered = group.all_gather((err, bool(flags["touched"])))
+            errs = list(dict.fromkeys(e for e, _ in gathered if e))  # verify errors repeat
+            # Only a failure after some rank wrote live tensors leaves the state dirty.
+            dirty = dirty or (bool(errs) and any(t for _, t in gathered))
         if tmp:
             shutil.rmtree(path, ignore_errors=True)
         if not errs:

@@ -146,6 +146,10 @@ class CheckpointConfig:
     # one file written synchronously by rank 0 (benchmarks; DDP, steps interval only)
     engine: Literal["dcp", "torch_save"] = "dcp"
     mtbf_s: float = 0.0  # the job's mean time between failures, for interval = "auto"
+    # How a restore checks checksums. "overlap": hashed while the bytes stream into the
+    # fresh model (one read; a damaged shard falls back to the next older checkpoint);
+    # "full": everything verified before any tensor is written (one extra memory copy).
+    verify: Literal["full", "overlap"] = "overlap"
 
     def __post_init__(self) -> None:
         _check(self.every_steps >= 0, "checkpoint.every_steps", self.every_steps, "use 0 or more")

@@ -220,6 +220,7 @@ def train(cfg: Config) -> dict[str, Any]:
             remote=cfg.checkpoint.remote or None,
             on_event=held.append,  # makes its own gloo group (on DDP's group: deadlock)
             mtbf_s=cfg.checkpoint.mtbf_s or None,  # interval = "auto" plans with it
+            verify=cfg.checkpoint.verify,  # restore at start, onto freshly built state
         )
     state = TrainState()
     states = {"model": model, "optim": optim, "sched": sched, "loader": loader, "train": state}

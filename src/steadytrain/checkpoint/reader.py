@@ -1,0 +1,509 @@
+"""Read a checkpoint's shards from disk once, checksummed, with tensor bytes copied into place.
+
+``VerifyingReader`` is a ``torch.distributed.checkpoint.FileSystemReader`` (the public DCP
+storage-reader API) with these changes:
+
+1. ``.metadata`` (a pickle) is unpickled from bytes the caller read once and checked against
+   COMMIT (``read_verified``): the bytes checked are the bytes unpickled.
+2. ``verify="before"`` (the checkpointer's ``verify="full"``): ``read_data`` first streams
+   every shard file this rank will read through xxh3-64 with one small reused buffer (the
+   one cold read from disk); shard files no rank reads are split among the ranks; all ranks
+   agree every file matched COMMIT **before any live tensor is written**. Tensors are then
+   served from the page cache that pass filled.
+   ``verify="stream"`` (``verify="overlap"``): one pass per file, in order, every byte hashed;
+   tensor bytes are read from disk straight into the destination tensors (and hashed
+   there). A mismatch is reported after the live state was written.
+3. Serving a tensor: its ``torch.save`` archive is parsed (zip headers, and the pickle with
+   torch's weights-only unpickler onto the ``meta`` device: layout only, no data), then its
+   bytes are ``preadv``-ed into the destination tensor's memory. DCP's own path allocates a
+   fresh tensor per item (``torch.load``), copies into it, then copies into the destination.
+   Anything else (non-tensor items, a non-contiguous source or destination, a dtype change,
+   another byte order, transforms) takes DCP's normal path.
+
+Measured on the 2-core VM (bench/checkpoint_block.py): ``readinto`` a fresh 512 MiB buffer
+ran at ~0.6 GB/s against ~1.6-2.3 GB/s for a loop reusing a 16 MiB buffer (every fresh page
+faults, with ``MADV_HUGEPAGE`` too), so "read each file into one buffer and serve slices"
+loses to a second pass from the page cache into already-resident tensors (~0.03-0.07 s per
+512 MiB). ``mmap`` + ``MAP_POPULATE`` for pass 1 was no faster and turns a concurrent
+truncation into SIGBUS.
+
+Trust: in ``before`` mode a verified file is re-read from the page cache; whoever can rewrite
+it in between can also rewrite COMMIT (docs/checkpoint.md, "Trust and safety").
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import pickle
+import struct
+import sys
+import zipfile
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+from torch.futures import Future
+
+from steadytrain.checkpoint.commit import is_shard, safe_name
+from steadytrain.errors import CheckpointError
+
+__all__ = ["VerifyingReader", "read_verified", "check_file", "check_files"]
+
+_PIECE = 4 << 20  # bytes per read, hashed while still in the CPU cache
+
+
+def _scratch() -> bytearray:
+    """A buffer for bytes without a destination; reused within a restore (fresh pages fault)."""
+    return bytearray(_PIECE)
+
+
+_MODES = ("before", "stream", "none")
+_HEADERS = 16 << 10  # bytes read at each end of a tensor's archive to parse it
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header (30 bytes)
+
+
+def read_verified(directory: str, entry: dict[str, Any]) -> bytes:
+    """Read a small file once and check its size and xxh3 against its COMMIT ``entry``."""
+    path = os.path.join(directory, safe_name(entry["path"]))
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        raise CheckpointError(f"{path}: listed in COMMIT but missing") from None
+    if len(data) != entry["size"]:
+        raise CheckpointError(
+            f"{path}: {len(data)} bytes, COMMIT says {entry['size']} (truncated?)"
+        )
+    digest = xxhash.xxh3_64_hexdigest(data)
+    if digest != entry.get("xxh3_64"):
+        raise CheckpointError(f"{path}: checksum {digest} != COMMIT {entry.get('xxh3_64')}")
+    return data
+
+
+def check_file(directory: str, entry: dict[str, Any], buf: bytearray | None = None) -> None:
+    """Stream a file through xxh3 with one reused buffer; CheckpointError on any mismatch."""
+    path = os.path.join(directory, safe_name(entry["path"]))
+    try:
+        f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed below
+    except OSError:
+        raise CheckpointError(f"{path}: listed in COMMIT but missing") from None
+    with f, _Stream(f.fileno(), entry, path, buf) as stream:
+        stream.finish()
+
+
+def check_files(directory: str, entries: list[dict[str, Any]], threads: int = 2) -> None:
+    """``check_file`` for several files, ``threads`` at a time (reads overlap, GIL released)."""
+    if len(entries) <= 1 or threads <= 1:
+        buf = _scratch()
+        for e in entries:
+            check_file(directory, e, buf)
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="steadytrain-verify") as ex:
+        for fut in [ex.submit(check_file, directory, e) for e in entries]:
+            fut.result()
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes at ``base`` of an open file (pread)."""
+
+    def __init__(self, fd: int, base: int, length: int, cache: int = 0) -> None:
+        super().__init__()
+        self._fd, self._base, self._len, self._pos = fd, base, length, 0
+        # ``cache``: read the first and last ``cache`` bytes once (a torch.save archive's
+        # headers and pickle sit at its start, the zip directory at its end): two reads per
+        # tensor instead of ~a dozen small ones, which matters when the file is cold.
+        self._cached: list[tuple[int, bytes]] = []
+        if cache:
+            head = min(length, cache)
+            self._cached.append((0, self._pread(0, head)))
+            if length > head:
+                tail = max(head, length - cache)
+                self._cached.append((tail, self._pread(tail, length - tail)))
+
+    def _pread(self, pos: int, n: int) -> bytes:
+        buf = bytearray(n)
+        _pread_exact(self._fd, memoryview(buf), self._base + pos, "torch.save archive")
+        return bytes(buf)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, start + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self._len - self._pos))
+        if n == 0:
+            return 0
+        for at, data in self._cached:
+            if at <= self._pos and self._pos + n <= at + len(data):
+                memoryview(b).cast("B")[:n] = data[self._pos - at : self._pos - at + n]
+                self._pos += n
+                return n
+        got = os.preadv(self._fd, [memoryview(b).cast("B")[:n]], self._base + self._pos)
+        self._pos += got
+        return got
+
+
+def _pread_exact(fd: int, mv: memoryview, offset: int, what: str) -> None:
+    done = 0
+    while done < len(mv):
+        n = os.preadv(fd, [mv[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointError(f"{what}: unexpected end of file at byte {offset + done}")
+        done += n
+
+
+@functools.lru_cache(maxsize=4096)
+def _unpickle_meta(pkl: bytes) -> Any:
+    """Same-shaped tensors have byte-identical pickles (a model's layers): unpickle once."""
+    from torch import _weights_only_unpickler as wou
+
+    def persistent_load(saved_id: Any) -> Any:
+        kind, storage_type, _key, _location, numel = saved_id
+        if kind not in ("storage", b"storage"):
+            raise ValueError(f"persistent id {kind!r}")
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        nbytes = numel * torch._utils._element_size(dtype)
+        storage = torch.UntypedStorage(nbytes, device="meta")
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+    unpickler = wou.Unpickler(io.BytesIO(pkl), encoding="utf-8")
+    unpickler.persistent_load = persistent_load
+    return unpickler.load()
+
+
+def _meta_tensor(pkl: bytes, window: _Window) -> Any:
+    """The tensor described by a ``torch.save`` pickle, on the ``meta`` device (no data).
+
+    Uses torch's weights-only unpickler (what ``torch.load(weights_only=True)`` uses) with
+    storages created on ``meta``: ~10x cheaper per tensor than ``torch.load`` on a file-like,
+    which matters for checkpoints with thousands of tensors. Any surprise (another torch
+    version, another pickle shape) falls back to ``torch.load(map_location="meta")``.
+    """
+    try:
+        return _unpickle_meta(pkl)
+    except Exception:  # noqa: BLE001 - the public path below is always right, only slower
+        window.seek(0)
+        return torch.load(window, map_location="meta", weights_only=True)
+
+
+def _tensor_layout(fd: int, base: int, length: int) -> tuple[Any, int] | None:
+    """(meta tensor with the saved layout, file offset of its storage bytes), or None.
+
+    None means "use DCP's normal path": anything but one storage, stored uncompressed, in
+    this host's byte order, in a ``torch.save`` zip archive (DCP then reports real damage).
+    """
+    try:
+        return _parse_archive(fd, base, length)
+    except (zipfile.BadZipFile, ValueError, KeyError, EOFError, struct.error):
+        return None
+
+
+def _parse_archive(fd: int, base: int, length: int) -> tuple[Any, int] | None:
+    window = _Window(fd, base, length, cache=_HEADERS)
+    zf = zipfile.ZipFile(window)
+    infos = zf.infolist()
+    if not infos:
+        return None
+    prefix = infos[0].filename.split("/", 1)[0]
+    data = [i for i in infos if i.filename.startswith(f"{prefix}/data/")]
+    names = {i.filename for i in infos}
+    if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED:
+        return None
+    if f"{prefix}/data.pkl" not in names:
+        return None
+    if f"{prefix}/byteorder" in names:
+        if zf.read(f"{prefix}/byteorder").decode() != sys.byteorder:
+            return None
+    elif sys.byteorder != "little":  # archives without the record are little-endian
+        return None
+    info = data[0]
+    window.seek(info.header_offset)
+    head = window.read(_LOCAL_HEADER.size)
+    if len(head) != _LOCAL_HEADER.size:
+        return None
+    sig, *_, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+    if sig != 0x04034B50:
+        return None
+    offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if offset + info.file_size > length:
+        return None
+    meta = _meta_tensor(zf.read(f"{prefix}/data.pkl"), window)
+    if type(meta) is not torch.Tensor or meta.layout != torch.strided or meta.is_quantized:
+        return None
+    if meta.device.type != "meta" or meta.untyped_storage().nbytes() != info.file_size:
+        return None
+    return meta, base + offset
+
+
+def _narrow(t: Any, offsets: Iterable[int], lengths: Iterable[int]) -> Any:
+    for dim, (off, n) in enumerate(zip(offsets, lengths, strict=True)):
+        if off != 0 or n != t.size(dim):
+            t = t.narrow(dim, off, n)
+    return t
+
+
+def _dest_bytes(target: Any) -> memoryview | None:
+    """A writable byte view of a CPU tensor's memory, or None when it has none to offer."""
+    if type(target) is not torch.Tensor or target.device.type != "cpu" or target.numel() == 0:
+        return None
+    if not target.is_contiguous() or target.is_conj() or target.is_neg():
+        return None
+    try:
+        return memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
+class VerifyingReader(FileSystemReader):
+    """See the module docstring. ``group`` is the checkpointer's ``Group`` (same process
+    group as the one given to ``dcp.load``): ``read_data`` runs all-gathers on it.
+
+    ``verify``: ``"before"`` (every shard checked, all ranks agree, then tensors are
+    served: nothing live is written from a damaged checkpoint), ``"stream"`` (one pass:
+    tensor bytes go from disk straight into the destination while the file is hashed; a
+    mismatch is reported after the live state was written) or ``"none"`` (already verified).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        manifest: dict[str, Any],
+        metadata: bytes,
+        group: Any,
+        verify: str = "before",
+        threads: int = 2,
+    ) -> None:
+        if verify not in _MODES:
+            raise ValueError(f"verify={verify!r}: one of {_MODES}")
+        super().__init__(path)
+        self._dir = str(path)
+        self._entries = {f["path"]: f for f in manifest["files"]}
+        self._metadata = metadata
+        self._group, self._verify_mode, self._threads = group, verify, threads
+        self.touched = False  # set before the first byte of live state is written
+        self.error: str | None = None  # the verification failure, if any
+        self.fast_items = 0  # tensors read straight into their destination
+        self.slow_items = 0  # items served by DCP's normal path
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"{self._dir}: rank-local DCP metadata is not used")
+        metadata = pickle.loads(self._metadata)  # verified bytes, never re-read
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _entry(self, rel: str) -> dict[str, Any]:
+        if rel not in self._entries:
+            raise CheckpointError(f"{self._dir}: DCP wants {rel!r}, which COMMIT does not list")
+        return self._entries[rel]
+
+    def _agree(self, err: str | None, files: list[str]) -> None:
+        """All ranks learn every failure; shard files no rank read are split and checked."""
+        g = self._group
+        gathered = g.all_gather((err, files))
+        errs = [e for e, _ in gathered if e]
+        if not errs:
+            read = {f for _, fs in gathered for f in fs}
+            unread = sorted(n for n in self._entries if is_shard(n) and n not in read)
+            if unread:  # nobody loads them, but a verified checkpoint is intact everywhere
+                try:
+                    mine = unread[g.rank :: g.world]
+                    check_files(self._dir, [self._entries[n] for n in mine], self._threads)
+                except Exception as exc:  # noqa: BLE001 - every rank must reach the gather
+                    err = f"rank {g.rank}: {exc}"
+                errs = [e for e in g.all_gather(err) if e]
+        if errs:
+            self.error = "; ".join(errs)
+            raise CheckpointError(self.error)
+
+    def read_data(self, plan: Any, planner: Any) -> Future:
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            rel = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(rel, []).append(item)
+        files = sorted(per_file)
+        slow: list[Any] = []
+        if self._verify_mode == "before":
+            err = None
+            try:
+                check_files(self._dir, [self._entry(f) for f in files], self._threads)
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the all-gather
+                err = f"rank {self._group.rank}: {exc}"
+            self._agree(err, files)
+            self.touched = True
+            for rel in files:
+                slow += self._serve_file(rel, per_file[rel], planner, stream=False)
+        elif self._verify_mode == "stream":
+            self.touched = True
+            err = None
+            try:
+                for rel in files:
+                    slow += self._serve_file(rel, per_file[rel], planner, stream=True)
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the all-gather
+                err = f"rank {self._group.rank}: {exc}"
+            self._agree(err, files)
+        else:
+            self.touched = True
+            for rel in files:
+                slow += self._serve_file(rel, per_file[rel], planner, stream=False)
+        self.fast_items += len(plan.items) - len(slow)
+        self.slow_items += len(slow)
+        if slow:  # DCP's own path (the files are verified and in the page cache)
+            return super().read_data(LoadPlan(slow), planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _serve_file(self, rel: str, items: list[Any], planner: Any, stream: bool) -> list[Any]:
+        """Copy what the fast path can take into place; return the items it cannot.
+
+        ``stream``: the whole file is read once, in order, and hashed on the way: tensor
+        bytes land directly in their destination (and are hashed there), the rest goes
+        through a small reused buffer; each archive is parsed when the stream reaches it.
+        Otherwise (the file is verified and cached) each tensor's bytes are ``preadv``-ed.
+        """
+        where = os.path.join(self._dir, safe_name(rel))
+        by_record: dict[int, list[Any]] = {}
+        for item in items:
+            by_record.setdefault(self.storage_data[item.storage_index].offset, []).append(item)
+        slow, done = [], []
+        # Two descriptors: the small header reads that parse each archive must not reset the
+        # kernel's readahead state of the sequential stream (it is kept per open file).
+        with (
+            open(where, "rb", buffering=0) as f,
+            open(where, "rb", buffering=0) as g,
+            _Stream(g.fileno(), self._entry(rel), where) if stream else nullcontext() as reader,
+        ):
+            fd = f.fileno()
+            for offset in sorted(by_record):
+                group = by_record[offset]
+                md = self.storage_data[group[0].storage_index]
+                layout = None
+                if not md.transform_descriptors:
+                    if reader is not None:
+                        reader.skip_to(md.offset)  # parse what the stream is about to read
+                    layout = _tensor_layout(fd, md.offset, md.length)
+                plans = []
+                for item in group:
+                    plan = self._fast_plan(item, planner, layout, md, where)
+                    if plan is None:
+                        slow.append(item)
+                    else:
+                        plans.append((*plan, item))
+                for start, dst, target, item in sorted(plans, key=lambda p: p[0]):
+                    if reader is None:
+                        _pread_exact(fd, dst, start, where)
+                    elif start < reader.pos:  # overlaps a range already streamed
+                        slow.append(item)
+                        continue
+                    else:
+                        reader.skip_to(start)
+                        reader.fill(dst)
+                    done.append((target, item))
+            if reader is not None:
+                reader.finish()
+        for target, item in done:
+            planner.commit_tensor(item, target)
+        return slow
+
+    def _fast_plan(
+        self, item: Any, planner: Any, layout: tuple[Any, int] | None, md: Any, where: str
+    ) -> tuple[int, memoryview, Any] | None:
+        """(file offset, destination bytes, destination tensor) or None (DCP's path)."""
+        if item.type != LoadItemType.TENSOR or layout is None:
+            return None
+        meta, data_at = layout
+        src = _narrow(meta, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.dtype != src.dtype or target.size() != src.size():
+            return None
+        if not src.is_contiguous():
+            return None
+        dst = _dest_bytes(target)
+        if dst is None or len(dst) != src.numel() * src.element_size():
+            return None
+        start = data_at + src.storage_offset() * src.element_size()
+        if start + len(dst) > md.offset + md.length:
+            raise CheckpointError(f"{where}: tensor {item.storage_index} overruns its record")
+        return start, dst, target
+
+
+class _Stream:
+    """Read one file once, front to back, hashing every byte (see ``_serve_file``).
+
+    Each ``_PIECE`` is hashed right after it is read, while it is still in the CPU cache.
+    Measured (512 MiB, cold): 4 MiB pieces matched a plain 16 MiB ``read()`` loop; 16 MiB
+    pieces were ~30% slower (hashing re-reads DRAM), and a helper thread reading ahead
+    while hashing did not help on 2 cores.
+    """
+
+    def __init__(
+        self, fd: int, entry: dict[str, Any], where: str, buf: bytearray | None = None
+    ) -> None:
+        self.fd, self.entry, self.where = fd, entry, where
+        self.h = xxhash.xxh3_64()
+        self.scratch = memoryview(buf if buf is not None else _scratch())
+        self.pos = 0
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def _run(self, views: list[memoryview]) -> None:
+        """Read consecutive bytes from ``pos`` into ``views``, hashing each after its read."""
+        for view in views:
+            done = 0
+            while done < len(view):
+                n = os.preadv(self.fd, [view[done:]], self.pos + done)
+                if n <= 0:
+                    raise CheckpointError(
+                        f"{self.where}: {self.pos + done} bytes, COMMIT says "
+                        f"{self.entry['size']} (truncated?)"
+                    )
+                done += n
+            self.h.update(view)
+            self.pos += done
+
+    def fill(self, dst: memoryview) -> None:
+        """Read the next ``len(dst)`` bytes of the file into ``dst`` and hash them there."""
+        self._run([dst[i : i + _PIECE] for i in range(0, len(dst), _PIECE)])
+
+    def skip_to(self, end: int) -> None:
+        """Hash up to byte ``end`` through the scratch buffer."""
+        while self.pos < end:
+            self._run([self.scratch[: min(len(self.scratch), end - self.pos)]])
+
+    def finish(self) -> None:
+        """Hash the rest of the file; CheckpointError when size or checksum differ."""
+        self.skip_to(self.entry["size"])
+        if os.preadv(self.fd, [self.scratch[:1]], self.pos) > 0:
+            raise CheckpointError(
+                f"{self.where}: longer than the {self.entry['size']} bytes COMMIT lists"
+            )
+        digest = self.h.hexdigest()
+        if digest != self.entry.get("xxh3_64"):
+            raise CheckpointError(
+                f"{self.where}: checksum {digest} != COMMIT {self.entry.get('xxh3_64')}"
+            )
