@@ -20,6 +20,7 @@ makes a too-short interval visible as checkpoint stall in the goodput ledger.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -110,6 +111,10 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._result: dict[str, Any] | None = None
         self._in_flight: list[str] = []
+        # Directories whose save this process saw commit. On nodes other than rank 0's, the
+        # node-local staging copy has no COMMIT (rank 0 writes it), so retention there needs
+        # this list to tell committed copies from torn ones.
+        self._committed_here: list[str] = []
         self._last_save_t = time.monotonic()
         self._last_step = -1
         self._cost_s: float | None = None
@@ -191,6 +196,7 @@ class Checkpointer:
     def _run(self, req: SaveRequest) -> dict[str, Any]:
         event = run_save(req, self.group, self.local, self.remote, self._in_flight)
         if event["ok"]:
+            self._committed_here.append(os.path.basename(str(event["path"]).rstrip("/")))
             self._retain()
         self._in_flight[:] = []
         return event
@@ -232,7 +238,7 @@ class Checkpointer:
         for root in roots:
             try:
                 infos = discover(root)
-                committed = [i for i in infos if i.committed]
+                committed = [i for i in infos if i.committed or i.name in self._committed_here]
                 if not committed:
                     continue
                 keep = {i.name for i in committed[: self.keep_last]}
@@ -242,10 +248,13 @@ class Checkpointer:
                 for i in infos:
                     if i.name in keep or i.name in self._in_flight:
                         continue
-                    if i.committed or i.key < newest:
+                    if i.committed or i.name in self._committed_here or i.key < newest:
                         root.remove(i.name)
             except Exception as exc:  # noqa: BLE001 - retention retries after the next save
                 log.warning("retention in %s failed: %s", root.url, exc)
+        # Bounded: node-local staging copies beyond the last K are caches of the remote
+        # copy (which keeps the milestones); forgetting them lets retention drop them.
+        del self._committed_here[: -(self.keep_last + 1)]
 
     # -- restoring -----------------------------------------------------------------------
     def restore_latest(self, states: dict[str, Any]) -> int:
