@@ -33,25 +33,19 @@ it in between can also rewrite COMMIT (docs/checkpoint.md, "Trust and safety").
 
 from __future__ import annotations
 
-import functools
-import io
 import os
 import pickle
-import struct
-import sys
-import zipfile
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any
 
-import torch
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.futures import Future
 
+from steadytrain.checkpoint.archive import dest_bytes, narrow, pread_exact, tensor_layout
 from steadytrain.checkpoint.commit import is_shard, safe_name
 from steadytrain.errors import CheckpointError
 
@@ -66,8 +60,6 @@ def _scratch() -> bytearray:
 
 
 _MODES = ("before", "stream", "none")
-_HEADERS = 16 << 10  # bytes read at each end of a tensor's archive to parse it
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header (30 bytes)
 
 
 def read_verified(directory: str, entry: dict[str, Any]) -> bytes:
@@ -109,167 +101,6 @@ def check_files(directory: str, entries: list[dict[str, Any]], threads: int = 2)
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="steadytrain-verify") as ex:
         for fut in [ex.submit(check_file, directory, e) for e in entries]:
             fut.result()
-
-
-class _Window(io.RawIOBase):
-    """A read-only, seekable view of ``length`` bytes at ``base`` of an open file (pread)."""
-
-    def __init__(self, fd: int, base: int, length: int, cache: int = 0) -> None:
-        super().__init__()
-        self._fd, self._base, self._len, self._pos = fd, base, length, 0
-        # ``cache``: read the first and last ``cache`` bytes once (a torch.save archive's
-        # headers and pickle sit at its start, the zip directory at its end): two reads per
-        # tensor instead of ~a dozen small ones, which matters when the file is cold.
-        self._cached: list[tuple[int, bytes]] = []
-        if cache:
-            head = min(length, cache)
-            self._cached.append((0, self._pread(0, head)))
-            if length > head:
-                tail = max(head, length - cache)
-                self._cached.append((tail, self._pread(tail, length - tail)))
-
-    def _pread(self, pos: int, n: int) -> bytes:
-        buf = bytearray(n)
-        _pread_exact(self._fd, memoryview(buf), self._base + pos, "torch.save archive")
-        return bytes(buf)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, start + offset)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self._len - self._pos))
-        if n == 0:
-            return 0
-        for at, data in self._cached:
-            if at <= self._pos and self._pos + n <= at + len(data):
-                memoryview(b).cast("B")[:n] = data[self._pos - at : self._pos - at + n]
-                self._pos += n
-                return n
-        got = os.preadv(self._fd, [memoryview(b).cast("B")[:n]], self._base + self._pos)
-        self._pos += got
-        return got
-
-
-def _pread_exact(fd: int, mv: memoryview, offset: int, what: str) -> None:
-    done = 0
-    while done < len(mv):
-        n = os.preadv(fd, [mv[done:]], offset + done)
-        if n <= 0:
-            raise CheckpointError(f"{what}: unexpected end of file at byte {offset + done}")
-        done += n
-
-
-@functools.lru_cache(maxsize=4096)
-def _unpickle_meta(pkl: bytes) -> Any:
-    """Same-shaped tensors have byte-identical pickles (a model's layers): unpickle once."""
-    from torch import _weights_only_unpickler as wou
-
-    def persistent_load(saved_id: Any) -> Any:
-        kind, storage_type, _key, _location, numel = saved_id
-        if kind not in ("storage", b"storage"):
-            raise ValueError(f"persistent id {kind!r}")
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        nbytes = numel * torch._utils._element_size(dtype)
-        storage = torch.UntypedStorage(nbytes, device="meta")
-        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-
-    unpickler = wou.Unpickler(io.BytesIO(pkl), encoding="utf-8")
-    unpickler.persistent_load = persistent_load
-    return unpickler.load()
-
-
-def _meta_tensor(pkl: bytes, window: _Window) -> Any:
-    """The tensor described by a ``torch.save`` pickle, on the ``meta`` device (no data).
-
-    Uses torch's weights-only unpickler (what ``torch.load(weights_only=True)`` uses) with
-    storages created on ``meta``: ~10x cheaper per tensor than ``torch.load`` on a file-like,
-    which matters for checkpoints with thousands of tensors. Any surprise (another torch
-    version, another pickle shape) falls back to ``torch.load(map_location="meta")``.
-    """
-    try:
-        return _unpickle_meta(pkl)
-    except Exception:  # noqa: BLE001 - the public path below is always right, only slower
-        window.seek(0)
-        return torch.load(window, map_location="meta", weights_only=True)
-
-
-def _tensor_layout(fd: int, base: int, length: int) -> tuple[Any, int] | None:
-    """(meta tensor with the saved layout, file offset of its storage bytes), or None.
-
-    None means "use DCP's normal path": anything but one storage, stored uncompressed, in
-    this host's byte order, in a ``torch.save`` zip archive (DCP then reports real damage).
-    """
-    try:
-        return _parse_archive(fd, base, length)
-    except (zipfile.BadZipFile, ValueError, KeyError, EOFError, struct.error):
-        return None
-
-
-def _parse_archive(fd: int, base: int, length: int) -> tuple[Any, int] | None:
-    window = _Window(fd, base, length, cache=_HEADERS)
-    zf = zipfile.ZipFile(window)
-    infos = zf.infolist()
-    if not infos:
-        return None
-    prefix = infos[0].filename.split("/", 1)[0]
-    data = [i for i in infos if i.filename.startswith(f"{prefix}/data/")]
-    names = {i.filename for i in infos}
-    if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED:
-        return None
-    if f"{prefix}/data.pkl" not in names:
-        return None
-    if f"{prefix}/byteorder" in names:
-        if zf.read(f"{prefix}/byteorder").decode() != sys.byteorder:
-            return None
-    elif sys.byteorder != "little":  # archives without the record are little-endian
-        return None
-    info = data[0]
-    window.seek(info.header_offset)
-    head = window.read(_LOCAL_HEADER.size)
-    if len(head) != _LOCAL_HEADER.size:
-        return None
-    sig, *_, name_len, extra_len = _LOCAL_HEADER.unpack(head)
-    if sig != 0x04034B50:
-        return None
-    offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    if offset + info.file_size > length:
-        return None
-    meta = _meta_tensor(zf.read(f"{prefix}/data.pkl"), window)
-    if type(meta) is not torch.Tensor or meta.layout != torch.strided or meta.is_quantized:
-        return None
-    if meta.device.type != "meta" or meta.untyped_storage().nbytes() != info.file_size:
-        return None
-    return meta, base + offset
-
-
-def _narrow(t: Any, offsets: Iterable[int], lengths: Iterable[int]) -> Any:
-    for dim, (off, n) in enumerate(zip(offsets, lengths, strict=True)):
-        if off != 0 or n != t.size(dim):
-            t = t.narrow(dim, off, n)
-    return t
-
-
-def _dest_bytes(target: Any) -> memoryview | None:
-    """A writable byte view of a CPU tensor's memory, or None when it has none to offer."""
-    if type(target) is not torch.Tensor or target.device.type != "cpu" or target.numel() == 0:
-        return None
-    if not target.is_contiguous() or target.is_conj() or target.is_neg():
-        return None
-    try:
-        return memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
-    except (RuntimeError, TypeError, ValueError):
-        return None
 
 
 class VerifyingReader(FileSystemReader):
@@ -402,7 +233,7 @@ class VerifyingReader(FileSystemReader):
                 if not md.transform_descriptors:
                     if reader is not None:
                         reader.skip_to(md.offset)  # parse what the stream is about to read
-                    layout = _tensor_layout(fd, md.offset, md.length)
+                    layout = tensor_layout(fd, md.offset, md.length)
                 plans = []
                 for item in group:
                     plan = self._fast_plan(item, planner, layout, md, where)
@@ -412,7 +243,7 @@ class VerifyingReader(FileSystemReader):
                         plans.append((*plan, item))
                 for start, dst, target, item in sorted(plans, key=lambda p: p[0]):
                     if reader is None:
-                        _pread_exact(fd, dst, start, where)
+                        pread_exact(fd, dst, start, where)
                     elif start < reader.pos:  # overlaps a range already streamed
                         slow.append(item)
                         continue
@@ -433,13 +264,13 @@ class VerifyingReader(FileSystemReader):
         if item.type != LoadItemType.TENSOR or layout is None:
             return None
         meta, data_at = layout
-        src = _narrow(meta, item.storage_offsets, item.lengths)
+        src = narrow(meta, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.dtype != src.dtype or target.size() != src.size():
             return None
         if not src.is_contiguous():
             return None
-        dst = _dest_bytes(target)
+        dst = dest_bytes(target)
         if dst is None or len(dst) != src.numel() * src.element_size():
             return None
         start = data_at + src.storage_offset() * src.element_size()
