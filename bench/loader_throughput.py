@@ -8,7 +8,12 @@ StreamingDataset + TokensLoader, mosaicml-streaming MDS, each with 0/1/2 workers
 configuration runs in its own process. "Per core" is tokens per CPU-second (all processes
 of the configuration), the number that does not depend on how busy the machine is.
 
-    .venv/bin/python bench/loader_throughput.py [--quick]   -> bench/results/loader_throughput.json
+    .venv/bin/python bench/loader_throughput.py              -> bench/results/loader_throughput.json
+    .venv/bin/python bench/loader_throughput.py --only-ours  -> bench/results/loader_throughput_quick.json
+
+``--only-ours`` runs the two floors and the in-process / background-thread TokenLoader rows
+(no peers, no worker processes: about a minute), ``--quick`` adds the worker-process rows;
+both write ``loader_throughput_quick.json`` so the full side-by-side result is kept.
 """
 
 from __future__ import annotations
@@ -98,6 +103,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="rounds; each row keeps its best")
     p.add_argument("--quick", action="store_true", help="our loader and the floor only")
     p.add_argument(
+        "--only-ours",
+        action="store_true",
+        help="the floors and our in-process and thread rows only (no peers, no workers)",
+    )
+    p.add_argument(
         "--resummarise", action="store_true", help="recompute the summary of the last run"
     )
     a = p.parse_args()
@@ -143,13 +153,14 @@ def main() -> None:
         [*me, "--child", "ours", "--workers", "0", "--prefetch", "0"],
         None,
     )
-    for w in (0, 1, 2):
+    for w in (0,) if a.only_ours else (0, 1, 2):
         configs[f"steadytrain TokenLoader workers={w}"] = (
             [*me, "--child", "ours", "--workers", str(w)],
             None,
         )
     notes = []
-    if not a.quick:
+    partial = a.quick or a.only_ours
+    if not partial:
         py, note = ensure_peer_env()
         notes.append(note)
         peer_script = os.path.join(
@@ -189,7 +200,7 @@ def main() -> None:
     rows = best_rows(runs)
     summary = summarise(rows)
     path = write_result(
-        "loader_throughput",
+        "loader_throughput_quick" if partial else "loader_throughput",
         {
             "seq_len": SEQ,
             "micro_batch": MICRO,

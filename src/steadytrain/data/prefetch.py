@@ -34,8 +34,10 @@ def _close_all() -> None:
         producer.close()
 
 
-# finish(q, raw windows or None, reader) -> batch: the loader's tensor assembly.
-Finish = Callable[[int, "np.ndarray | None", Reader], Any]
+# finish(q, raw windows, reader) -> batch: the loader's tensor assembly from worker bytes.
+Finish = Callable[[int, np.ndarray, Reader], Any]
+# read(q, reader) -> (batch, bytes read): the loader's read of a micro-batch from the maps.
+Read = Callable[[int, Reader], tuple[Any, int]]
 
 
 class _Queue:
@@ -76,8 +78,8 @@ class ThreadProducer:
     costs a few wake-ups, which at 16k tokens a micro-batch is comparable to the copy itself.
     """
 
-    def __init__(self, reader: Reader, finish: Finish, q0: int, depth: int) -> None:
-        self._reader, self._finish = reader, finish
+    def __init__(self, reader: Reader, read: Read, q0: int, depth: int) -> None:
+        self._reader, self._read = reader, read
         self._group = max(1, min(depth, 8))
         self._q = _Queue(max(1, depth // self._group))
         self._ready: collections.deque = collections.deque()
@@ -92,8 +94,7 @@ class ThreadProducer:
         try:
             while not self._q.stop.is_set():
                 t0 = time.perf_counter()
-                batch = self._finish(q, None, self._reader)
-                nbytes = self._reader.nbytes(self._reader.rows(q)[0])
+                batch, nbytes = self._read(q, self._reader)
                 group.append((q, batch, time.perf_counter() - t0, nbytes))
                 q += 1
                 if len(group) == self._group:
