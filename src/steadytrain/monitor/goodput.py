@@ -58,9 +58,14 @@ BUCKETS = (
     "other",
 )
 
-# Committed checkpoints remembered for rollback arithmetic: restores never go back further
-# than checkpoint retention keeps, so a bounded map is exact in practice.
-_MAX_CHECKPOINTS = 4096
+# Committed checkpoints remembered for rollback arithmetic (the newest K). The ledger does
+# not know the checkpointer's retention (``keep_every`` can keep any number), so the bound
+# is a fixed K: a restore to a checkpoint older than the K newest commits is charged from
+# the nearest remembered one at or before it (or from step 0), over-counting
+# ``lost_to_failures``. The live meter, its restart snapshot and the offline report all use
+# the same K, so they always agree.
+_MAX_CHECKPOINTS = 64
+STATE_VERSION = 1
 
 
 def productive_s(rec: dict[str, Any]) -> float:
@@ -227,6 +232,54 @@ class GoodputAccumulator:
             self._ckpt.popitem(last=False)
         # Async saves commit a few steps late: keep the steps after the committed one.
         self._recent = [(s, c) for s, c in self._recent if s > step]
+
+    # -- state (the meter's restart snapshot) -------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The complete state, JSON-serialisable; ``load_state_dict`` of it continues exactly
+        (floats survive JSON unchanged). Size: the K newest checkpoints, the steps since
+        the newest commit, one summary per attempt -- never the per-step history."""
+        return {
+            "version": STATE_VERSION,
+            "start": self.start,
+            "last_t": self.last_t,
+            "sums": dict(self.sums),
+            "productive_all": self.productive_all,
+            "attempts": self.attempts,
+            "steps_recorded": self.steps_recorded,
+            "cum": list(self.cum),
+            "last_step": self.last_step,
+            "steps_lost": self.steps_lost,
+            "recent": [[s, *c] for s, c in self._recent],
+            "ckpt": [[s, *c] for s, c in self._ckpt.items()],
+            "last_ckpt_t": self.last_ckpt_t,
+            # The open attempt is the last summary (the same dict object while live).
+            "attempt_open": self._attempt is not None,
+            "attempt_summaries": [dict(a) for a in self.attempt_summaries],
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("version") != STATE_VERSION:
+            raise ValueError(f"goodput state version {sd.get('version')!r} != {STATE_VERSION}")
+
+        def cum(v: list[Any]) -> tuple[float, int, int]:
+            return (float(v[0]), int(v[1]), int(v[2]))
+
+        self.start = sd["start"]
+        self.last_t = sd["last_t"]
+        self.sums = {k: float(sd["sums"][k]) for k in BUCKETS}
+        self.productive_all = float(sd["productive_all"])
+        self.attempts = int(sd["attempts"])
+        self.steps_recorded = int(sd["steps_recorded"])
+        self.cum = cum(sd["cum"])
+        self.last_step = int(sd["last_step"])
+        self.steps_lost = int(sd["steps_lost"])
+        self._recent = [(int(r[0]), cum(r[1:])) for r in sd["recent"]]
+        self._ckpt = OrderedDict((int(r[0]), cum(r[1:])) for r in sd["ckpt"])
+        self.last_ckpt_t = sd["last_ckpt_t"]
+        self.attempt_summaries = [dict(a) for a in sd["attempt_summaries"]]
+        self._attempt = (
+            self.attempt_summaries[-1] if sd["attempt_open"] and self.attempt_summaries else None
+        )
 
     # -- totals ----------------------------------------------------------------------------
     def breakdown(self, now: float | None = None) -> Breakdown:

@@ -9,6 +9,12 @@ Durability: lines are handed to the OS after every batch (a crashed *process* lo
 most the records still queued in memory) and ``fsync``'d at every checkpoint commit and at
 ``job_end`` (a crashed *machine* loses at most the steps since the last checkpoint, which a
 restart redoes anyway). A line cut short by a crash is skipped on read, never fatal.
+
+Restart snapshot: ``RUN_DIR/ledger.snapshot.json`` (written by the meter, atomically) holds
+the goodput accumulator's state as of a byte offset of the ledger, so a restarting meter
+reads only the records after that offset (start-up cost independent of the run's length).
+The snapshot records the ledger's inode and the last bytes before the offset; a replaced,
+truncated or rewritten ledger fails that check and the reader falls back to the whole file.
 """
 
 from __future__ import annotations
@@ -20,9 +26,23 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LEDGER_NAME", "Ledger", "iter_ledger", "read_ledger", "next_attempt", "ledger_path"]
+__all__ = [
+    "LEDGER_NAME",
+    "SNAPSHOT_NAME",
+    "Ledger",
+    "iter_ledger",
+    "read_ledger",
+    "next_attempt",
+    "ledger_path",
+    "snapshot_path",
+    "write_snapshot",
+    "load_snapshot",
+]
 
 LEDGER_NAME = "ledger.jsonl"
+SNAPSHOT_NAME = "ledger.snapshot.json"
+SNAPSHOT_VERSION = 1
+_TAIL_BYTES = 64  # bytes before the offset kept in the snapshot to recognise the ledger
 RECORD_TYPES = ("job_start", "step", "checkpoint", "restore", "alert", "job_end")
 
 log = logging.getLogger("steadytrain.monitor")
@@ -74,6 +94,15 @@ class Ledger:
         if durable:
             os.fsync(self._f.fileno())
 
+    def offset(self) -> int:
+        """Bytes written so far (the file is only ever appended to, by this writer)."""
+        self._f.flush()
+        return os.fstat(self._f.fileno()).st_size
+
+    def sync(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
     def close(self) -> None:
         if not self._f.closed:
             self._f.flush()
@@ -81,23 +110,27 @@ class Ledger:
             self._f.close()
 
 
-def iter_ledger(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Yield the records of a ledger file (or of ``RUN_DIR/ledger.jsonl``), in order.
+def iter_ledger(path: str | os.PathLike[str], offset: int = 0) -> Iterator[dict[str, Any]]:
+    """Yield the records of a ledger file (or of ``RUN_DIR/ledger.jsonl``), in order,
+    starting at byte ``offset`` (a line boundary).
 
     Lines that do not parse (the torn tail of a crashed writer) are skipped with a warning.
     """
     p = Path(path)
     if p.is_dir():
         p = p / LEDGER_NAME
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
+    with open(p, "rb") as f:
+        if offset:
+            f.seek(offset)
+        for n, raw in enumerate(f, 1):
+            line = raw.strip()
             if not line:
                 continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
-                log.warning("%s:%d: skipping a torn ledger line (a crash mid-write)", p, n)
+            except ValueError:  # JSONDecodeError, or a torn multi-byte character
+                where = f"{p}:{n}" if not offset else f"{p}:+{offset}:{n}"
+                log.warning("%s: skipping a torn ledger line (a crash mid-write)", where)
                 continue
             if isinstance(rec, dict) and "type" in rec:
                 yield rec
@@ -120,3 +153,69 @@ def next_attempt(run_dir: str | os.PathLike[str]) -> int:
         if rec.get("type") == "job_start":
             last = max(last, int(rec.get("attempt", last + 1)))
     return last + 1
+
+
+def snapshot_path(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / SNAPSHOT_NAME
+
+
+def write_snapshot(run_dir: str | os.PathLike[str], offset: int, state: dict[str, Any]) -> None:
+    """Publish ``state`` as of ledger byte ``offset`` atomically (tmp, fsync, rename, fsync
+    of the directory). The caller has made the ledger durable up to ``offset`` first."""
+    lp = ledger_path(run_dir)
+    st = os.stat(lp)
+    with open(lp, "rb") as f:
+        f.seek(max(0, offset - _TAIL_BYTES))
+        tail = f.read(offset - max(0, offset - _TAIL_BYTES))
+    doc = {
+        "version": SNAPSHOT_VERSION,
+        "ledger": {"offset": offset, "inode": st.st_ino, "dev": st.st_dev, "tail": tail.hex()},
+        **state,
+    }
+    path = snapshot_path(run_dir)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        dfd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def load_snapshot(run_dir: str | os.PathLike[str]) -> tuple[int, dict[str, Any]] | None:
+    """``(offset, snapshot)`` when ``RUN_DIR/ledger.snapshot.json`` exists, parses and still
+    describes ``RUN_DIR/ledger.jsonl`` (same inode, at least ``offset`` bytes, the same bytes
+    just before ``offset``); else ``None`` (the reason at debug level): read the whole file."""
+    path, lp = snapshot_path(run_dir), ledger_path(run_dir)
+    why = None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        meta = doc["ledger"]
+        offset, tail = int(meta["offset"]), bytes.fromhex(meta["tail"])
+        st = os.stat(lp)
+        if doc.get("version") != SNAPSHOT_VERSION:
+            why = f"version {doc.get('version')!r}"
+        elif (st.st_ino, st.st_dev) != (meta["inode"], meta["dev"]):
+            why = "the ledger was replaced (inode changed)"
+        elif st.st_size < offset or len(tail) != min(offset, _TAIL_BYTES):
+            why = f"the ledger is shorter ({st.st_size} bytes) than the snapshot ({offset})"
+        else:
+            with open(lp, "rb") as f:
+                f.seek(offset - len(tail))
+                if f.read(len(tail)) != tail:
+                    why = "the ledger's bytes before the snapshot offset changed"
+    except FileNotFoundError:
+        why = "no snapshot" if not path.exists() else "no ledger"
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+        why = f"unreadable snapshot ({type(e).__name__}: {e})"
+    if why is not None:
+        log.debug("%s not used (%s): reading the whole ledger", path, why)
+        return None
+    return offset, doc

@@ -34,8 +34,8 @@ from typing import Any
 
 from steadytrain.monitor.alerts import AlertConfig, AlertEngine, _band
 from steadytrain.monitor.goodput import Breakdown, GoodputAccumulator
-from steadytrain.monitor.ledger import iter_ledger, ledger_path
-from steadytrain.monitor.sinks import BackgroundWriter, make_sink
+from steadytrain.monitor.ledger import iter_ledger, ledger_path, load_snapshot, write_snapshot
+from steadytrain.monitor.sinks import BackgroundWriter, JsonlSink, make_sink
 
 __all__ = ["GoodputMeter", "shm_used_bytes"]
 
@@ -96,6 +96,7 @@ class GoodputMeter:
         memory_every: int = 1,
         flush_interval_s: float = 0.25,
         sink_options: dict[str, Any] | None = None,
+        snapshot_every: int = 1000,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
@@ -113,14 +114,16 @@ class GoodputMeter:
         # History of earlier attempts: goodput so far, attempt number, last commit time.
         self._acc = GoodputAccumulator()
         self._engine = AlertEngine(alert_config, expected_tokens_per_s, world_size)
-        self.attempt = 0
-        if ledger_path(self.run_dir).exists():
-            for rec in iter_ledger(ledger_path(self.run_dir)):
-                self._acc.add(rec)
-                if rec.get("type") == "job_start":
-                    self.attempt = max(self.attempt, int(rec.get("attempt", 0)) + 1)
-                elif rec.get("type") == "checkpoint" and rec.get("ok", True):
-                    self._engine.last_ckpt_t = rec.get("t")
+        self.attempt = 0  # during start-up: the next attempt number seen in the ledger
+        self._last_ok_ckpt_t: float | None = None
+        self.snapshot_every = max(1, int(snapshot_every))
+        self.snapshot_used = False  # start-up resumed from RUN_DIR/ledger.snapshot.json
+        self.records_replayed = 0  # ledger records parsed at start-up
+        self._load_history()
+        self._engine.last_ckpt_t = self._last_ok_ckpt_t
+        self._attempt_next = self.attempt
+        self._since_snapshot = 0
+        self._jsonl: JsonlSink | None = None
         self._sink_specs = list(sinks)
         self._sink_context = {
             "run_dir": self.run_dir,
@@ -148,6 +151,41 @@ class GoodputMeter:
         ref = weakref.ref(self)
         self._atexit = lambda: (m := ref()) is not None and m.close("interpreter_exit")
         atexit.register(self._atexit)
+
+    def _load_history(self) -> None:
+        """Carry earlier attempts: from the snapshot plus the records after it, or (no
+        valid snapshot) from the whole ledger. Alerts are not replayed: the engine starts
+        fresh each attempt and only needs the time of the newest committed checkpoint."""
+        lp = ledger_path(self.run_dir)
+        if not lp.exists():
+            return
+        offset = 0
+        snap = load_snapshot(self.run_dir)
+        if snap is not None:
+            try:
+                acc = GoodputAccumulator()
+                acc.load_state_dict(snap[1]["goodput"])
+                attempt = int(snap[1]["attempt_next"])
+                last_ok = snap[1]["last_ok_ckpt_t"]
+            except (KeyError, TypeError, ValueError, IndexError) as e:
+                log.debug("ledger snapshot unusable (%s): reading the whole ledger", e)
+            else:
+                offset = snap[0]
+                self._acc, self.attempt, self._last_ok_ckpt_t = acc, attempt, last_ok
+                self.snapshot_used = True
+        for rec in iter_ledger(lp, offset):
+            self.records_replayed += 1
+            self._acc.add(rec)
+            self._note(rec)
+        self._attempt_next = self.attempt
+
+    def _note(self, rec: dict[str, Any]) -> None:
+        # The two facts besides the accumulator that a restart takes from the ledger.
+        kind = rec.get("type")
+        if kind == "job_start":
+            self.attempt = max(self.attempt, int(rec.get("attempt", 0)) + 1)
+        elif kind == "checkpoint" and rec.get("ok", True):
+            self._last_ok_ckpt_t = rec.get("t")
 
     # -- the training loop's API -----------------------------------------------------------
     def job_start(
@@ -261,7 +299,10 @@ class GoodputMeter:
     def _open_sinks(self) -> None:
         for spec in self._sink_specs:
             try:
-                self._sinks.append(make_sink(spec, **self._sink_context))
+                sink = make_sink(spec, **self._sink_context)
+                self._sinks.append(sink)
+                if isinstance(sink, JsonlSink) and self._jsonl is None:
+                    self._jsonl = sink
             except Exception:
                 log.exception("meter sink %r could not start; continuing without it", spec)
 
@@ -286,6 +327,7 @@ class GoodputMeter:
             self._acc.add(rec)
             out.append(rec)
             for alert in self._engine.observe(rec):
+                self._acc.add(alert)  # it is a ledger record too: keep acc == the ledger
                 out.append(alert)
                 self.alerts.append(alert)
                 self.live["last_alert"] = f"{alert['kind']}: {alert['diagnosis']}"
@@ -297,6 +339,37 @@ class GoodputMeter:
             except Exception:
                 log.exception("meter sink %r failed; switching it off", getattr(sink, "name", sink))
                 self._sinks.remove(sink)
+        self._maybe_snapshot(out)
+
+    def _maybe_snapshot(self, out: list[dict[str, Any]]) -> None:
+        """After a batch reached the ledger: publish the restart snapshot at every batch
+        with a checkpoint commit or job_end (the ledger was just fsync'd) and at least
+        every ``snapshot_every`` records (fsync'ing the ledger first)."""
+        for rec in out:
+            if rec.get("type") == "job_start":
+                self._attempt_next = max(self._attempt_next, int(rec.get("attempt", 0)) + 1)
+            elif rec.get("type") == "checkpoint" and rec.get("ok", True):
+                self._last_ok_ckpt_t = rec.get("t")
+        self._since_snapshot += len(out)
+        sink = self._jsonl
+        if sink is None or sink not in self._sinks:
+            return  # no ledger written by this meter: nothing to snapshot
+        durable = any(r.get("type") in ("checkpoint", "job_end") for r in out)
+        if not durable and self._since_snapshot < self.snapshot_every:
+            return
+        try:
+            if not durable:
+                sink.ledger.sync()  # the snapshot must never cover bytes a crash can lose
+            state = {
+                "t": time.time(),
+                "attempt_next": self._attempt_next,
+                "last_ok_ckpt_t": self._last_ok_ckpt_t,
+                "goodput": self._acc.state_dict(),
+            }
+            write_snapshot(self.run_dir, sink.ledger.offset(), state)
+            self._since_snapshot = 0
+        except Exception:
+            log.exception("ledger snapshot failed; a restart will read the whole ledger")
 
     def _update_live(self) -> None:
         b = self._acc.breakdown()  # as of the newest record, not of a late batch
