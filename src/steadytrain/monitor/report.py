@@ -214,7 +214,7 @@ def _plots(data: dict[str, Any], out: Path) -> dict[str, str]:
     plt.close(fig)
 
     b = data["breakdown"]
-    fig, ax = plt.subplots(figsize=(10, 2.2))
+    fig, ax = plt.subplots(figsize=(10, 3))
     left = 0.0
     parts = [("goodput", b.goodput)] + list(b.badput_fraction().items())
     for name, frac in parts:
@@ -226,9 +226,11 @@ def _plots(data: dict[str, Any], out: Path) -> dict[str, str]:
     ax.set_yticks([])
     ax.set_xlabel("share of job wall time")
     ax.set_title(f"Goodput {b.goodput:.1%} over {b.total_s / 60:.1f} min, {b.attempts} attempt(s)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.7), ncol=4, fontsize=8)
+    # The legend goes in its own strip under the axis label (inside the axes it would hide
+    # the thin segments; overlapping the axis it hides the tick labels).
+    fig.subplots_adjust(left=0.03, right=0.97, top=0.85, bottom=0.5)
+    fig.legend(loc="lower center", ncol=4, fontsize=8, frameon=False)
     paths["goodput"] = out / "goodput.png"
-    fig.tight_layout()
     fig.savefig(paths["goodput"], dpi=100, bbox_inches="tight")
     plt.close(fig)
     return {k: str(v) for k, v in paths.items()}
