@@ -226,6 +226,12 @@ def _check_shard(
         report.problems.append(Problem(idx_disp, f"no documents but {shard.tokens} tokens"))
 
 
+def _problem(file: str, exc: Exception) -> Problem:
+    """A problem from an error that may already name the file (printed once, not twice)."""
+    msg = str(exc)
+    return Problem(file, msg[len(file) + 2 :] if msg.startswith(f"{file}: ") else msg)
+
+
 def verify_dataset(url: str, *, progress: NullProgress | None = None) -> VerifyReport:
     """Check every checksum and invariant; never raises for a bad dataset, reports it."""
     progress = progress or NullProgress()
@@ -234,7 +240,7 @@ def verify_dataset(url: str, *, progress: NullProgress | None = None) -> VerifyR
         store = Store(url)
         manifest = read_manifest(store)
     except SteadyError as exc:
-        report.problems.append(Problem(f"{url.rstrip('/')}/{MANIFEST_NAME}", str(exc)))
+        report.problems.append(_problem(f"{url.rstrip('/')}/{MANIFEST_NAME}", exc))
         return report
     report.manifest = manifest
     report.problems.extend(
@@ -247,7 +253,7 @@ def verify_dataset(url: str, *, progress: NullProgress | None = None) -> VerifyR
             try:
                 _check_shard(store, manifest, shard, report, progress)
             except SteadyError as exc:
-                report.problems.append(Problem(store.display(shard.name), str(exc)))
+                report.problems.append(_problem(store.display(shard.name), exc))
             except OSError as exc:
                 report.problems.append(Problem(store.display(shard.name), f"cannot read: {exc}"))
     finally:
@@ -266,7 +272,7 @@ def verify_dataset(url: str, *, progress: NullProgress | None = None) -> VerifyR
                     Problem(disp, "hash does not match the manifest's tokenizer.hash")
                 )
         except SteadyError as exc:
-            report.problems.append(Problem(disp, str(exc)))
+            report.problems.append(_problem(disp, exc))
     return report
 
 
