@@ -288,7 +288,8 @@ def train(cfg: Config) -> dict[str, Any]:
                 data_wait += time.perf_counter() - t_data
                 x = batch["input_ids"].to(device, non_blocking=True)
                 y = batch["labels"].to(device, non_blocking=True)
-                sample_ids.extend(int(i) for i in batch["sample_ids"])
+                if trace is not None:  # the per-step sample record is for exact-resume checks
+                    sample_ids.extend(batch["sample_ids"].tolist())
                 # Gradients are all-reduced once per step, on the last micro-batch.
                 sync = micro == accum - 1 or cfg.train.parallel == "fsdp"
                 with nullcontext() if sync else ddp_model.no_sync(), autocast:
