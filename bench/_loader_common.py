@@ -69,7 +69,7 @@ def ensure_peer_env(timeout_s: float = 900) -> tuple[str | None, str]:
 
 def make_dataset(name: str, tokens: int, *, shard_tokens: int = 1 << 24, seed: int = 0) -> str:
     """A real steadytrain dataset of random GPT-2-sized ids (uint16) under bench/.work/."""
-    from steadytrain.data.writer import DatasetWriter
+    from steadytrain.data.ingest.writer import DatasetWriter
 
     root = os.path.join(WORK, name)
     if os.path.exists(os.path.join(root, "manifest.json")):
@@ -163,7 +163,12 @@ def make_sparse_11t(
     only ``steadytrain verify`` would reject. For benchmarks of memory and resume at the scale
     of the incident run without 22 TB of data.
     """
-    from steadytrain.data.format import Manifest, ShardInfo, compute_fingerprint, write_manifest
+    from steadytrain.data.read.format import (
+        Manifest,
+        ShardInfo,
+        compute_fingerprint,
+        write_manifest,
+    )
     from steadytrain.storage.store import Store
 
     root = os.path.join(WORK, name)

@@ -39,14 +39,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "cache_prefetch.json")
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from steadytrain.data.dataset import TokenDataset  # noqa: E402
-from steadytrain.data.loader import TokenLoader  # noqa: E402
-from steadytrain.data.sampler import Sampler  # noqa: E402
-from steadytrain.data.writer import DatasetWriter  # noqa: E402
+from steadytrain.data.ingest.writer import DatasetWriter  # noqa: E402
+from steadytrain.data.read.dataset import TokenDataset  # noqa: E402
+from steadytrain.data.read.loader import TokenLoader  # noqa: E402
+from steadytrain.data.read.sampler import Sampler  # noqa: E402
+from steadytrain.data.read.schedule import schedule_for_run  # noqa: E402
 from steadytrain.storage.prefetch import Prefetcher  # noqa: E402
-from steadytrain.storage.seaweed import SeaweedServer  # noqa: E402
-from steadytrain.storage.stage import schedule_for_run, stage  # noqa: E402
+from steadytrain.storage.stage import stage  # noqa: E402
 from steadytrain.storage.store import Store  # noqa: E402
+from steadytrain.testing.s3_server import SeaweedServer  # noqa: E402
 
 
 def summarise(waits: list[float], steps: list[float], warmup: int) -> dict:
@@ -148,7 +149,7 @@ def main() -> int:
             [
                 sys.executable,
                 "-m",
-                "steadytrain.storage.slowlink",
+                "steadytrain.testing.slowlink",
                 str(server.ports["s3.port"]),
                 str(args.latency_ms),
                 str(args.link_mbps),

@@ -10,7 +10,7 @@ Both see the same failures: rank 0 is SIGKILLed at wall-clock times drawn from a
 exponential distribution (mean ``--mtbf`` seconds, fixed seed), counted from each run's
 first start (``faults.mtbf_s``). Goodput is measured from each run's ledger
 (``steadytrain.monitor.goodput``); next to it, the planner's prediction for the same
-settings (``steadytrain.plan.goodput_exact``) from the costs measured in that ledger
+settings (``steadytrain.planning.goodput_exact``) from the costs measured in that ledger
 (C = blocking part of a save, L = time until durable, R = restart cost, data stall share)
 and the real interval (N x mean compute seconds per step).
 
@@ -52,7 +52,7 @@ MODEL = [  # ~3.7M parameters: ~44 MB of weights + Adam state, ~0.2 s a step per
 
 
 def make_dataset(dest: str) -> str:
-    from steadytrain.data.writer import DatasetWriter
+    from steadytrain.data.ingest.writer import DatasetWriter
 
     stdlib = sysconfig.get_paths()["stdlib"]
     files = sorted(glob.glob(os.path.join(stdlib, "email", "*.py")))
@@ -121,7 +121,7 @@ def run(name: str, run_dir: str, dataset: str, args: argparse.Namespace, engine:
 def measure(name: str, run_dir: str, args: argparse.Namespace, wall: float) -> dict:
     from steadytrain.monitor.goodput import compute_goodput
     from steadytrain.monitor.ledger import read_ledger
-    from steadytrain.plan import goodput_exact, goodput_first_order, measure_run
+    from steadytrain.planning import goodput_exact, goodput_first_order, measure_run
 
     records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
     b = compute_goodput(records)

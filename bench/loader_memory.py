@@ -62,8 +62,8 @@ def rss_tree() -> dict[str, int]:
 def child(data: str, step: int, workers: int) -> dict:
     import gc
 
-    from steadytrain.data.dataset import TokenDataset
-    from steadytrain.data.loader import TokenLoader
+    from steadytrain.data.read.dataset import TokenDataset
+    from steadytrain.data.read.loader import TokenLoader
 
     ds = TokenDataset.open(data)
     loader = TokenLoader(ds, SEQ, G, MICRO, rank=0, world_size=WORLD, seed=0, num_workers=workers)

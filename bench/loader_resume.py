@@ -37,8 +37,8 @@ INCIDENT_YIELDED = 3_000_000 * G % INCIDENT_EPOCH
 
 
 def child(data: str, step: int) -> dict:
-    from steadytrain.data.dataset import TokenDataset
-    from steadytrain.data.loader import TokenLoader
+    from steadytrain.data.read.dataset import TokenDataset
+    from steadytrain.data.read.loader import TokenLoader
 
     ds = TokenDataset.open(data)
     probe = TokenLoader(ds, SEQ, G, MICRO, rank=0, world_size=WORLD, seed=0)

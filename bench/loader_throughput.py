@@ -42,8 +42,8 @@ TOKENS = 32 << 20
 
 
 def child_floor(data: str, dtype: str, warmup: float, run: float) -> dict:
-    from steadytrain.data.dataset import TokenDataset
-    from steadytrain.data.sampler import Sampler
+    from steadytrain.data.read.dataset import TokenDataset
+    from steadytrain.data.read.sampler import Sampler
 
     ds = TokenDataset.open(data)
     sampler = Sampler([ds], SEQ, MICRO, seed=0)
@@ -79,8 +79,8 @@ def child_floor(data: str, dtype: str, warmup: float, run: float) -> dict:
 
 
 def child_ours(data: str, workers: int, warmup: float, run: float, prefetch: int) -> dict:
-    from steadytrain.data.dataset import TokenDataset
-    from steadytrain.data.loader import TokenLoader
+    from steadytrain.data.read.dataset import TokenDataset
+    from steadytrain.data.read.loader import TokenLoader
 
     ds = TokenDataset.open(data)
     loader = TokenLoader(

@@ -30,8 +30,8 @@ def child(shard_tokens: int, mode: str) -> dict:
 
     import psutil
 
-    from steadytrain.data.format import Manifest, ShardInfo
-    from steadytrain.data.sampler import Sampler
+    from steadytrain.data.read.format import Manifest, ShardInfo
+    from steadytrain.data.read.sampler import Sampler
 
     n = TOTAL // shard_tokens
     shards = tuple(

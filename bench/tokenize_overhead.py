@@ -9,7 +9,7 @@ byte-level BPE trained once on the corpus), same parallelism (W), in one run, al
 - the process floor: texts in memory, W forked processes each encoding an interleaved 1/W
   of the documents with ``encode_batch_fast`` in ~256 KiB chunks (our workers' work, minus
   reading, transfer and writing); the fairest measure of what our pipeline adds;
-- ours: ``steadytrain.data.tokenize.tokenize(paths, out, workers=W)`` in a fresh process:
+- ours: ``steadytrain.data.ingest.tokenize.tokenize(paths, out, workers=W)`` in a fresh process:
   listing and reading files, decoding, W encoder processes, EOS, shard writing, checksums,
   manifest and the final rename; the call is timed (interpreter start-up and imports are
   reported separately as ``process_wall_s``).
@@ -101,7 +101,7 @@ print(json.dumps({"seconds": max(r[1] for r in res) - t0, "tokens": sum(r[0] for
 
 OURS = r"""
 import json, sys, time
-from steadytrain.data.tokenize import tokenize
+from steadytrain.data.ingest.tokenize import tokenize
 paths, tok_path, out, workers = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3], int(sys.argv[4])
 t0 = time.perf_counter()
 res = tokenize(paths, out, tokenizer=tok_path, workers=workers)
@@ -165,9 +165,9 @@ def main() -> None:
     ap.add_argument("--limit-mb", type=float, default=None, help="use only part of the corpus")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
-    from steadytrain.data.corpus import stdlib_corpus_paths
-    from steadytrain.data.sources import iter_documents, list_sources
-    from steadytrain.data.tokenizer import train_bpe
+    from steadytrain.data.ingest.corpus import stdlib_corpus_paths
+    from steadytrain.data.ingest.sources import iter_documents, list_sources
+    from steadytrain.data.ingest.tokenizer import train_bpe
 
     limit = int(args.limit_mb * 2**20) if args.limit_mb else None
     paths = stdlib_corpus_paths(limit)

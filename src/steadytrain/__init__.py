@@ -12,9 +12,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "TokenDataset": "steadytrain.data.dataset",
-    "DatasetWriter": "steadytrain.data.writer",
-    "TokenLoader": "steadytrain.data.loader",
+    "TokenDataset": "steadytrain.data.read.dataset",
+    "DatasetWriter": "steadytrain.data.ingest.writer",
+    "TokenLoader": "steadytrain.data.read.loader",
     "ShardCache": "steadytrain.storage.cache",
     "Store": "steadytrain.storage.store",
     "Checkpointer": "steadytrain.checkpoint.checkpointer",

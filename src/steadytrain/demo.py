@@ -78,10 +78,10 @@ def run_demo(
     warn: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run every stage; returns the summary (``--json`` prints it)."""
-    from steadytrain.data.corpus import stdlib_corpus_paths
-    from steadytrain.data.progress import make_progress
-    from steadytrain.data.tokenize import tokenize
-    from steadytrain.data.verify import dataset_info, verify_dataset
+    from steadytrain.data.ingest.corpus import stdlib_corpus_paths
+    from steadytrain.data.ingest.progress import make_progress
+    from steadytrain.data.ingest.tokenize import tokenize
+    from steadytrain.data.ingest.verify import dataset_info, verify_dataset
 
     say = out or (lambda _line: None)
     run_dir = run_dir or default_run_dir()

@@ -4,7 +4,7 @@
 test; ``s3_restartable`` (function): a private server a test may ``kill()`` and
 ``start()`` again on the same ports. Other test folders can use the same fixtures by
 registering this module as a plugin (``pytest_plugins``) or by copying the three fixtures:
-the logic lives in ``steadytrain.storage.seaweed``.
+the logic lives in ``steadytrain.testing.s3_server``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from steadytrain.storage.seaweed import SeaweedServer, find_weed
+from steadytrain.testing.s3_server import SeaweedServer, find_weed
 
 
 def _require_weed() -> None:

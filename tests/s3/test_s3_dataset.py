@@ -11,8 +11,8 @@ import pytest
 import s3fs
 
 from steadytrain.cli import main
-from steadytrain.data.dataset import TokenDataset
-from steadytrain.data.writer import DatasetWriter
+from steadytrain.data.ingest.writer import DatasetWriter
+from steadytrain.data.read.dataset import TokenDataset
 from steadytrain.errors import DatasetError, StorageError
 from steadytrain.storage.store import Store
 
@@ -58,11 +58,11 @@ def test_writer_to_s3_and_reads_identical_to_local(s3_server, remote_and_local, 
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("steadytrain.data.loader") is None,
-    reason="steadytrain.data.loader (issue 3) is not in the tree yet",
+    importlib.util.find_spec("steadytrain.data.read.loader") is None,
+    reason="steadytrain.data.read.loader (issue 3) is not in the tree yet",
 )
 def test_loader_stream_over_s3_equals_local(s3_server, remote_and_local, tmp_path):
-    from steadytrain.data.loader import TokenLoader
+    from steadytrain.data.read.loader import TokenLoader
 
     url, local_dir = remote_and_local
     remote = TokenDataset.open(
@@ -158,7 +158,7 @@ def test_stage_command_with_env_credentials(
 
 
 def test_loader_with_prefetcher_over_s3(s3_server, s3_bucket, tmp_path):
-    from steadytrain.data.loader import TokenLoader
+    from steadytrain.data.read.loader import TokenLoader
     from steadytrain.storage.prefetch import Prefetcher
 
     write_docs(Store(s3_bucket, s3_server.storage_options), docs=200, shard_tokens=3000)

@@ -14,25 +14,25 @@ import time
 import numpy as np
 import pytest
 
-from steadytrain.data.dataset import TokenDataset
-from steadytrain.data.format import read_manifest
-from steadytrain.data.writer import DatasetWriter
+from steadytrain.data.ingest.writer import DatasetWriter
+from steadytrain.data.read.dataset import TokenDataset, open_shard_cache
+from steadytrain.data.read.format import read_manifest
 from steadytrain.errors import StorageError
-from steadytrain.storage.cache import ShardCache, file_checksum
+from steadytrain.storage.publish import file_checksum
 from steadytrain.storage.retry import RetryPolicy
-from steadytrain.storage.slowlink import SlowLink
 from steadytrain.storage.store import Store
+from steadytrain.testing.slowlink import SlowLink
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(120)]
 
 # A child process: open the cache through the env-configured endpoint, fetch shard 0, report.
 CHILD = r"""
 import json, sys
-from steadytrain.data.format import read_manifest
-from steadytrain.storage.cache import ShardCache
+from steadytrain.data.read.format import read_manifest
+from steadytrain.data.read.dataset import open_shard_cache
 from steadytrain.storage.store import Store
 store = Store(sys.argv[1])
-cache = ShardCache(sys.argv[2], store, read_manifest(store), chunk_bytes=int(sys.argv[3]))
+cache = open_shard_cache(sys.argv[2], store, read_manifest(store), chunk_bytes=int(sys.argv[3]))
 s = read_manifest(store).shards[0]
 print("ready", flush=True)
 sys.stdin.readline()  # start line: every child begins together
@@ -134,7 +134,8 @@ def test_two_processes_race_for_one_shard_one_download(s3_server, dataset, tmp_p
     store = Store(dataset, s3_server.storage_options)
     s = read_manifest(store).shards[0]
     assert (
-        file_checksum(ShardCache(cache_dir, store, read_manifest(store)).path(s.name)) == s.checksum
+        file_checksum(open_shard_cache(cache_dir, store, read_manifest(store)).path(s.name))
+        == s.checksum
     )
 
 
@@ -172,7 +173,7 @@ def test_crash_mid_download_never_leaves_a_usable_partial(s3_server, dataset, tm
     parts = os.listdir(tmp_dir)
     assert len(parts) == 1 and os.path.getsize(os.path.join(tmp_dir, parts[0])) < s.bytes
     # The next process sweeps the orphan (its lock died with the child) and fetches cleanly.
-    cache = ShardCache(cache_dir, store, manifest)
+    cache = open_shard_cache(cache_dir, store, manifest)
     assert os.listdir(tmp_dir) == []
     assert file_checksum(cache.local_path(s.name, s.bytes, s.checksum)) == s.checksum
     assert cache.metrics()["downloads"] == 1

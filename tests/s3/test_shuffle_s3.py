@@ -11,11 +11,11 @@ import pytest
 import s3fs
 
 from steadytrain.cli import main
-from steadytrain.data.dataset import TokenDataset
-from steadytrain.data.loader import TokenLoader
-from steadytrain.data.sampler import Sampler
-from steadytrain.data.verify import verify_dataset
-from steadytrain.data.writer import DatasetWriter
+from steadytrain.data.ingest.verify import verify_dataset
+from steadytrain.data.ingest.writer import DatasetWriter
+from steadytrain.data.read.dataset import TokenDataset
+from steadytrain.data.read.loader import TokenLoader
+from steadytrain.data.read.sampler import Sampler
 
 pytestmark = pytest.mark.s3
 

@@ -79,9 +79,9 @@ def test_cli_lists_committed_and_partial_newest_first(tmp_path, capsys):
 
 def test_auto_interval_uses_the_planner(tmp_path):
     try:
-        from steadytrain.plan import optimal_interval_s
+        from steadytrain.planning import optimal_interval_s
     except ImportError:
-        pytest.skip("steadytrain.plan.optimal_interval_s is not in the tree yet (issue 8)")
+        pytest.skip("steadytrain.planning.optimal_interval_s is not in the tree yet (issue 8)")
     events: list[dict] = []
     ckpt = Checkpointer(
         str(tmp_path), interval="auto", mtbf_s=3600.0, async_mode="sync", on_event=events.append
@@ -100,9 +100,9 @@ def test_auto_interval_uses_the_planner(tmp_path):
 def test_real_token_loader_resumes_exactly_through_a_checkpoint(tmp_path):
     import numpy as np
 
-    from steadytrain.data.dataset import TokenDataset
-    from steadytrain.data.loader import TokenLoader
-    from steadytrain.data.writer import DatasetWriter
+    from steadytrain.data.ingest.writer import DatasetWriter
+    from steadytrain.data.read.dataset import TokenDataset
+    from steadytrain.data.read.loader import TokenLoader
 
     w = DatasetWriter(str(tmp_path / "ds"), vocab_size=256, eos_id=0, tokenizer={"kind": "bytes"})
     rng = np.random.default_rng(0)

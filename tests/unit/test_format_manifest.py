@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from steadytrain.data.format import Manifest, compute_fingerprint, read_manifest
-from steadytrain.data.writer import DatasetWriter
+from steadytrain.data.ingest.writer import DatasetWriter
+from steadytrain.data.read.format import Manifest, compute_fingerprint, read_manifest
 from steadytrain.errors import DatasetError
 from steadytrain.storage.store import Store
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from steadytrain.cli import main
-from steadytrain.plan import measure_run, optimal_interval_s
+from steadytrain.planning import measure_run, optimal_interval_s
 
 
 def plan_json(capsys, *argv: str) -> dict:
@@ -64,7 +64,7 @@ def test_optimal_interval_and_table(capsys):
         capsys, "--mtbf-hours", "10", "--ckpt-cost", "60", "--restart-cost", "600",
         "--days", "7", "--sim-runs", "200",
     )  # fmt: skip
-    from steadytrain.plan import daly_interval_s, optimal_interval_s, young_interval_s
+    from steadytrain.planning import daly_interval_s, optimal_interval_s, young_interval_s
 
     m = 10 * 3600
     assert r["optimal_interval_min"] == pytest.approx(optimal_interval_s(60, m, 600) / 60)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from steadytrain.errors import ConfigError
-from steadytrain.plan import (
+from steadytrain.planning import (
     FailureModel,
     daly_interval_s,
     exact_interval_s,

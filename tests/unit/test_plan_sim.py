@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from steadytrain.errors import ConfigError
-from steadytrain.plan import FailureModel, goodput_exact, simulate
-from steadytrain.planning.simulate import _secured
+from steadytrain.planning import FailureModel, goodput_exact, simulate
+from steadytrain.planning.montecarlo import _secured
 
 HOUR = 3600.0
 LLAMA_M = FailureModel.from_interruptions_per_day(8.6).mtbf_s

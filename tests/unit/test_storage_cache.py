@@ -11,10 +11,11 @@ import uuid
 import numpy as np
 import pytest
 
-from steadytrain.data.format import read_manifest
-from steadytrain.data.writer import DatasetWriter
+from steadytrain.data.ingest.writer import DatasetWriter
+from steadytrain.data.read.dataset import open_shard_cache
+from steadytrain.data.read.format import read_manifest
 from steadytrain.errors import DatasetError, StorageError
-from steadytrain.storage.cache import ShardCache, file_checksum
+from steadytrain.storage.publish import file_checksum
 from steadytrain.storage.store import Store
 
 
@@ -36,7 +37,7 @@ def source(tmp_path):
 
 def test_fetch_verifies_publishes_and_hits(source, tmp_path):
     store, manifest = source
-    cache = ShardCache(str(tmp_path / "cache"), store, manifest)
+    cache = open_shard_cache(str(tmp_path / "cache"), store, manifest)
     s = manifest.shards[1]
     path = cache.local_path(s.name, s.bytes, s.checksum)
     assert path.startswith(str(tmp_path / "cache" / manifest.fingerprint))
@@ -52,7 +53,7 @@ def test_fetch_verifies_publishes_and_hits(source, tmp_path):
     )
     assert m["read_p50_s"] is not None and m["read_p99_s"] >= m["read_p50_s"]
     # A second process (new instance) trusts the stamp: no download.
-    again = ShardCache(str(tmp_path / "cache"), store, manifest)
+    again = open_shard_cache(str(tmp_path / "cache"), store, manifest)
     again.local_path(s.name, s.bytes, s.checksum)
     assert again.metrics()["downloads"] == 0 and again.metrics()["cache_hits"] == 1
     assert cache.metrics(reset=True)["downloads"] == 1 and cache.metrics()["downloads"] == 0
@@ -62,33 +63,33 @@ def test_fetch_verifies_publishes_and_hits(source, tmp_path):
 def test_corrupted_cache_file_is_detected_and_refetched(source, tmp_path):
     store, manifest = source
     s = manifest.shards[0]
-    cache = ShardCache(str(tmp_path / "cache"), store, manifest, chunk_bytes=1000)
+    cache = open_shard_cache(str(tmp_path / "cache"), store, manifest, chunk_bytes=1000)
     path = cache.local_path(s.name, s.bytes, s.checksum)
     with open(path, "r+b") as f:  # same size, different bytes (a bit rot / stray write)
         f.seek(100)
         f.write(b"\xff\xff\xff\xff")
     assert file_checksum(path) != s.checksum
-    fresh = ShardCache(str(tmp_path / "cache"), store, manifest)
+    fresh = open_shard_cache(str(tmp_path / "cache"), store, manifest)
     path2 = fresh.local_path(s.name, s.bytes, s.checksum)
     assert file_checksum(path2) == s.checksum
     assert fresh.metrics()["corrupt_refetches"] == 1 and fresh.metrics()["downloads"] == 1
     # Truncation is caught by the size check even in verify="size" mode.
     with open(path2, "r+b") as f:
         f.truncate(10)
-    sized = ShardCache(str(tmp_path / "cache"), store, manifest, verify="size")
+    sized = open_shard_cache(str(tmp_path / "cache"), store, manifest, verify="size")
     assert file_checksum(sized.local_path(s.name, s.bytes, s.checksum)) == s.checksum
 
 
 def test_checksum_mode_catches_corruption_that_keeps_mtime(source, tmp_path):
     store, manifest = source
     s = manifest.shards[0]
-    cache = ShardCache(str(tmp_path / "cache"), store, manifest)
+    cache = open_shard_cache(str(tmp_path / "cache"), store, manifest)
     path = cache.local_path(s.name, s.bytes, s.checksum)
     st = os.stat(path)
     with open(path, "r+b") as f:
         f.write(b"\x01\x02")
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # hide the write from the stamp
-    strict = ShardCache(str(tmp_path / "cache"), store, manifest, verify="checksum")
+    strict = open_shard_cache(str(tmp_path / "cache"), store, manifest, verify="checksum")
     assert file_checksum(strict.local_path(s.name, s.bytes, s.checksum)) == s.checksum
     assert strict.metrics()["corrupt_refetches"] == 1
 
@@ -98,7 +99,7 @@ def test_remote_file_not_matching_manifest_is_refused(source, tmp_path):
     s = manifest.shards[2]
     with open(store.local_path(s.name), "r+b") as f:
         f.write(b"\x00\x00\x00")
-    cache = ShardCache(str(tmp_path / "cache"), store, manifest)
+    cache = open_shard_cache(str(tmp_path / "cache"), store, manifest)
     with pytest.raises(DatasetError, match=f"{s.name}.*checksum.*steadytrain verify"):
         cache.local_path(s.name, s.bytes, s.checksum)
     assert not os.path.exists(cache.path(s.name))
@@ -107,7 +108,7 @@ def test_remote_file_not_matching_manifest_is_refused(source, tmp_path):
 
 def test_threads_racing_download_once(source, tmp_path):
     store, manifest = source
-    cache = ShardCache(str(tmp_path / "cache"), store, manifest, chunk_bytes=64)
+    cache = open_shard_cache(str(tmp_path / "cache"), store, manifest, chunk_bytes=64)
     s = manifest.shards[0]
     barrier = threading.Barrier(6)
     paths = []
@@ -126,7 +127,7 @@ def test_threads_racing_download_once(source, tmp_path):
 
 def test_stale_part_files_are_swept_unless_a_download_holds_the_lock(source, tmp_path):
     store, manifest = source
-    cache = ShardCache(str(tmp_path / "cache"), store, manifest)
+    cache = open_shard_cache(str(tmp_path / "cache"), store, manifest)
     s0, s1 = manifest.shards[0], manifest.shards[1]
     dead = os.path.join(cache.root, ".tmp", f"{cache._quoted(s0.name)}@999999@dead.part")
     live = os.path.join(cache.root, ".tmp", f"{cache._quoted(s1.name)}@{os.getpid()}@live.part")
@@ -139,11 +140,11 @@ def test_stale_part_files_are_swept_unless_a_download_holds_the_lock(source, tmp
     )
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        ShardCache(str(tmp_path / "cache"), store, manifest)  # sweeps at construction
+        open_shard_cache(str(tmp_path / "cache"), store, manifest)  # sweeps at construction
         assert not os.path.exists(dead) and os.path.exists(live)
     finally:
         os.close(fd)
-    ShardCache(str(tmp_path / "cache"), store, manifest)
+    open_shard_cache(str(tmp_path / "cache"), store, manifest)
     assert not os.path.exists(live)
     # The partial files were never published under the real names.
     assert not os.path.exists(cache.path(s0.name)) and not os.path.exists(cache.path(s1.name))
@@ -151,7 +152,7 @@ def test_stale_part_files_are_swept_unless_a_download_holds_the_lock(source, tmp
 
 def test_evict_shard_keeps_open_maps_valid(source, tmp_path):
     store, manifest = source
-    cache = ShardCache(str(tmp_path / "cache"), store, manifest)
+    cache = open_shard_cache(str(tmp_path / "cache"), store, manifest)
     s = manifest.shards[0]
     arr = np.memmap(cache.local_path(s.name, s.bytes, s.checksum), dtype=manifest.dtype, mode="r")
     before = np.array(arr[:50])
@@ -183,7 +184,7 @@ def small_tmpfs(tmp_path):
 def test_full_disk_gives_clear_error_and_corrupts_nothing(tmp_path, small_tmpfs, monkeypatch):
     store = make_dataset(str(tmp_path / "src"), docs=200, shard_tokens=12000)
     manifest = read_manifest(store)
-    cache = ShardCache(small_tmpfs, store, manifest)
+    cache = open_shard_cache(small_tmpfs, store, manifest)
     published = []
     with pytest.raises(StorageError, match=f"cache directory {small_tmpfs} is full"):
         for s in manifest.shards:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from steadytrain.data.format import read_manifest
-from steadytrain.data.writer import DatasetWriter
+from steadytrain.data.ingest.writer import DatasetWriter
+from steadytrain.data.read.dataset import open_shard_cache
+from steadytrain.data.read.format import read_manifest
+from steadytrain.data.read.schedule import schedule_for_run
 from steadytrain.errors import ConfigError
-from steadytrain.storage.cache import ShardCache
 from steadytrain.storage.prefetch import Prefetcher, first_uses, next_uses
-from steadytrain.storage.stage import preflight, schedule_for_run, stage
+from steadytrain.storage.stage import preflight, stage
 from steadytrain.storage.store import Store
 
 
@@ -26,7 +27,7 @@ def equal_shards(dest: str, shards: int = 8) -> Store:
 @pytest.fixture
 def cache(tmp_path):
     store = equal_shards(str(tmp_path / "src"))
-    return ShardCache(str(tmp_path / "cache"), store, read_manifest(store))
+    return open_shard_cache(str(tmp_path / "cache"), store, read_manifest(store))
 
 
 def table_schedule(uses: dict[int, list[int]]):
@@ -64,7 +65,7 @@ def test_prefetch_fills_the_horizon_ahead_of_use(cache):
 
 
 def test_budget_that_fits_the_dataset_never_evicts(cache):
-    n = len(cache.manifest.shards)
+    n = cache.num_shards
     budget = sum(cache.shard_bytes(s) for s in range(n))
     with Prefetcher(cache, cyclic_schedule(n), horizon_steps=3, budget_bytes=budget) as pf:
         for step in range(0, 3 * n):
@@ -128,7 +129,7 @@ def test_stage_steps_then_preflight(cache):
 
 
 def test_schedule_for_run_uses_the_sampler(cache, tmp_path):
-    from steadytrain.data.dataset import TokenDataset
+    from steadytrain.data.read.dataset import TokenDataset
 
     ds = TokenDataset.open(cache.store.url)
     sched = schedule_for_run(ds, seq_len=99, global_batch=5, shuffle="sequential")
@@ -139,7 +140,7 @@ def test_schedule_for_run_uses_the_sampler(cache, tmp_path):
 
 def test_sparse_replanning_still_covers_the_horizon(tmp_path):
     store = equal_shards(str(tmp_path / "src"), shards=40)
-    cache = ShardCache(str(tmp_path / "cache"), store, read_manifest(store))
+    cache = open_shard_cache(str(tmp_path / "cache"), store, read_manifest(store))
     sched = cyclic_schedule(40)
     with Prefetcher(cache, sched, horizon_steps=16, workers=2) as pf:  # re-plans every 2 steps
         for step in range(0, 9):

@@ -8,10 +8,10 @@ import os
 import numpy as np
 import pytest
 
-from steadytrain.data import tokenize as tok_mod
-from steadytrain.data.dataset import TokenDataset
-from steadytrain.data.tokenize import tokenize
-from steadytrain.data.verify import dataset_info, verify_dataset
+from steadytrain.data.ingest import tokenize as tok_mod
+from steadytrain.data.ingest.tokenize import tokenize
+from steadytrain.data.ingest.verify import dataset_info, verify_dataset
+from steadytrain.data.read.dataset import TokenDataset
 from steadytrain.errors import DatasetError
 
 DOCS = ["hello world\n", "the second document, with ünïcødé ✓\n", "x" * 50, "last one"]

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from steadytrain.cli import main
-from steadytrain.data.dataset import TokenDataset
-from steadytrain.data.megatron import import_megatron
-from steadytrain.data.verify import verify_dataset
+from steadytrain.data.ingest.megatron import import_megatron
+from steadytrain.data.ingest.verify import verify_dataset
+from steadytrain.data.read.dataset import TokenDataset
 from steadytrain.errors import ConfigError, DatasetError
 
 CODES = {np.uint8: 1, np.int16: 3, np.int32: 4, np.int64: 5, np.uint16: 8}
@@ -83,7 +83,7 @@ def test_int64_is_converted_and_multi_sequence_documents_kept(tmp_path):
 
 def test_same_tokens_give_the_same_fingerprint_as_tokenize_layout(tmp_path):
     """Imported uint16 data and the same ids written by the writer share a fingerprint."""
-    from steadytrain.data.writer import DatasetWriter
+    from steadytrain.data.ingest.writer import DatasetWriter
 
     seqs = [[1, 2, EOD], [3, EOD]]
     write_megatron(str(tmp_path / "p"), seqs, [0, 1], np.uint16)

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from steadytrain.cli import main
-from steadytrain.data.tokenize import tokenize
-from steadytrain.data.verify import dataset_info
+from steadytrain.data.ingest.tokenize import tokenize
+from steadytrain.data.ingest.verify import dataset_info
 from steadytrain.errors import DatasetError
 
 
@@ -119,7 +119,7 @@ def test_remote_dest_url_path(tmp_path):
 
     import fsspec
 
-    from steadytrain.data.verify import verify_dataset
+    from steadytrain.data.ingest.verify import verify_dataset
 
     src = _corpus(tmp_path / "in", ["alpha " * 50, "beta " * 50, "gamma"])
     url = f"memory://st-{uuid.uuid4().hex[:8]}/ds"
@@ -140,7 +140,7 @@ def test_remote_dest_url_path(tmp_path):
 
 
 def test_stdlib_corpus_is_sorted_and_excludes_third_party():
-    from steadytrain.data.corpus import stdlib_corpus_paths, stdlib_dir
+    from steadytrain.data.ingest.corpus import stdlib_corpus_paths, stdlib_dir
 
     paths = stdlib_corpus_paths(limit_bytes=300_000)
     root = stdlib_dir()
@@ -172,7 +172,7 @@ def test_sigkill_midway_leaves_nothing_inspect_accepts(tmp_path):
             f.write(json.dumps({"text": f"document {i} " + "x" * 1000}) + "\n")
     dest = str(tmp_path / "ds")
     code = (
-        "import sys; from steadytrain.data.tokenize import tokenize; "
+        "import sys; from steadytrain.data.ingest.tokenize import tokenize; "
         "tokenize([sys.argv[1]], sys.argv[2], workers=0, shard_tokens=2000)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(src), dest])

@@ -9,8 +9,8 @@ import torch
 from steadytrain.errors import ConfigError
 from steadytrain.train.config import load_config, resolve_config_path
 from steadytrain.train.faults import FaultInjector, faults_from_env
+from steadytrain.train.loop import lr_factor
 from steadytrain.train.model import GPT, GPTConfig
-from steadytrain.train.train import lr_factor
 
 
 def test_packaged_configs_load_with_overrides() -> None:

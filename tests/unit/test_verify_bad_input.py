@@ -10,10 +10,10 @@ import pytest
 import xxhash
 
 from steadytrain.cli import main
-from steadytrain.data.dataset import TokenDataset
-from steadytrain.data.format import ShardInfo, compute_fingerprint
-from steadytrain.data.tokenize import tokenize
-from steadytrain.data.verify import dataset_info, verify_dataset
+from steadytrain.data.ingest.tokenize import tokenize
+from steadytrain.data.ingest.verify import dataset_info, verify_dataset
+from steadytrain.data.read.dataset import TokenDataset
+from steadytrain.data.read.format import ShardInfo, compute_fingerprint
 from steadytrain.errors import DatasetError
 
 SHARD0 = "shards/shard-00000.tokens"

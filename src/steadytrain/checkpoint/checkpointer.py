@@ -283,10 +283,10 @@ class Checkpointer:
 
 def _planner() -> Callable[..., float]:
     try:
-        from steadytrain.plan import optimal_interval_s
+        from steadytrain.planning import optimal_interval_s
     except ImportError as exc:
         raise ConfigError(
-            "interval='auto' needs steadytrain.plan.optimal_interval_s, which is not "
+            "interval='auto' needs steadytrain.planning.optimal_interval_s, which is not "
             f"available ({exc}); use every_steps= or every_seconds="
         ) from None
     return optimal_interval_s

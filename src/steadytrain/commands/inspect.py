@@ -19,7 +19,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from steadytrain.commands._util import print_json
-    from steadytrain.data.verify import dataset_info
+    from steadytrain.data.ingest.verify import dataset_info
 
     info = dataset_info(args.dataset)
     if args.json:

@@ -34,8 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from steadytrain.commands._util import print_json
-    from steadytrain.data.dataset import TokenDataset
-    from steadytrain.data.shuffle import shuffle_dataset
+    from steadytrain.data.ingest.shuffle import shuffle_dataset
+    from steadytrain.data.read.dataset import TokenDataset
     from steadytrain.errors import ConfigError
 
     if args.seq_len < 1:

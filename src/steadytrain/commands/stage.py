@@ -42,17 +42,17 @@ def _parse_steps(text: str) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     from steadytrain.commands._util import print_json
-    from steadytrain.data.dataset import TokenDataset
-    from steadytrain.data.format import read_manifest
-    from steadytrain.storage.cache import ShardCache
-    from steadytrain.storage.stage import schedule_for_run, stage
+    from steadytrain.data.read.dataset import TokenDataset, open_shard_cache
+    from steadytrain.data.read.format import read_manifest
+    from steadytrain.data.read.schedule import schedule_for_run
+    from steadytrain.storage.stage import stage
     from steadytrain.storage.store import Store
 
     steps = _parse_steps(args.steps) if args.steps else None
     store = Store(args.dataset)
     manifest = read_manifest(store)
     # verify="checksum": every staged file is checked against the manifest, old or new.
-    cache = ShardCache(args.cache, store, manifest, verify="checksum")
+    cache = open_shard_cache(args.cache, store, manifest, verify="checksum")
     schedule = None
     if steps is not None:
         ds = TokenDataset(args.dataset, manifest, cache_dir=args.cache)

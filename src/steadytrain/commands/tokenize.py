@@ -37,8 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from steadytrain.commands._util import print_json
-    from steadytrain.data.progress import make_progress
-    from steadytrain.data.writer import DEFAULT_SHARD_TOKENS
+    from steadytrain.data.ingest.progress import make_progress
+    from steadytrain.data.ingest.writer import DEFAULT_SHARD_TOKENS
     from steadytrain.errors import ConfigError
 
     def warn(msg: str) -> None:
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_megatron:
         if args.inputs:
             raise ConfigError("--from-megatron takes no INPUT arguments (only the PREFIX)")
-        from steadytrain.data.megatron import import_megatron
+        from steadytrain.data.ingest.megatron import import_megatron
 
         tok = None if args.tokenizer == "bytes" else args.tokenizer
         result = import_megatron(
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not args.inputs:
             raise ConfigError("give at least one INPUT (file or directory), or --from-megatron")
-        from steadytrain.data.tokenize import tokenize
+        from steadytrain.data.ingest.tokenize import tokenize
 
         result = tokenize(
             args.inputs,

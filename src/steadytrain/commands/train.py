@@ -36,10 +36,10 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from steadytrain.train.config import load_config, resolve_config_path
-    from steadytrain.train.train import train
+    from steadytrain.train.loop import run_training
 
     cfg = load_config(resolve_config_path(args.config), args.overrides)
-    summary = train(cfg)
+    summary = run_training(cfg)
     if args.json and int(os.environ.get("RANK", 0)) == 0:
         from steadytrain.commands._util import print_json
 

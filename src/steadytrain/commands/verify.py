@@ -21,8 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from steadytrain.commands._util import print_json
-    from steadytrain.data.progress import make_progress
-    from steadytrain.data.verify import verify_dataset
+    from steadytrain.data.ingest.progress import make_progress
+    from steadytrain.data.ingest.verify import verify_dataset
 
     report = verify_dataset(args.dataset, progress=make_progress(args.quiet))
     if args.json:

@@ -192,7 +192,7 @@ def make_plan(
             "allows; goodput is the limit for ever shorter intervals (not simulated)"
         )
     if simulate_runs and tau > 0 and not math.isinf(tau):
-        from steadytrain.planning.simulate import simulate  # numpy: only when simulating
+        from steadytrain.planning.montecarlo import simulate  # numpy: only when simulating
 
         sim = simulate(
             tau, c, m, restart_s, l_s, stall_frac, days=days, runs=simulate_runs,

@@ -1,12 +1,15 @@
 """``ShardCache``: a node-local copy of a remote dataset, shared by every process of the node.
 
-Layout under ``cache_dir`` (one sub-directory per dataset content, so two datasets, or a
-re-tokenized one, never mix)::
+The cache knows files, not datasets: it is given *units* (a shard's token file and index
+file are one unit, fetched and evicted together), each a list of ``FileSpec`` (name, size,
+checksum), and a *namespace* (the data side passes the dataset fingerprint). Layout under
+``cache_dir`` (one sub-directory per namespace, so two datasets, or a re-tokenized one,
+never mix)::
 
-    <fingerprint>/shards/shard-00000.tokens     published files, same relative names as remote
-    <fingerprint>/.state/<quoted name>.lock     fcntl.flock target, one per file
-    <fingerprint>/.state/<quoted name>.ok       stamp: "size mtime_ns inode checksum"
-    <fingerprint>/.tmp/<quoted name>@<pid>@<rand>.part   downloads in progress
+    <namespace>/shards/shard-00000.tokens     published files, same relative names as remote
+    <namespace>/.state/<quoted name>.lock     fcntl.flock target, one per file
+    <namespace>/.state/<quoted name>.ok       stamp: "size mtime_ns inode checksum"
+    <namespace>/.tmp/<quoted name>@<pid>@<rand>.part   downloads in progress
 
 Protocol for one file (``local_path``):
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import os
@@ -36,29 +40,33 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import quote, unquote
 
 import numpy as np
 
-from steadytrain.data.format import Manifest, StreamingChecksum
 from steadytrain.errors import ConfigError, DatasetError, StorageError
+from steadytrain.storage.publish import (
+    StreamingChecksum,
+    file_checksum,
+    publish_bytes,
+    publish_file,
+)
 from steadytrain.storage.store import Store, safe_relpath
 
-__all__ = ["ShardCache", "file_checksum"]
+__all__ = ["ShardCache", "FileSpec", "file_checksum"]
 
 VERIFY_MODES = ("stamp", "checksum", "size")
-_READ_CHUNK = 8 << 20
 
 
-def file_checksum(path: str) -> str:
-    """xxh3-64 of a local file, in the manifest's ``xxh3_64:<hex>`` notation."""
-    h = StreamingChecksum()
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+@dataclasses.dataclass(frozen=True)
+class FileSpec:
+    """One file the cache may hold: its relative name, byte size and ``xxh3_64:`` checksum."""
+
+    name: str
+    size: int
+    checksum: str
 
 
 class ShardCache:
@@ -73,7 +81,8 @@ class ShardCache:
         self,
         cache_dir: str,
         store: Store,
-        manifest: Manifest,
+        units: Sequence[Sequence[FileSpec]],
+        namespace: str,
         *,
         verify: str = "stamp",
         chunk_bytes: int = 8 << 20,
@@ -84,10 +93,11 @@ class ShardCache:
             raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
         self.store = store
-        self.manifest = manifest
+        self.units = [tuple(u) for u in units]
+        self.namespace = safe_relpath(namespace, what="cache namespace")
         self.verify = verify
         self.chunk_bytes = chunk_bytes
-        self.root = os.path.join(self.cache_dir, manifest.fingerprint)
+        self.root = os.path.join(self.cache_dir, self.namespace)
         self._state = os.path.join(self.root, ".state")
         self._tmp = os.path.join(self.root, ".tmp")
         try:
@@ -149,16 +159,16 @@ class ShardCache:
 
     def _write_stamp(self, name: str, checksum: str) -> None:
         st = os.stat(self.path(name))
-        tmp = self._stamp_path(name) + f".{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "w") as f:
-                f.write(f"{st.st_size} {st.st_mtime_ns} {st.st_ino} {checksum}\n")
-            os.replace(tmp, self._stamp_path(name))
+            # Not durable: a stamp lost to a power cut only costs one checksum pass.
+            publish_bytes(
+                self._stamp_path(name),
+                f"{st.st_size} {st.st_mtime_ns} {st.st_ino} {checksum}\n",
+                durable=False,
+            )
         except OSError:
             # The stamp only saves a checksum pass: without it the file is checksummed on
             # next use, which is correct, just slower. Never fail a fetch over it.
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             self._count(stamp_failures=1)
 
     def _stamp_matches(self, name: str, st: os.stat_result, checksum: str) -> bool:
@@ -214,14 +224,16 @@ class ShardCache:
         fetched, _ = self._ensure(name, size, checksum)
         return fetched
 
+    @property
+    def num_shards(self) -> int:
+        return len(self.units)
+
     def shard_files(self, shard: int) -> list[tuple[str, int, str]]:
-        """The (name, size, checksum) of a shard's token file and index file."""
-        s = self.manifest.shards[shard]
-        return [(s.name, s.bytes, s.checksum), (s.index_name, s.index_bytes, s.index_checksum)]
+        """The (name, size, checksum) of every file of unit ``shard``."""
+        return [(f.name, f.size, f.checksum) for f in self.units[shard]]
 
     def shard_bytes(self, shard: int) -> int:
-        s = self.manifest.shards[shard]
-        return s.bytes + s.index_bytes
+        return sum(f.size for f in self.units[shard])
 
     def ensure_shard(self, shard: int) -> int:
         """Fetch both files of a shard; returns bytes downloaded by this call."""
@@ -253,9 +265,7 @@ class ShardCache:
 
     def usage_bytes(self) -> int:
         """Bytes of published shard files of this dataset in the cache."""
-        return sum(
-            self.shard_bytes(i) for i in range(len(self.manifest.shards)) if self.shard_cached(i)
-        )
+        return sum(self.shard_bytes(i) for i in range(self.num_shards) if self.shard_cached(i))
 
     # -- fetching ----------------------------------------------------------------------
     def _ensure(self, name: str, size: int, checksum: str) -> tuple[bool, bool]:
@@ -308,8 +318,7 @@ class ShardCache:
                     f"({checksum}) on two downloads: the remote file is damaged; run "
                     f"`steadytrain verify {self.store.url}` and restore or re-tokenize it"
                 )
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path))
+        publish_file(tmp, path)
         self._write_stamp(name, checksum)
         self._count(downloads=1, bytes_fetched=size)
 
@@ -329,9 +338,7 @@ class ShardCache:
                     )
                 f.write(data)
                 h.update(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return h.hexdigest()
+        return h.hexdigest()  # publish_file fsyncs it before the rename
 
     def _check_space(self, name: str, size: int) -> None:
         if shutil.disk_usage(self.root).free < size:
@@ -389,11 +396,3 @@ def _size_is(path: str, size: int) -> bool:
         return os.stat(path).st_size == size
     except FileNotFoundError:
         return False
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

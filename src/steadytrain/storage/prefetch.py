@@ -226,7 +226,7 @@ class Prefetcher:
         """Evict furthest-next-use shards outside the horizon until ``need`` fits."""
         assert self.budget is not None
         in_flight = sum(self.cache.shard_bytes(s) for s in self._inflight)
-        n = len(self.cache.manifest.shards)
+        n = self.cache.num_shards
         resident = [s for s in range(n) if self.cache.shard_cached(s)]
         used = sum(self.cache.shard_bytes(s) for s in resident) + in_flight
         if used + need <= self.budget:

@@ -15,28 +15,7 @@ from typing import Any
 from steadytrain.storage.cache import ShardCache
 from steadytrain.storage.prefetch import Schedule, first_uses
 
-__all__ = ["stage", "preflight", "schedule_for_run"]
-
-
-def schedule_for_run(
-    ds: Any,
-    *,
-    seq_len: int,
-    global_batch: int,
-    seed: int = 0,
-    shuffle: str = "global",
-    world_size: int = 1,
-    ranks: list[int] | None = None,
-    shuffle_settings: dict[str, Any] | None = None,
-) -> Schedule:
-    """The (step, shard) schedule of a run on ``ds``: ``Sampler.shards_for_steps`` bound to
-    the run settings (``ranks=None``: every rank, i.e. a cache shared by the whole job)."""
-    from steadytrain.data.sampler import Sampler
-
-    sampler = Sampler(
-        [ds], seq_len, global_batch, seed=seed, mode=shuffle, mode_settings=shuffle_settings
-    )
-    return lambda a, b: sampler.shards_for_steps(a, b, ranks=ranks, world_size=world_size)
+__all__ = ["stage", "preflight"]
 
 
 def stage(
@@ -47,7 +26,7 @@ def stage(
     workers: int = 4,
 ) -> dict[str, Any]:
     """Fetch and verify the shards of ``steps`` (all shards if None). Returns a report."""
-    n = len(cache.manifest.shards)
+    n = cache.num_shards
     if steps is None or schedule is None:
         shards = list(range(n))
     else:
@@ -65,7 +44,7 @@ def stage(
         "dataset": cache.store.url,
         "cache_dir": cache.cache_dir,
         "cache_root": cache.root,
-        "fingerprint": cache.manifest.fingerprint,
+        "fingerprint": cache.namespace,
         "steps": list(steps) if steps is not None else None,
         "shards": len(shards),
         "bytes": total,

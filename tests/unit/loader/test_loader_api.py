@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from steadytrain.data.loader import TokenLoader
+from steadytrain.data.read.loader import TokenLoader
 from steadytrain.errors import ConfigError, LoaderStateError, ReadDeadlineError
 
 SEQ = 16
@@ -214,7 +214,7 @@ def test_construction_errors_name_the_setting(ds_a, kw, match):
 
 @pytest.mark.timeout(60)
 def test_stuck_read_in_thread_becomes_deadline_error(ds_a, tmp_path):
-    from steadytrain.data.dataset import TokenDataset
+    from steadytrain.data.read.dataset import TokenDataset
 
     ds = TokenDataset.open(ds_a.url)
     release = []

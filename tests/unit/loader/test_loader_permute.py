@@ -6,9 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from steadytrain.data.blend import Blend, quantise_weights
-from steadytrain.data.modes import make_order
-from steadytrain.data.permute import Feistel
+from steadytrain.data.read.blend import Blend, quantise_weights
+from steadytrain.data.read.modes import make_order
+from steadytrain.data.read.permute import Feistel
 
 SEEDS = st.integers(min_value=0, max_value=2**64 - 1)
 

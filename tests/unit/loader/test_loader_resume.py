@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from steadytrain.data.loader import TokenLoader
+from steadytrain.data.read.loader import TokenLoader
 
 _spec = importlib.util.spec_from_file_location(
     "resume_contract", os.path.join(os.path.dirname(__file__), "resume_contract.py")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from steadytrain.data.sampler import BatchPlan, Sampler, Source
+from steadytrain.data.read.sampler import BatchPlan, Sampler, Source
 from steadytrain.errors import ConfigError
 
 

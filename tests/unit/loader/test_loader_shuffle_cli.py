@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from steadytrain.cli import main
-from steadytrain.data.dataset import TokenDataset
-from steadytrain.data.loader import TokenLoader
-from steadytrain.data.permute import Feistel, derive_key
-from steadytrain.data.sampler import Sampler
-from steadytrain.data.shuffle import SHUFFLE_PURPOSE
+from steadytrain.data.ingest.shuffle import SHUFFLE_PURPOSE
+from steadytrain.data.read.dataset import TokenDataset
+from steadytrain.data.read.loader import TokenLoader
+from steadytrain.data.read.permute import Feistel, derive_key
+from steadytrain.data.read.sampler import Sampler
 
 
 def test_shuffle_writes_every_sample_once_in_keyed_order(ds_a, tmp_path, capsys):

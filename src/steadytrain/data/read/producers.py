@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from steadytrain.data._worker import HEADER, Reader, worker_main
-from steadytrain.data.sampler import BatchPlan, Sampler
+from steadytrain.data.read.sampler import BatchPlan, Sampler
+from steadytrain.data.read.workers import HEADER, Reader, worker_main
 
 # Producers still running at interpreter exit are stopped first: a daemon thread killed
 # inside torch code aborts the process ("terminate called without an active exception").

@@ -24,15 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from steadytrain.data.format import (
+from steadytrain.data.ingest.progress import NullProgress
+from steadytrain.data.ingest.tokenizer import stored_tokenizer_hash
+from steadytrain.data.read.format import (
     MANIFEST_NAME,
     Manifest,
     ShardInfo,
     StreamingChecksum,
     read_manifest,
 )
-from steadytrain.data.progress import NullProgress
-from steadytrain.data.tokenizer import stored_tokenizer_hash
 from steadytrain.errors import DatasetError, SteadyError
 from steadytrain.storage.store import Store
 

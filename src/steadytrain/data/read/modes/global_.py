@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from steadytrain.data.permute import Feistel, derive_key
+from steadytrain.data.read.permute import Feistel, derive_key
 from steadytrain.errors import ConfigError
 
 SPAN_CHUNK = 1 << 16  # positions evaluated per look-ahead chunk

@@ -12,9 +12,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from steadytrain.data.modes.block import BlockOrder
-from steadytrain.data.modes.global_ import GlobalOrder
-from steadytrain.data.modes.sequential import SequentialOrder
+from steadytrain.data.read.modes.block import BlockOrder
+from steadytrain.data.read.modes.global_ import GlobalOrder
+from steadytrain.data.read.modes.sequential import SequentialOrder
 from steadytrain.errors import ConfigError
 
 __all__ = ["MODES", "Order", "make_order"]

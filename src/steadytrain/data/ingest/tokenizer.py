@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from steadytrain.data.format import dtype_for_vocab
+from steadytrain.data.read.format import dtype_for_vocab
 from steadytrain.errors import ConfigError
 
 __all__ = [

@@ -14,14 +14,30 @@ from typing import Any
 
 import numpy as np
 
-from steadytrain.data.format import Manifest, read_manifest
+from steadytrain.data.read.format import Manifest, read_manifest
 from steadytrain.errors import DatasetError
 from steadytrain.storage.store import Store
 
-__all__ = ["TokenDataset"]
+__all__ = ["TokenDataset", "open_shard_cache"]
 
 # Signature of the hook that turns a shard file name into a local path (the cache).
 Resolver = Callable[[str, int, str], str]
+
+
+def open_shard_cache(cache_dir: str, store: Store, manifest: Manifest, **kwargs: Any) -> Any:
+    """The node-local ``ShardCache`` of a dataset: one unit per shard (token file + index
+    file, fetched and evicted together), namespaced by the dataset fingerprint so two
+    datasets (or a re-tokenized one) never share cache entries."""
+    from steadytrain.storage.cache import FileSpec, ShardCache
+
+    units = [
+        [
+            FileSpec(s.name, s.bytes, s.checksum),
+            FileSpec(s.index_name, s.index_bytes, s.index_checksum),
+        ]
+        for s in manifest.shards
+    ]
+    return ShardCache(cache_dir, store, units, manifest.fingerprint, **kwargs)
 
 
 class TokenDataset:
@@ -93,9 +109,7 @@ class TokenDataset:
                 f"{self.url} is remote: pass cache_dir= (a node-local directory, e.g. on NVMe) "
                 f"so shards are fetched once, verified and memory-mapped"
             )
-        from steadytrain.storage.cache import ShardCache
-
-        cache = ShardCache(self.cache_dir, self.store, self.manifest)
+        cache = open_shard_cache(self.cache_dir, self.store, self.manifest)
         self.cache = cache
         return cache.local_path
 

@@ -20,7 +20,7 @@ import os
 import shutil
 import uuid
 
-from steadytrain.data.format import MANIFEST_NAME, Manifest, read_manifest
+from steadytrain.data.read.format import MANIFEST_NAME, Manifest, read_manifest
 from steadytrain.errors import DatasetError
 from steadytrain.storage.store import Store
 

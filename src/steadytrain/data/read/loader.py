@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from steadytrain.data._worker import Reader
-from steadytrain.data.loader_state import check_state, make_state
-from steadytrain.data.prefetch import ProcessProducer, ThreadProducer
-from steadytrain.data.sampler import BatchPlan, Refs, Sampler
+from steadytrain.data.read.loader_state import check_state, make_state
+from steadytrain.data.read.producers import ProcessProducer, ThreadProducer
+from steadytrain.data.read.sampler import BatchPlan, Refs, Sampler
+from steadytrain.data.read.workers import Reader
 from steadytrain.errors import ConfigError, ReadDeadlineError
 
 __all__ = ["TokenLoader"]

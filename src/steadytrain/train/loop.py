@@ -56,7 +56,7 @@ from steadytrain.train.support import (
     weights_digest,
 )
 
-__all__ = ["train", "TrainState", "lr_factor"]
+__all__ = ["run_training", "TrainState", "lr_factor"]
 
 
 PROCESS_START = process_start()  # start-up cost is measured from the process's birth
@@ -86,11 +86,11 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - min_ratio)
 
 
-def train(cfg: Config) -> dict[str, Any]:
+def run_training(cfg: Config) -> dict[str, Any]:
     """Run (or resume) the job described by ``cfg``; returns a summary (rank 0's view)."""
     from steadytrain.checkpoint import Checkpointer
-    from steadytrain.data.dataset import TokenDataset
-    from steadytrain.data.loader import TokenLoader
+    from steadytrain.data.read.dataset import TokenDataset
+    from steadytrain.data.read.loader import TokenLoader
     from steadytrain.monitor.meter import GoodputMeter
 
     # -- 1. Processes: one per rank, started by torchrun (or alone: a world of one) -------

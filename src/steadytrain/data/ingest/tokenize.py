@@ -29,18 +29,18 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from steadytrain.data.format import Manifest
-from steadytrain.data.output import Output
-from steadytrain.data.progress import NullProgress
-from steadytrain.data.sources import DecodeStats, SourceFile, iter_documents, list_sources
-from steadytrain.data.tokenizer import (
+from steadytrain.data.ingest.output import Output
+from steadytrain.data.ingest.progress import NullProgress
+from steadytrain.data.ingest.sources import DecodeStats, SourceFile, iter_documents, list_sources
+from steadytrain.data.ingest.tokenizer import (
     TOKENIZER_FILE,
     Encoder,
     TokenizerSpec,
     resolve_tokenizer,
     train_bpe,
 )
-from steadytrain.data.writer import DEFAULT_SHARD_TOKENS, DatasetWriter
+from steadytrain.data.ingest.writer import DEFAULT_SHARD_TOKENS, DatasetWriter
+from steadytrain.data.read.format import Manifest
 from steadytrain.errors import ConfigError, DatasetError
 
 __all__ = ["TokenizeResult", "tokenize", "encode_stream", "default_workers"]

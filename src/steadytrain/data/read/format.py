@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 from steadytrain.errors import DatasetError, StorageError
+from steadytrain.storage.publish import CHECKSUM_ALGO, StreamingChecksum, checksum_bytes
 from steadytrain.storage.store import Store, safe_relpath
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "Manifest",
     "dtype_for_vocab",
     "checksum_bytes",
+    "StreamingChecksum",
+    "CHECKSUM_ALGO",
     "compute_fingerprint",
     "read_manifest",
     "write_manifest",
@@ -42,7 +45,6 @@ __all__ = [
 FORMAT_NAME = "steadytrain.tokens"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-CHECKSUM_ALGO = "xxh3_64"
 SUPPORTED_DTYPES = ("uint16", "uint32")
 
 
@@ -51,23 +53,6 @@ def dtype_for_vocab(vocab_size: int) -> str:
     if vocab_size <= 0:
         raise DatasetError(f"vocab_size must be positive, got {vocab_size}")
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
-def checksum_bytes(data: bytes | memoryview | np.ndarray) -> str:
-    return f"{CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(data)}"
-
-
-class StreamingChecksum:
-    """xxh3-64 over data fed in pieces (shard files are written and read in chunks)."""
-
-    def __init__(self) -> None:
-        self._h = xxhash.xxh3_64()
-
-    def update(self, data: bytes | memoryview | np.ndarray) -> None:
-        self._h.update(data)
-
-    def hexdigest(self) -> str:
-        return f"{CHECKSUM_ALGO}:{self._h.hexdigest()}"
 
 
 @dataclasses.dataclass(frozen=True)

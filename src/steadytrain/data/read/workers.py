@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from steadytrain.data.sampler import BatchPlan, Refs, Sampler
+from steadytrain.data.read.sampler import BatchPlan, Refs, Sampler
 
 # q (micro-batch index), read seconds, bytes read, flag (0 data, 1 pickled exception)
 HEADER = struct.Struct("<qdqB")

@@ -133,7 +133,7 @@ class SlowLink:
 
 
 def _serve_forever() -> None:
-    """``python -m steadytrain.storage.slowlink PORT LATENCY_MS DOWN_MBPS``: run a link in
+    """``python -m steadytrain.testing.slowlink PORT LATENCY_MS DOWN_MBPS``: run a link in
     its own process (so its CPU time is not the measured process's), print its port, and
     serve until stdin closes."""
     import sys

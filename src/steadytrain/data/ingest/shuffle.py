@@ -22,10 +22,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from steadytrain.data.dataset import TokenDataset
-from steadytrain.data.permute import Feistel, derive_key
-from steadytrain.data.sampler import Sampler
-from steadytrain.data.writer import DatasetWriter
+from steadytrain.data.ingest.writer import DatasetWriter
+from steadytrain.data.read.dataset import TokenDataset
+from steadytrain.data.read.permute import Feistel, derive_key
+from steadytrain.data.read.sampler import Sampler
 from steadytrain.errors import ConfigError
 
 __all__ = ["ShuffleResult", "shuffle_dataset"]

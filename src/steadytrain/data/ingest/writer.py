@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from steadytrain.data.format import (
+from steadytrain.data.read.format import (
     Manifest,
     ShardInfo,
     StreamingChecksum,

@@ -39,7 +39,11 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from steadytrain.data.format import (
+from steadytrain.data.ingest.output import Output
+from steadytrain.data.ingest.progress import NullProgress
+from steadytrain.data.ingest.tokenizer import TOKENIZER_FILE, resolve_tokenizer
+from steadytrain.data.ingest.writer import shard_names
+from steadytrain.data.read.format import (
     Manifest,
     ShardInfo,
     StreamingChecksum,
@@ -47,10 +51,6 @@ from steadytrain.data.format import (
     dtype_for_vocab,
     write_manifest,
 )
-from steadytrain.data.output import Output
-from steadytrain.data.progress import NullProgress
-from steadytrain.data.tokenizer import TOKENIZER_FILE, resolve_tokenizer
-from steadytrain.data.writer import shard_names
 from steadytrain.errors import ConfigError, DatasetError
 
 __all__ = [

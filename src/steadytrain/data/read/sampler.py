@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from steadytrain.data.blend import Blend, quantise_weights
-from steadytrain.data.modes import make_order
-from steadytrain.data.permute import derive_key
+from steadytrain.data.read.blend import Blend, quantise_weights
+from steadytrain.data.read.modes import make_order
+from steadytrain.data.read.permute import derive_key
 from steadytrain.errors import ConfigError
 
 __all__ = ["Source", "Sampler", "BatchPlan", "Refs"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from steadytrain.data.permute import Feistel, derive_key
+from steadytrain.data.read.permute import Feistel, derive_key
 from steadytrain.errors import ConfigError
 
 DEFAULT_BLOCK_SIZE = 256  # samples: 2 MiB of uint16 tokens at seq 4096

@@ -1,0 +1,1 @@
+"""The read wing: a token-shard dataset in, micro-batches out (see ``data/__init__``)."""

@@ -1,0 +1,5 @@
+"""Harnesses for tests, demos and benchmarks; nothing in the runtime path imports this.
+
+* ``s3_server``: a real S3 server (SeaweedFS ``weed mini``) on loopback;
+* ``slowlink``: a TCP proxy that adds latency and caps bandwidth on loopback.
+"""
