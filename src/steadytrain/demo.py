@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_demo", "default_run_dir", "plan_from_run"]
+__all__ = ["run_demo", "default_run_dir", "demo_plan"]
 
 # A large cluster for the planner's projection: Llama 3's ~8.6 interruptions a day on 16k GPUs.
 CLUSTER_INTERRUPTIONS_PER_DAY = 8.6
@@ -31,37 +31,40 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
-def plan_from_run(run_dir: str) -> dict[str, Any]:
-    """The planner's recommendation from the costs measured in ``run_dir``'s ledger."""
-    from steadytrain.planning import measure_run
-    from steadytrain.planning.failures import FailureModel
-    from steadytrain.planning.summary import choose_failure_model, make_plan
+# What the demo shows of each plan (the full plans are what `steadytrain plan --from-run
+# RUN_DIR --json` prints, with `--days 1` and with `--interruptions-per-day 8.6`).
+PLAN_KEYS = (
+    "interruptions_per_day",
+    "optimal_interval_min",
+    "goodput_at_optimal",
+    "goodput",
+    "ckpt_cost_s",
+    "durable_s",
+    "restart_cost_s",
+    "data_stall_frac",
+    "badput",
+)
+DEMO_SIM_RUNS = 200
 
-    measured = measure_run(run_dir)
-    ckpt = measured.ckpt_cost_s or 0.0
-    kwargs = {
-        "ckpt_cost_s": ckpt,
-        "durable_s": measured.durable_s,
-        "restart_s": measured.restart_cost_s or 0.0,
-        "simulate_runs": 200,
-    }
-    observed, _ = choose_failure_model(measured=measured)
-    here = make_plan(observed, days=1.0, **kwargs)
-    cluster = make_plan(
-        FailureModel.from_interruptions_per_day(CLUSTER_INTERRUPTIONS_PER_DAY), **kwargs
+
+def demo_plan(run_dir: str) -> dict[str, Any]:
+    """The planner's recommendation from the costs measured in ``run_dir``'s ledger, at this
+    run's failure rate and at a large cluster's: ``steadytrain plan --from-run`` itself
+    (``planning.plan_from_run``), so the demo and the command never disagree."""
+    from steadytrain.planning import measure_run, plan_from_run
+
+    measured = measure_run(run_dir)  # read once, planned twice
+    here = plan_from_run(run_dir, measured=measured, days=1.0, simulate_runs=DEMO_SIM_RUNS)
+    cluster = plan_from_run(
+        run_dir,
+        measured=measured,
+        interruptions_per_day=CLUSTER_INTERRUPTIONS_PER_DAY,
+        simulate_runs=DEMO_SIM_RUNS,
     )
     return {
         "measured": measured.to_dict(),
-        "this_run": {
-            "interruptions_per_day": here["interruptions_per_day"],
-            "optimal_interval_min": here["optimal_interval_min"],
-            "goodput_at_optimal": here["goodput_at_optimal"],
-        },
-        "cluster": {
-            "interruptions_per_day": CLUSTER_INTERRUPTIONS_PER_DAY,
-            "optimal_interval_min": cluster["optimal_interval_min"],
-            "goodput_at_optimal": cluster["goodput_at_optimal"],
-        },
+        "this_run": {k: here[k] for k in PLAN_KEYS},
+        "cluster": {k: cluster[k] for k in PLAN_KEYS},
     }
 
 
@@ -141,12 +144,13 @@ def run_demo(
     say(f"[demo]     report: {t['report']}")
 
     say("[demo] 4/4 the planner's checkpoint interval from the costs this run measured")
-    plan = plan_from_run(run_dir)
+    plan = demo_plan(run_dir)
     summary["plan"] = plan
     m = plan["measured"]
     say(
         f"[demo]     measured: checkpoint blocks {1000 * (m['ckpt_cost_s'] or 0):.0f} ms, "
-        f"durable after {m['durable_s'] or 0:.2f} s, restart costs {m['restart_cost_s'] or 0:.1f} s"
+        f"durable after {m['durable_s'] or 0:.2f} s, restart costs {m['restart_cost_s'] or 0:.1f} s, "
+        f"data stall {100 * m['data_stall_frac']:.1f} % of step time"
     )
     here, cluster = plan["this_run"], plan["cluster"]
     say(

@@ -57,8 +57,11 @@ def test_s3_save_commit_last_and_restore_elsewhere(s3_server, s3_bucket, tmp_pat
     assert torch.all(states["model"].weight == 3.0)
 
 
-def test_s3_outage_during_upload_fails_one_save_only(s3_restartable, tmp_path):
+def test_s3_outage_during_upload_fails_one_save_only(s3_restartable, tmp_path, monkeypatch):
     server = s3_restartable
+    # Uploads retry like every storage request; an outage longer than the retry budget
+    # (here 3 s, default 300 s) fails that save, and training goes on.
+    monkeypatch.setenv("STEADYTRAIN_STORAGE_RETRY_S", "3")
     opts = _opts(server)
     url = "s3://steady/ckpt"
     events: list[dict] = []

@@ -1,4 +1,6 @@
-"""``steadytrain plan`` through ``steadytrain.cli.main``, and ``--from-run`` on a real ledger."""
+"""``steadytrain plan`` through ``steadytrain.cli.main``, and ``--from-run`` on a real ledger
+(written by ``monitor.ledger.Ledger``, the meter's own writer), planned by the CLI and by the
+demo through the one ``plan_from_run``."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from steadytrain.cli import main
-from steadytrain.planning import measure_run, optimal_interval_s
+from steadytrain.demo import demo_plan
+from steadytrain.monitor.goodput import compute_goodput
+from steadytrain.monitor.ledger import Ledger, read_ledger
+from steadytrain.planning import goodput_first_order, measure_run, optimal_interval_s
 
 
 def plan_json(capsys, *argv: str) -> dict:
@@ -117,27 +122,36 @@ def test_human_output(capsys):
         assert text in out
 
 
-# -- --from-run on a ledger written in the HELPERS.md schema ------------------------------
+# -- --from-run on a ledger written by the meter's writer (monitor.ledger.Ledger) ----------
 
 
 class LedgerRun:
     """A small simulated run with known costs, written record by record to ledger.jsonl.
 
-    Steps take 1.8 s of compute and 0.2 s of data wait; every 10th step a save blocks 0.5 s
-    and becomes durable 3.0 s after it started. Failures are followed by ``gap`` seconds of
-    detection and queueing, then startup (15 s) and restore (5 s) before the first step.
+    Steps take 2.0 s: ``data_wait`` s waiting for data (default 0.2) and the rest compute;
+    every 10th step a save blocks 0.5 s more and becomes durable 3.0 s after it started.
+    Failures are followed by ``gap`` seconds of detection and queueing, then startup (15 s)
+    and restore (5 s) before the first step. The clock is simulated (the meter would stamp
+    wall time), the writer is the real one.
     """
 
     STARTUP, RESTORE, BLOCK, DURABLE = 15.0, 5.0, 0.5, 3.0
 
-    def __init__(self, run_dir: Path, t0: float = 1_800_000_000.0, world_size: int = 16):
-        self.f = open(run_dir / "ledger.jsonl", "w")
+    def __init__(
+        self,
+        run_dir: Path,
+        t0: float = 1_800_000_000.0,
+        world_size: int = 16,
+        data_wait: float = 0.2,
+    ):
+        self.ledger = Ledger(run_dir)
         self.t, self.attempt, self.world = t0, 0, world_size
         self.step, self.last_ckpt = 0, 0
         self.begin = t0
+        self.data_wait = data_wait
 
     def write(self, **rec) -> None:
-        self.f.write(json.dumps(rec) + "\n")
+        self.ledger.write([rec])
 
     def start(self, restore: bool) -> None:
         restore_s = self.RESTORE if restore else 0.0
@@ -160,7 +174,8 @@ class LedgerRun:
             self.t += 2.0 + block
             self.write(
                 type="step", t=self.t, step=self.step, tokens=4096, step_s=2.0 + block,
-                data_wait_s=0.2, compute_s=1.8, checkpoint_block_s=block, loss=3.0,
+                data_wait_s=self.data_wait, compute_s=2.0 - self.data_wait,
+                checkpoint_block_s=block, loss=3.0,
             )  # fmt: skip
             if pending and self.t >= pending[0]:
                 self._durable(*pending)
@@ -179,11 +194,11 @@ class LedgerRun:
 
     def finish(self) -> None:
         self.write(type="job_end", t=self.t, step=self.step, reason="finished")
-        self.f.close()
+        self.ledger.close()
 
 
-def make_run(run_dir: Path) -> tuple[LedgerRun, float]:
-    run = LedgerRun(run_dir)
+def make_run(run_dir: Path, data_wait: float = 0.2) -> tuple[LedgerRun, float]:
+    run = LedgerRun(run_dir, data_wait=data_wait)
     run.start(restore=False)
     run.steps(25)  # crash after step 25: checkpoint 20 is durable
     run.crash(gap=40.0)
@@ -209,6 +224,32 @@ def test_from_run_measures_costs(tmp_path):
     wall_days = (run.t - begin) / 86400
     assert m.wall_days == pytest.approx(wall_days)
     assert m.interruptions_per_day == pytest.approx(2 / wall_days)
+    # redone work: steps 21-25 and 41-43 (8 steps of 1.8 s compute), over 2 interruptions
+    assert m.steps_lost == 8
+    assert m.lost_per_interruption_s == pytest.approx(8 * 1.8 / 2)
+
+
+def test_measured_costs_are_the_reports_buckets(tmp_path):
+    # The planner reads the ledger through monitor: its goodput and buckets are the ones
+    # `steadytrain report` computes, and each model input adds up to its bucket.
+    make_run(tmp_path)
+    m = measure_run(tmp_path)
+    b = compute_goodput(read_ledger(tmp_path / "ledger.jsonl"))
+    assert m.goodput == b.goodput and m.total_s == b.total_s and m.badput_s == b.badput_s
+    assert m.wall_days == pytest.approx(b.total_s / 86400)
+    bad = b.badput_s
+    first_start = LedgerRun.STARTUP  # the first attempt restored nothing
+    restarts = bad["restart_gap"] + bad["startup"] + bad["restore"] - first_start
+    assert m.restart_cost_s * m.interruptions == pytest.approx(restarts)
+    assert m.restart_gap_s * m.interruptions == pytest.approx(bad["restart_gap"])
+    busy = bad["data_wait"] + b.goodput_s + bad["lost_to_failures"]
+    assert m.data_stall_frac == pytest.approx(bad["data_wait"] / busy)
+    assert m.lost_per_interruption_s * m.interruptions == pytest.approx(bad["lost_to_failures"])
+    # the plan's terms fold the buckets without losing any time
+    assert m.badput["restart"] * b.total_s == pytest.approx(
+        bad["startup"] + bad["restore"] + bad["restart_gap"]
+    )
+    assert m.goodput + sum(m.badput.values()) == pytest.approx(1.0)
 
 
 def test_plan_from_run(tmp_path, capsys):
@@ -245,8 +286,94 @@ def test_from_run_without_failures_falls_back_with_a_note(tmp_path, capsys):
     assert r["restart_cost_s"] == pytest.approx(15.0)  # no restart seen: startup + restore
 
 
-def test_from_run_errors_name_the_file(tmp_path, capsys):
+def test_from_run_errors_name_the_file(tmp_path, capsys, caplog):
     err = plan_error(capsys, "--from-run", str(tmp_path))
     assert "ledger.jsonl" in err
+    # Read through monitor's reader like the report: a line that is not JSON is skipped
+    # with a warning naming it, and a file without job_start is refused, named.
     (tmp_path / "ledger.jsonl").write_text('{"type": "step", "t": 1}\nnot json\n{"type":"x"}\n')
-    assert "ledger.jsonl:2" in plan_error(capsys, "--from-run", str(tmp_path))
+    err = plan_error(capsys, "--from-run", str(tmp_path))
+    assert "ledger.jsonl has no job_start" in err and "--from-run" in err
+    assert any("ledger.jsonl:2" in r.getMessage() for r in caplog.records)
+
+
+def test_from_run_skips_a_torn_line_like_the_report(tmp_path, capsys, caplog):
+    make_run(tmp_path)
+    before = plan_json(capsys, "--from-run", str(tmp_path), "--sim-runs", "0")
+    with open(tmp_path / "ledger.jsonl", "a") as f:
+        f.write('{"type": "step", "t": 1')  # a crash mid-write
+    after = plan_json(capsys, "--from-run", str(tmp_path), "--sim-runs", "0")
+    assert after == before
+    assert any("torn" in r.getMessage() for r in caplog.records)
+
+
+# -- one plan-from-run function: the CLI and the demo ----------------------------------------
+
+DEMO_KEYS = (
+    "interruptions_per_day", "optimal_interval_min", "goodput_at_optimal", "goodput",
+    "ckpt_cost_s", "durable_s", "restart_cost_s", "data_stall_frac", "badput",
+)  # fmt: skip
+
+
+def test_cli_and_demo_plan_the_same_run_alike(tmp_path, capsys):
+    make_run(tmp_path, data_wait=0.4)
+    demo = demo_plan(str(tmp_path))
+    # the demo's "this run" is `plan --from-run RUN_DIR --days 1`, its cluster projection
+    # is the same with the Llama 3 rate
+    here = plan_json(capsys, "--from-run", str(tmp_path), "--days", "1", "--sim-runs", "200")
+    cluster = plan_json(
+        capsys, "--from-run", str(tmp_path), "--interruptions-per-day", "8.6", "--sim-runs", "200"
+    )
+    assert set(demo["this_run"]) == set(DEMO_KEYS)
+    for key in DEMO_KEYS:
+        assert demo["this_run"][key] == here[key], key
+        assert demo["cluster"][key] == cluster[key], key
+    assert demo["measured"] == here["measured"]
+    # the demo counts the run's data stall (it used to plan as if there was none)
+    assert demo["this_run"]["data_stall_frac"] == pytest.approx(0.2)
+    assert here["sources"]["data_stall_frac"] == "measured"
+    assert demo["this_run"]["badput"]["data_wait"] > 0
+
+
+def test_data_stalls_change_the_plan(tmp_path, capsys):
+    stalled, clean = tmp_path / "stalled", tmp_path / "clean"
+    stalled.mkdir()
+    clean.mkdir()
+    make_run(stalled, data_wait=0.5)  # same clock, same failures: only the wait differs
+    make_run(clean, data_wait=0.0)
+    argv = ("--days", "1", "--sim-runs", "0")
+    s = plan_json(capsys, "--from-run", str(stalled), *argv)
+    c = plan_json(capsys, "--from-run", str(clean), *argv)
+    assert s["data_stall_frac"] == pytest.approx(0.25) and c["data_stall_frac"] == 0.0
+    # the interval does not move (a stall scales goodput, it is not a failure cost) ...
+    assert s["optimal_interval_min"] == pytest.approx(c["optimal_interval_min"])
+    # ... but the goodput the plan promises drops by the waiting share
+    assert s["goodput"] == pytest.approx(0.75 * c["goodput"])
+    mtbf_s = s["mtbf_hours"] * 3600
+    tau = s["interval_min"] * 60
+    assert s["goodput"] == pytest.approx(
+        goodput_first_order(tau, 0.5, mtbf_s, 90.0, 3.0, stall_frac=0.25)
+    )
+    assert s["badput"]["data_wait"] > 0.0 == c["badput"]["data_wait"]
+    # the run itself measured the same: its goodput is lower by the wait
+    assert s["measured"]["goodput"] < c["measured"]["goodput"]
+    assert s["measured"]["badput_s"]["data_wait"] > 0.0 == c["measured"]["badput_s"]["data_wait"]
+    # and the demo sees it the same way
+    ds, dc = demo_plan(str(stalled)), demo_plan(str(clean))
+    assert ds["this_run"]["goodput"] == s["goodput"] < dc["this_run"]["goodput"] == c["goodput"]
+
+
+def test_cli_help_defaults_are_the_planners():
+    from steadytrain.commands import plan as command
+    from steadytrain.planning import from_run
+
+    assert command.DEFAULT_CKPT_COST_S == from_run.DEFAULT_CKPT_COST_S
+    assert command.DEFAULT_RESTART_COST_S == from_run.DEFAULT_RESTART_COST_S
+
+
+def test_human_output_from_run_shows_measured_and_model_badput(tmp_path, capsys):
+    make_run(tmp_path)
+    assert main(["plan", "--from-run", str(tmp_path), "--sim-runs", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "this run (measured)" in out and "badput at that interval (model)" in out
+    assert "data_wait" in out and "lost_to_failures" in out

@@ -16,6 +16,7 @@ from steadytrain.planning import (
     goodput_exact,
     goodput_first_order,
     optimal_interval_s,
+    time_shares_first_order,
     young_interval_s,
 )
 
@@ -192,3 +193,49 @@ def test_daly_close_to_exact_when_saves_are_cheap(c, m):
     # Daly's expansion is within a fraction of a percent while C << M.
     if c / m < 1e-2:
         assert daly_interval_s(c, m) == pytest.approx(exact_interval_s(c, m), rel=2e-3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tau=st.floats(min_value=0.0, max_value=1e6),
+    c=st.floats(min_value=0.0, max_value=3600.0),
+    m=st.floats(min_value=60.0, max_value=1e7),
+    r=st.floats(min_value=0.0, max_value=3600.0),
+    extra=st.floats(min_value=0.0, max_value=3600.0),
+    s=st.floats(min_value=0.0, max_value=0.9),
+)
+def test_time_shares_account_for_all_wall_time(tau, c, m, r, extra, s):
+    # The plan's badput by bucket and its goodput cover the wall time exactly once, and the
+    # goodput is the first-order goodput, even where it floors at 0 or the loop waits for
+    # the previous save (tau < L - C).
+    shares = time_shares_first_order(tau, c, m, r, c + extra, s)
+    assert set(shares) == {
+        "goodput",
+        "data_wait",
+        "checkpoint_block",
+        "restart",
+        "lost_to_failures",
+    }
+    assert min(shares.values()) >= 0.0
+    assert sum(shares.values()) == pytest.approx(1.0, abs=1e-9)
+    assert shares["goodput"] == pytest.approx(
+        goodput_first_order(tau, c, m, r, c + extra, s), abs=1e-12
+    )
+
+
+def test_time_shares_by_hand():
+    # M = 10 h, tau = 50 min, C = 60 s (sync), R = 600 s, s = 10 %: P = 3060 s,
+    # r = 600/36000, w = (1530 s)/36000.
+    m, tau, c, r, s = 10 * HOUR, 3000.0, 60.0, 600.0, 0.1
+    shares = time_shares_first_order(tau, c, m, r, c, s)
+    p, rr, w = tau + c, r / m, (tau + c) / 2 / m
+    assert shares["restart"] == pytest.approx(rr)
+    assert shares["checkpoint_block"] == pytest.approx((1 - rr) * c / p)
+    assert shares["data_wait"] == pytest.approx((1 - rr) * tau * s / p)
+    assert shares["lost_to_failures"] == pytest.approx(w * tau * (1 - s) / p)
+    # a data stall moves time from goodput to data_wait and nowhere else
+    clean = time_shares_first_order(tau, c, m, r, c, 0.0)
+    assert clean["data_wait"] == 0.0
+    assert shares["goodput"] == pytest.approx(clean["goodput"] * (1 - s))
+    for k in ("restart", "checkpoint_block"):
+        assert shares[k] == pytest.approx(clean[k])

@@ -156,3 +156,41 @@ def test_hf_tokenizer_without_eos_gets_one(tmp_path):
     assert stored.token_to_id("<|endoftext|>") == res.manifest.eos_id
     assert res.manifest.eos_id == res.manifest.vocab_size - 1
     assert all(d[-1] == res.manifest.eos_id for d in _docs_of(str(tmp_path / "ds")))
+
+
+def test_directory_walk_reports_skipped_files_and_include_reads_them(tmp_path, capsys):
+    """Files with no known suffix are never skipped silently: the run warns with the count
+    and examples, and ``--include GLOB`` reads them."""
+    from steadytrain.cli import main
+
+    src = tmp_path / "licenses"
+    src.mkdir()
+    (src / "LICENSE").write_text("permission is hereby granted\n")
+    (src / "COPYING").write_text("everyone is permitted to copy\n")
+    (src / "notes.txt").write_text("a text file\n")
+    (src / ".hidden").write_text("never read\n")
+    out = tmp_path / "ds"
+    assert main(["tokenize", str(src), "--out", str(out), "--workers", "0", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["input_files"] == 1 and info["skipped_files"] == 2
+    assert any("skipped 2 file(s)" in w and "--include" in w for w in info["warnings"])
+    assert [_bytes_decode(d) for d in _docs_of(str(out))] == ["a text file\n"]
+
+    out2 = tmp_path / "ds2"
+    argv = ["tokenize", str(src), "--out", str(out2), "--workers", "0", "--json"]
+    assert main(argv + ["--include", "LICENSE*", "--include", "COPY*"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["input_files"] == 3 and info["skipped_files"] == 0
+    docs = sorted(_bytes_decode(d) for d in _docs_of(str(out2)))
+    assert docs == sorted(
+        ["permission is hereby granted\n", "everyone is permitted to copy\n", "a text file\n"]
+    )
+
+
+def test_directory_of_only_unknown_suffixes_names_the_fix(tmp_path):
+    src = tmp_path / "bare"
+    src.mkdir()
+    (src / "README").write_text("text without a suffix\n")
+    with pytest.raises(DatasetError, match=r"skipped 1 file.*--include"):
+        tokenize([str(src)], str(tmp_path / "out"), workers=0)
+    assert not (tmp_path / "out").exists()

@@ -19,6 +19,11 @@ from typing import Any
 
 import torch
 
+from steadytrain.checkpoint.torch_private import (
+    TorchAPIError,
+    typed_storage,
+    unpickle_weights_only,
+)
 from steadytrain.errors import CheckpointError
 
 __all__ = ["HEADERS", "tensor_layout", "pread_exact", "narrow", "dest_bytes"]
@@ -89,20 +94,16 @@ def pread_exact(fd: int, mv: memoryview, offset: int, what: str) -> None:
 @functools.lru_cache(maxsize=4096)
 def _unpickle_meta(pkl: bytes) -> Any:
     """Same-shaped tensors have byte-identical pickles (a model's layers): unpickle once."""
-    from torch import _weights_only_unpickler as wou
 
     def persistent_load(saved_id: Any) -> Any:
         kind, storage_type, _key, _location, numel = saved_id
         if kind not in ("storage", b"storage"):
             raise ValueError(f"persistent id {kind!r}")
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        nbytes = numel * torch._utils._element_size(dtype)
-        storage = torch.UntypedStorage(nbytes, device="meta")
-        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+        storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
+        return typed_storage(storage, dtype)
 
-    unpickler = wou.Unpickler(io.BytesIO(pkl), encoding="utf-8")
-    unpickler.persistent_load = persistent_load
-    return unpickler.load()
+    return unpickle_weights_only(pkl, persistent_load)
 
 
 def _meta_tensor(pkl: bytes, window: _Window) -> Any:
@@ -111,10 +112,13 @@ def _meta_tensor(pkl: bytes, window: _Window) -> Any:
     Uses torch's weights-only unpickler (what ``torch.load(weights_only=True)`` uses) with
     storages created on ``meta``: ~10x cheaper per tensor than ``torch.load`` on a file-like,
     which matters for checkpoints with thousands of tensors. Any surprise (another torch
-    version, another pickle shape) falls back to ``torch.load(map_location="meta")``.
+    version, another pickle shape) falls back to ``torch.load(map_location="meta")``, except
+    a private torch API that is gone (``torch_private``): that is said loudly, not hidden.
     """
     try:
         return _unpickle_meta(pkl)
+    except TorchAPIError:
+        raise
     except Exception:  # noqa: BLE001 - the public path below is always right, only slower
         window.seek(0)
         return torch.load(window, map_location="meta", weights_only=True)

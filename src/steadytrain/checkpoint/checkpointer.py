@@ -19,12 +19,13 @@ makes a too-short interval visible as checkpoint stall in the goodput ledger.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from steadytrain.checkpoint import state as S
 from steadytrain.checkpoint.remote import Root, discover
@@ -32,11 +33,77 @@ from steadytrain.checkpoint.restore import restore_latest as _restore
 from steadytrain.checkpoint.staging import Stager
 from steadytrain.checkpoint.writer import Group, SaveRequest, run_save
 from steadytrain.errors import ConfigError
+from steadytrain.settings import check, check_choices, merge
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "CheckpointerConfig"]
 
 log = logging.getLogger("steadytrain.checkpoint")
-_MODES = ("sync", "thread", "process")
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointerConfig:
+    """Everything a ``Checkpointer`` can be told, with the one copy of each default and
+    check. The ``[checkpoint]`` table of a training config is this plus ``dir``/``engine``."""
+
+    every_steps: int = 0  # save when step % every_steps == 0 (0: not by steps)
+    every_seconds: float = 0.0  # save after this much wall time (0: not by time)
+    # None: "seconds" when only every_seconds is set, else "steps" (0 steps: call save()).
+    # "auto": the planner's optimum from the measured save cost and mtbf_s.
+    interval: Literal["steps", "seconds", "auto"] | None = None
+    # At least 2, never 1: a checkpoint can be found damaged after its commit (a bad disk, a
+    # truncated copy), and restore then falls back to the next older committed one. With
+    # keep_last = 1 there is none, and one bad file sends the job back to step 0.
+    keep_last: int = 3
+    keep_every: int = 0  # also keep every step that is a multiple of this (0: none)
+    async_mode: Literal["sync", "thread", "process"] = "thread"
+    remote: str = ""  # an s3://... copy of every committed checkpoint ("": none)
+    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # for remote
+    mtbf_s: float = 0.0  # the job's mean time between failures, for interval = "auto"
+    restart_s: float = 0.0  # the job's restart cost, for interval = "auto"
+    # "full", the safe one: every checksum is checked before any live tensor is written, so
+    # a damaged checkpoint never touches the caller's state, whatever that state is (a
+    # restore into a live model too). "overlap" hashes while the bytes stream into place
+    # (one read, faster) and is only safe onto freshly built state: the packaged training
+    # configs choose it explicitly because the loop restores at start-up.
+    verify: Literal["full", "overlap"] = "full"
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.interval is None:
+            only_time = self.every_seconds and not self.every_steps
+            self.interval = "seconds" if only_time else "steps"
+        check(self.every_steps >= 0, "every_steps", self.every_steps, "use 0 (off) or more")
+        check(self.every_seconds >= 0, "every_seconds", self.every_seconds, "use 0 (off) or more")
+        if self.interval == "seconds":
+            check(
+                self.every_seconds > 0,
+                "every_seconds",
+                self.every_seconds,
+                'set it (> 0) with interval = "seconds"',
+            )
+        if self.interval == "auto":
+            check(
+                self.mtbf_s > 0,
+                "mtbf_s",
+                self.mtbf_s,
+                'set the mean time between failures (seconds) with interval = "auto"',
+            )
+        check(self.mtbf_s >= 0, "mtbf_s", self.mtbf_s, "use 0 (unknown) or more")
+        check(self.restart_s >= 0, "restart_s", self.restart_s, "use 0 or more seconds")
+        check(
+            self.keep_last >= 2,
+            "keep_last",
+            self.keep_last,
+            "keep at least 2: restore falls back to the previous checkpoint when the newest "
+            "one turns out damaged",
+        )
+        check(self.keep_every >= 0, "keep_every", self.keep_every, "use 0 (off) or a step count")
+        check(
+            isinstance(self.storage_options, dict),
+            "storage_options",
+            self.storage_options,
+            "give a table (dict) of fsspec options, e.g. {endpoint_url = ...}",
+        )
 
 
 class Checkpointer:
@@ -48,38 +115,28 @@ class Checkpointer:
         every_steps: int | None = None,
         every_seconds: float | None = None,
         interval: str | None = None,
-        keep_last: int = 3,
+        keep_last: int | None = None,
         keep_every: int | None = None,
-        async_mode: str = "thread",
+        async_mode: str | None = None,
         remote: str | None = None,
         process_group: Any = None,
         on_event: Callable[[dict], None] | None = None,
         *,
         mtbf_s: float | None = None,
-        restart_s: float = 0.0,
+        restart_s: float | None = None,
         storage_options: dict[str, Any] | None = None,
-        verify: str = "full",
+        verify: str | None = None,
+        config: CheckpointerConfig | None = None,
     ) -> None:
-        if interval is None:
-            interval = "seconds" if every_seconds and not every_steps else "steps"
-        if interval not in ("steps", "seconds", "auto"):
-            raise ConfigError(f"interval={interval!r}: use 'steps', 'seconds' or 'auto'")
-        if interval == "steps" and every_steps is not None and every_steps < 1:
-            raise ConfigError(f"every_steps={every_steps}: must be >= 1 (or None: never)")
-        if interval == "seconds" and not (every_seconds and every_seconds > 0):
-            raise ConfigError("interval='seconds' needs every_seconds > 0")
+        """``config=`` or keywords (a keyword given wins over ``config``); every default
+        lives in ``CheckpointerConfig``. ``process_group`` and ``on_event`` are runtime
+        objects, not settings."""
+        cfg = merge(CheckpointerConfig, config, locals())
+        self.config = cfg
+        async_mode, interval = cfg.async_mode, cfg.interval
+        remote, storage_options = cfg.remote or None, cfg.storage_options or None
         if interval == "auto":
-            if not (mtbf_s and mtbf_s > 0):
-                raise ConfigError("interval='auto' needs mtbf_s= (mean time between failures)")
             self._optimal = _planner()
-        if verify not in ("full", "overlap"):
-            raise ConfigError(f"verify={verify!r}: use 'full' or 'overlap' (see docs)")
-        if async_mode not in _MODES:
-            raise ConfigError(f"async_mode={async_mode!r}: use one of {_MODES}")
-        if keep_last < 1:
-            raise ConfigError(f"keep_last={keep_last}: keep at least the newest checkpoint")
-        if keep_every is not None and keep_every < 1:
-            raise ConfigError(f"keep_every={keep_every}: must be >= 1 or None")
         import torch.distributed as dist
 
         initialised = dist.is_available() and dist.is_initialized()
@@ -102,11 +159,16 @@ class Checkpointer:
                 "checkpoints are staged locally, then uploaded"
             )
         self.remote = Root(remote, storage_options) if remote else None
-        self.every_steps, self.every_seconds, self.interval = every_steps, every_seconds, interval
-        self.keep_last, self.keep_every, self.async_mode = keep_last, keep_every, async_mode
-        self.mtbf_s, self.restart_s = mtbf_s, restart_s
+        # Read on every step and save: plain attributes, copied from the config.
+        self.every_steps, self.every_seconds, self.interval = (
+            cfg.every_steps,
+            cfg.every_seconds,
+            interval,
+        )
+        self.keep_last, self.keep_every, self.async_mode = cfg.keep_last, cfg.keep_every, async_mode
+        self.mtbf_s, self.restart_s = cfg.mtbf_s, cfg.restart_s
         self.on_event = on_event
-        self.verify = verify
+        self.verify = cfg.verify
         self._stager = Stager(shared_memory=async_mode == "process")
         self._thread: threading.Thread | None = None
         self._result: dict[str, Any] | None = None

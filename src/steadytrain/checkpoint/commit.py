@@ -4,8 +4,8 @@ Phase 1: every rank writes its DCP shards (plus its ``state-rankNNNNN.json``) in
 directory ``step-NNNNNNNN`` that has never existed before. Each rank then lists the files it
 wrote with sizes and xxh3-64 checksums, and rank 0 gathers the lists.
 Phase 2: only when every rank succeeded (and any remote upload was verified) rank 0 writes
-``COMMIT`` last, atomically (temporary name, fsync, ``os.replace``; a single PUT on object
-stores). A directory without a valid COMMIT is *partial* and is never loaded.
+``COMMIT`` last, atomically (``storage.publish``: temporary name, fsync, rename, fsync of the
+directory; a single PUT on object stores). A directory without a valid COMMIT is *partial* and is never loaded.
 
 DCP's ``.metadata`` is a pickle: unpickling runs code. ``verify()`` therefore checks every
 file's size and checksum against COMMIT *before* anything is unpickled, and refuses names that
@@ -23,9 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
 from steadytrain.errors import CheckpointError
+from steadytrain.storage.publish import file_digest, publish_bytes
 
 __all__ = [
     "FORMAT",
@@ -35,7 +34,6 @@ __all__ = [
     "parse_dirname",
     "safe_name",
     "file_entry",
-    "hash_file",
     "make_manifest",
     "write_commit_local",
     "parse_commit",
@@ -48,7 +46,6 @@ FORMAT_VERSION = 1
 COMMIT_NAME = "COMMIT"
 _DIR_RE = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
-_CHUNK = 8 << 20
 
 
 def step_dirname(step: int, attempt: int = 0) -> str:
@@ -72,19 +69,9 @@ def safe_name(name: Any) -> str:
     return norm
 
 
-def hash_file(path: str) -> tuple[int, str]:
-    """(size, xxh3-64 hex) of a local file."""
-    h = xxhash.xxh3_64()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
-
-
 def file_entry(directory: str, name: str, rank: int) -> dict[str, Any]:
-    size, digest = hash_file(os.path.join(directory, name))
+    """One COMMIT file entry: size and bare xxh3-64 hex of ``directory/name``."""
+    size, digest = file_digest(os.path.join(directory, name))
     return {"path": name, "size": size, "xxh3_64": digest, "rank": rank}
 
 
@@ -123,24 +110,10 @@ def make_manifest(
     }
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_commit_local(directory: str, manifest: dict[str, Any]) -> None:
-    """Publish COMMIT atomically: write a temporary file, fsync, rename, fsync the dir."""
-    tmp = os.path.join(directory, f".{COMMIT_NAME}.tmp-{os.getpid()}")
+    """Publish COMMIT atomically and durably (``storage.publish.publish_bytes``)."""
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, COMMIT_NAME))
-    _fsync_dir(directory)
+    publish_bytes(os.path.join(directory, COMMIT_NAME), data)
 
 
 def parse_commit(raw: bytes, where: str) -> dict[str, Any]:
@@ -202,7 +175,7 @@ def verify_local(
             raise CheckpointError(f"{path}: {size} bytes, COMMIT says {f['size']} (truncated?)")
         wanted = shards if is_shard(f["path"]) else others
         if checksums and wanted and idx % part[1] == part[0]:
-            _, digest = hash_file(path)
+            _, digest = file_digest(path)
             if digest != f.get("xxh3_64"):
                 raise CheckpointError(f"{path}: checksum {digest} != COMMIT {f.get('xxh3_64')}")
 

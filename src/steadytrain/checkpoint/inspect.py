@@ -9,7 +9,7 @@ from typing import Any
 
 from steadytrain.checkpoint.commit import COMMIT_NAME, verify_local
 from steadytrain.checkpoint.remote import Root, discover
-from steadytrain.errors import CheckpointError
+from steadytrain.errors import CheckpointError, ReadDeadlineError, StorageError
 
 __all__ = ["list_checkpoints"]
 
@@ -27,8 +27,10 @@ def list_checkpoints(directory: str, checksums: bool = True) -> list[dict[str, A
             try:
                 _verify(root, info.name, info.manifest, checksums)
                 verifies = True
-            except (CheckpointError, OSError) as exc:
-                error = str(exc)
+            except ReadDeadlineError:
+                raise  # a store that stopped answering ends the listing (an OSError too)
+            except (CheckpointError, StorageError, OSError) as exc:
+                error = str(exc)  # one bad checkpoint is a row, not the end of the listing
         elif error is None:
             error = "no COMMIT (partial)"
         size = info.size if info.committed else root.dir_size(info.name)

@@ -39,7 +39,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any
 
-import xxhash
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
@@ -47,7 +46,9 @@ from torch.futures import Future
 
 from steadytrain.checkpoint.archive import dest_bytes, narrow, pread_exact, tensor_layout
 from steadytrain.checkpoint.commit import is_shard, safe_name
+from steadytrain.checkpoint.torch_private import storage_infos
 from steadytrain.errors import CheckpointError
+from steadytrain.storage.publish import Hasher, digest_bytes
 
 __all__ = ["VerifyingReader", "read_verified", "check_file", "check_files"]
 
@@ -74,7 +75,7 @@ def read_verified(directory: str, entry: dict[str, Any]) -> bytes:
         raise CheckpointError(
             f"{path}: {len(data)} bytes, COMMIT says {entry['size']} (truncated?)"
         )
-    digest = xxhash.xxh3_64_hexdigest(data)
+    digest = digest_bytes(data)
     if digest != entry.get("xxh3_64"):
         raise CheckpointError(f"{path}: checksum {digest} != COMMIT {entry.get('xxh3_64')}")
     return data
@@ -169,8 +170,9 @@ class VerifyingReader(FileSystemReader):
 
     def read_data(self, plan: Any, planner: Any) -> Future:
         per_file: dict[str, list[Any]] = {}
+        infos = storage_infos(self) if plan.items else {}
         for item in plan.items:
-            rel = self.storage_data[item.storage_index].relative_path
+            rel = infos[item.storage_index].relative_path
             per_file.setdefault(rel, []).append(item)
         files = sorted(per_file)
         slow: list[Any] = []
@@ -214,9 +216,10 @@ class VerifyingReader(FileSystemReader):
         Otherwise (the file is verified and cached) each tensor's bytes are ``preadv``-ed.
         """
         where = os.path.join(self._dir, safe_name(rel))
+        infos = storage_infos(self)
         by_record: dict[int, list[Any]] = {}
         for item in items:
-            by_record.setdefault(self.storage_data[item.storage_index].offset, []).append(item)
+            by_record.setdefault(infos[item.storage_index].offset, []).append(item)
         slow, done = [], []
         # Two descriptors: the small header reads that parse each archive must not reset the
         # kernel's readahead state of the sequential stream (it is kept per open file).
@@ -228,7 +231,7 @@ class VerifyingReader(FileSystemReader):
             fd = f.fileno()
             for offset in sorted(by_record):
                 group = by_record[offset]
-                md = self.storage_data[group[0].storage_index]
+                md = infos[group[0].storage_index]
                 layout = None
                 if not md.transform_descriptors:
                     if reader is not None:
@@ -292,7 +295,7 @@ class _Stream:
         self, fd: int, entry: dict[str, Any], where: str, buf: bytearray | None = None
     ) -> None:
         self.fd, self.entry, self.where = fd, entry, where
-        self.h = xxhash.xxh3_64()
+        self.h = Hasher()
         self.scratch = memoryview(buf if buf is not None else _scratch())
         self.pos = 0
 
@@ -333,7 +336,7 @@ class _Stream:
             raise CheckpointError(
                 f"{self.where}: longer than the {self.entry['size']} bytes COMMIT lists"
             )
-        digest = self.h.hexdigest()
+        digest = self.h.digest_hex()
         if digest != self.entry.get("xxh3_64"):
             raise CheckpointError(
                 f"{self.where}: checksum {digest} != COMMIT {self.entry.get('xxh3_64')}"

@@ -1,19 +1,21 @@
-"""Checkpoint roots addressed by a local path or an fsspec URL; upload, download, discovery.
+"""Checkpoint roots addressed by a local path or a URL; upload, download, discovery.
 
 A remote checkpoint is first written to the local directory, then each rank uploads the files
 it wrote, sizes are checked on the remote side, and only then rank 0 PUTs ``COMMIT`` (a
 single object written last, so an object-store reader never sees COMMIT before the data).
+
+``Root`` only knows the checkpoint layout (``step-…/`` directories holding files and a
+COMMIT); every byte goes through ``steadytrain.storage.store.Store``, so checkpoint copies get
+the same endpoint resolution (``STEADYTRAIN_S3_ENDPOINT``…), per-request deadlines, retries
+and error messages (a ``StorageError`` naming the URL and the fix) as datasets do.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-import shutil
 import time
 from typing import Any
-
-import fsspec
 
 from steadytrain.checkpoint.commit import (
     COMMIT_NAME,
@@ -22,109 +24,115 @@ from steadytrain.checkpoint.commit import (
     parse_dirname,
     safe_name,
 )
-from steadytrain.errors import CheckpointError
+from steadytrain.errors import CheckpointError, StorageError
+from steadytrain.storage.store import Store, is_missing
 
 __all__ = ["Root", "discover"]
 
 
 class Root:
-    """A directory of checkpoints: local path, ``file://`` URL or object-store URL."""
+    """A directory of checkpoints: local path, ``file://`` URL or object-store URL.
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    ``root`` is the local directory (absolute) or the object-store key prefix; ``store`` is
+    the ``Store`` every request goes through.
+    """
+
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None, *, store: Store | None = None
+    ) -> None:
         self.url = url
-        if "://" in url and not url.startswith("file://"):
-            self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-            self.is_local = False
-        else:
-            path = url[len("file://") :] if url.startswith("file://") else url
-            self.fs = fsspec.filesystem("file")
-            self.root = os.path.abspath(os.path.expanduser(path))
-            self.is_local = True
-        self.root = self.root.rstrip("/")
+        self.store = store or Store(url, storage_options)
+        self.is_local = self.store.is_local
+        self.root = self.store.root.rstrip("/") or "/"
+
+    def __repr__(self) -> str:
+        return f"Root({self.url!r})"
+
+    def _name(self, *names: str) -> str:
+        """The store-relative name of a file in a checkpoint (each part checked)."""
+        return posixpath.join(*(safe_name(n) for n in names))
 
     def path(self, *names: str) -> str:
-        return posixpath.join(self.root, *(safe_name(n) for n in names))
-
-    def _fresh(self) -> None:
-        if not self.is_local:
-            self.fs.invalidate_cache()  # another process may have written since
+        """The local path or object key of ``names`` (for messages and local readers)."""
+        return posixpath.join(self.root, self._name(*names)) if names else self.root
 
     def listdir(self) -> list[str]:
-        self._fresh()
-        try:
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+        """Names of the entries directly under the root (empty when it does not exist)."""
+        return sorted(posixpath.basename(e.rstrip("/")) for e in self.store.listdir())
 
     def read_bytes(self, *names: str) -> bytes:
-        return self.fs.cat_file(self.path(*names))
+        return self.store.read_bytes(self._name(*names))
+
+    def read_commit(self, name: str) -> bytes | None:
+        """The COMMIT of checkpoint ``name``, or None when it has none (a partial save).
+
+        Only "not there" means partial: any other error (a dead endpoint, a bad key) is
+        raised, because reading it as partial would let retention delete a committed save.
+        """
+        try:
+            return self.read_bytes(name, COMMIT_NAME)
+        except (IsADirectoryError, NotADirectoryError):
+            return None  # not a COMMIT file, or ``name`` is not a directory: not committed
+        except StorageError as exc:
+            if is_missing(exc):
+                return None
+            raise
+        except OSError as exc:  # a local file we may not read
+            raise CheckpointError(
+                f"cannot read {self.path(name, COMMIT_NAME)}: {exc}; fix its permissions"
+            ) from exc
 
     def mtime(self, name: str) -> float:
-        try:
-            info = self.fs.info(self.path(name, COMMIT_NAME))
-        except (FileNotFoundError, OSError):
+        """When checkpoint ``name`` was committed (else last touched); 0.0 when unknown (an
+        object-store "directory" has no time of its own)."""
+        for rel in (self._name(name, COMMIT_NAME), self._name(name)):
             try:
-                info = self.fs.info(self.path(name))
-            except (FileNotFoundError, OSError):
-                return 0.0
-        m = info.get("mtime") or info.get("LastModified") or info.get("created") or 0.0
-        return m.timestamp() if hasattr(m, "timestamp") else float(m)
+                info = self.store.info(rel)
+            except StorageError as exc:
+                if is_missing(exc):
+                    continue
+                raise
+            except OSError:  # a local entry that is not a directory: nothing better to say
+                continue
+            m = info.get("mtime") or info.get("LastModified") or info.get("created") or 0.0
+            if m:
+                return m.timestamp() if hasattr(m, "timestamp") else float(m)
+        return 0.0
 
     def upload(self, local_dir: str, name: str, files: list[str]) -> None:
         """Upload ``files`` of ``local_dir`` into ``name/`` and check their sizes there."""
         for f in files:
-            dst = self.path(name, f)
-            self.fs.makedirs(posixpath.dirname(dst), exist_ok=True)
-            self.fs.put_file(os.path.join(local_dir, f), dst)
-        self._fresh()
+            self.store.put_file(os.path.join(local_dir, f), self._name(name, f))
         for f in files:
             want = os.path.getsize(os.path.join(local_dir, f))
-            got = self.fs.size(self.path(name, f))
+            got = self.store.size(self._name(name, f))
             if got != want:
-                raise CheckpointError(f"upload of {self.url}/{name}/{f}: {got} bytes != {want}")
+                raise CheckpointError(
+                    f"upload of {self.url}/{name}/{f}: {got} bytes on the remote, {want} "
+                    "locally; the save is discarded, check the store's free space and retry"
+                )
 
     def put_commit(self, name: str, data: bytes) -> None:
-        """Write COMMIT last: a single PUT on object stores, tmp + rename locally."""
-        dst = self.path(name, COMMIT_NAME)
-        if self.is_local:
-            tmp = dst + f".tmp-{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, dst)
-        else:
-            self.fs.pipe_file(dst, data)
+        """Write COMMIT last: a single PUT on object stores; locally through
+        ``storage.publish`` (temporary name, fsync, rename, fsync of the directory)."""
+        self.store.write_bytes_atomic(self._name(name, COMMIT_NAME), data)
 
     def download(self, name: str, files: list[str], local_dir: str) -> None:
+        """Copy ``files`` of checkpoint ``name`` into ``local_dir``; each file is published
+        whole. Not fsync'ed: the copy is verified against COMMIT and used at once."""
         os.makedirs(local_dir, exist_ok=True)
         for f in files:
-            self.fs.get_file(self.path(name, f), os.path.join(local_dir, safe_name(f)))
+            dst = os.path.join(local_dir, safe_name(f))
+            self.store.get_file(self._name(name, f), dst, durable=False)
 
     def remove(self, name: str) -> None:
         """Delete a checkpoint directory, COMMIT first so a crash leaves it partial, not torn."""
-        try:
-            self.fs.rm(self.path(name, COMMIT_NAME))
-        except (FileNotFoundError, OSError):
-            pass
-        if self.is_local:
-            shutil.rmtree(self.path(name), ignore_errors=True)
-        else:
-            # Two passes: filer-backed stores (SeaweedFS) keep the emptied "directory" as an
-            # object until a second delete; a cached listing would hide what is left.
-            for _ in range(2):
-                self._fresh()
-                try:
-                    self.fs.rm(self.path(name), recursive=True)
-                except FileNotFoundError:
-                    break
+        self.store.remove(self._name(name, COMMIT_NAME))
+        self.store.remove_tree(self._name(name))
 
     def dir_size(self, name: str) -> int:
-        try:
-            return int(sum(self.fs.du(self.path(name), total=False).values()))
-        except (FileNotFoundError, OSError):
-            return 0
+        """Bytes under checkpoint ``name`` (0 when it is gone)."""
+        return self.store.du(self._name(name))
 
 
 def discover(root: Root) -> list[CheckpointInfo]:
@@ -135,10 +143,7 @@ def discover(root: Root) -> list[CheckpointInfo]:
         if parsed is None:
             continue
         info = CheckpointInfo(name=name, step=parsed[0], attempt=parsed[1], committed=False)
-        try:
-            raw = root.read_bytes(name, COMMIT_NAME)
-        except (FileNotFoundError, OSError, IsADirectoryError):
-            raw = None
+        raw = root.read_commit(name)
         if raw is not None:
             try:
                 info.manifest = parse_commit(raw, f"{root.url}/{name}")

@@ -20,6 +20,7 @@ from typing import Any
 
 from steadytrain.checkpoint import commit as C
 from steadytrain.checkpoint.remote import Root
+from steadytrain.checkpoint.torch_private import identity_stager
 
 __all__ = ["Group", "SaveRequest", "run_save", "rank_files", "FAILURES"]
 
@@ -83,22 +84,6 @@ class SaveRequest:
     nbytes: int = 0  # staged tensor bytes (to diagnose a full disk)
 
 
-class _IdentityStager:
-    """The state dict is already staged into our reusable buffers: DCP must not copy again."""
-
-    _synchronize_after_execute = False
-    should_synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def rank_files(directory: str, rank: int) -> list[str]:
     """Names of the files ``rank`` wrote into a checkpoint directory."""
     mine = []
@@ -130,7 +115,7 @@ def _dcp_write(req: SaveRequest, path: str, group: Group) -> None:
             storage_writer=writer,
             process_group=group.pg,
             async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-            async_stager=_IdentityStager(),
+            async_stager=identity_stager(),  # staged already: DCP must not copy again
         )
         fut.result()
     else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+# For the help text only: the planner (steadytrain.planning.from_run) owns the defaults and
+# is imported lazily, so that `steadytrain --help` stays fast; a test keeps the two equal.
 DEFAULT_CKPT_COST_S = 30.0
 DEFAULT_RESTART_COST_S = 300.0
 
@@ -82,58 +84,27 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _pick(given: float | None, measured: float | None, default: float, name: str, src: dict):
-    if given is not None:
-        src[name] = "given"
-        return given
-    if measured is not None:
-        src[name] = "measured"
-        return measured
-    src[name] = "default"
-    return default
-
-
 def run(args: argparse.Namespace) -> int:
     from steadytrain.commands._util import print_json
-    from steadytrain.errors import ConfigError
-    from steadytrain.planning import measure_run
-    from steadytrain.planning.summary import choose_failure_model, make_plan
+    from steadytrain.planning.from_run import plan_from_run
 
-    if args.interval is not None and not args.interval > 0:
-        raise ConfigError(f"--interval {args.interval:g} must be a positive number of minutes")
-    if not args.days > 0:
-        raise ConfigError(f"--days {args.days:g} must be positive")
-    measured = measure_run(args.from_run) if args.from_run else None
-    model, notes = choose_failure_model(
-        args.gpus, args.afr, args.mtbf_hours, args.interruptions_per_day, measured
-    )
-    src: dict[str, str] = {}
-    m = measured
-    ckpt = _pick(args.ckpt_cost, m and m.ckpt_cost_s, DEFAULT_CKPT_COST_S, "ckpt_cost_s", src)
-    durable = args.durable_time
-    if durable is None and m is not None and args.ckpt_cost is None:
-        durable = m.durable_s
-    restart = _pick(
-        args.restart_cost, m and m.restart_cost_s, DEFAULT_RESTART_COST_S, "restart_cost_s", src
-    )
-    stall = _pick(args.data_stall, m and m.data_stall_frac, 0.0, "data_stall_frac", src)
-    result = make_plan(
-        model,
+    result = plan_from_run(
+        args.from_run,
+        gpus=args.gpus,
+        afr=args.afr,
+        mtbf_hours=args.mtbf_hours,
+        interruptions_per_day=args.interruptions_per_day,
         days=args.days,
-        ckpt_cost_s=ckpt,
-        durable_s=durable,
+        ckpt_cost_s=args.ckpt_cost,
+        durable_s=args.durable_time,
         async_ckpt_cost_s=args.async_ckpt_cost,
-        restart_s=restart,
-        interval_s=args.interval * 60.0 if args.interval is not None else None,
-        stall_frac=stall,
+        restart_cost_s=args.restart_cost,
+        data_stall_frac=args.data_stall,
+        interval_min=args.interval,
         simulate_runs=args.sim_runs,
         seed=args.seed,
         failure_shape=args.failure_shape,
     )
-    result["sources"] = src
-    result["notes"] = notes + result["notes"]
-    if measured is not None:
-        result["measured"] = measured.to_dict()
     if args.json:
         print_json(result)
     else:
@@ -149,6 +120,13 @@ def _pct(x: float | None) -> str:
 
 def _min(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f} min"
+
+
+def _shares(badput: dict[str, float]) -> str:
+    """``data_wait 9.1%, restart 2.0%, ...``, largest first; the plan's and the run's
+    badput use the same names (docs/planning.md)."""
+    items = sorted(badput.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name} {_pct(share)}" for name, share in items)
 
 
 def _print_human(r: dict[str, Any]) -> None:
@@ -177,6 +155,13 @@ def _print_human(r: dict[str, Any]) -> None:
     t.add_row("optimal interval", _min(r["optimal_interval_min"]))
     t.add_row(f"goodput at {_min(r['interval_min'])} ({r['interval_source']})",
               f"{_pct(r['goodput'])} first order, {_pct(r['goodput_exact'])} exact")  # fmt: skip
+    t.add_row("badput at that interval (model)", _shares(r["badput"]))
+    m = r.get("measured")
+    if m:
+        t.add_row(
+            "this run (measured)",
+            f"goodput {_pct(m['goodput'])}; badput {_shares(m['badput'])}",
+        )
     sim = r.get("simulation")
     if sim:
         t.add_row(

@@ -27,6 +27,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 64Mi)")
     p.add_argument("--workers", type=int, default=None, help="encoder processes (default: CPUs)")
     p.add_argument("--text-field", default="text", help="JSON Lines / Parquet text field")
+    p.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="also read files matching GLOB when walking a directory (repeatable; matched "
+        "against the path below the directory and the file name), e.g. 'LICENSE*' or '*'",
+    )
     p.add_argument("--from-megatron", metavar="PREFIX", help="import PREFIX.bin / PREFIX.idx")
     p.add_argument("--vocab-size", type=int, default=None, help="(--from-megatron) vocabulary size")
     p.add_argument("--eos-id", type=int, default=None, help="(--from-megatron) EOS id")
@@ -73,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
             text_field=args.text_field,
             progress=make_progress(args.quiet),
             warn=warn,
+            include=args.include,
         )
     info = result.to_json()
     if args.json:

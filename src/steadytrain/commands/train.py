@@ -26,7 +26,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set optim.lr=3e-4 --set train.max_steps=50",
+        help=(
+            "override a config value, e.g. --set optim.lr=3e-4 --set monitor.alerts.window=50 "
+            "--set 'data.dataset=[/data/web, /data/code]' (keys: docs/training.md)"
+        ),
     )
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end (rank 0)")
     p.set_defaults(func=run)

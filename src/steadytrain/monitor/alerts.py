@@ -25,8 +25,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from steadytrain.errors import ConfigError
 from steadytrain.monitor.diagnosis import NEXT_STEPS, Stats, diagnose
+from steadytrain.settings import check
 
 __all__ = ["AlertConfig", "AlertEngine"]
 
@@ -35,7 +35,8 @@ MiB = 1 << 20
 
 @dataclass(kw_only=True)
 class AlertConfig:
-    """Thresholds. Windows count steps; shares are fractions of step wall time."""
+    """Thresholds (the ``[monitor.alerts]`` table of a training config). Windows count
+    steps; shares are fractions of step wall time."""
 
     window: int = 20  # recent steps compared with the baseline
     warmup: int = 5  # steps ignored at the start of every attempt (compile, cache fill)
@@ -48,7 +49,7 @@ class AlertConfig:
     memory_min_r2: float = 0.8
     read_p99_factor: float = 3.0
     read_p99_min_s: float = 0.005
-    max_recovery_age_s: float | None = 3600.0
+    max_recovery_age_s: float | None = 3600.0  # None or 0: no recovery_point_age alert
     # Window alerts fire after their condition held this many consecutive steps; the
     # default (window + 1) is longer than one outlier step (a GC pause, a descheduled
     # process) can hold a window's mean down.
@@ -58,24 +59,42 @@ class AlertConfig:
         if self.sustain is None:
             self.sustain = self.window + 1
         for name in ("window", "baseline", "memory_window"):
-            if getattr(self, name) < 3:
-                raise ConfigError(f"AlertConfig.{name}={getattr(self, name)}: use at least 3")
-        if not 0 < self.band_tolerance < 1:
-            raise ConfigError(
-                f"AlertConfig.band_tolerance={self.band_tolerance}: use a fraction in (0, 1)"
-            )
+            check(getattr(self, name) >= 3, name, getattr(self, name), "use at least 3")
+        check(self.warmup >= 0, "warmup", self.warmup, "use 0 or more steps")
+        check(self.sustain >= 1, "sustain", self.sustain, "use 1 or more steps")
+        check(
+            0 < self.band_tolerance < 1,
+            "band_tolerance",
+            self.band_tolerance,
+            "use a fraction in (0, 1)",
+        )
+        for name in ("data_wait_share", "checkpoint_block_share"):
+            value = getattr(self, name)
+            check(0 < value <= 1, name, value, "use a fraction of step time in (0, 1]")
+        check(0 <= self.memory_min_r2 <= 1, "memory_min_r2", self.memory_min_r2, "use [0, 1]")
+        for name in ("memory_growth_bytes", "read_p99_factor"):
+            check(getattr(self, name) > 0, name, getattr(self, name), "use a positive number")
+        check(self.read_p99_min_s >= 0, "read_p99_min_s", self.read_p99_min_s, "use 0 or more")
+        if self.max_recovery_age_s == 0:
+            self.max_recovery_age_s = None  # TOML cannot say None: 0 turns it off
+        age = self.max_recovery_age_s
+        check(age is None or age > 0, "max_recovery_age_s", age, "use None or 0 (off), or > 0")
 
 
 def _band(expected: Any) -> tuple[float, float] | None:
+    """(low, high) tokens/s per GPU from ``expected_tokens_per_s``; checked here, once."""
     if expected is None:
         return None
-    if isinstance(expected, (int, float)):
+    key = "expected_tokens_per_s"
+    if isinstance(expected, (int, float)) and not isinstance(expected, bool):
         # One number is a floor: at least 90 % of it (faster is never an incident).
+        check(expected > 0, key, expected, "use a positive rate, or None to learn the band")
         return (0.9 * float(expected), float("inf"))
-    lo, hi = expected
-    if lo > hi:
-        raise ConfigError(f"expected_tokens_per_s={expected}: low bound is above high bound")
-    return (float(lo), float(hi))
+    pair = isinstance(expected, (tuple, list)) and len(expected) == 2
+    check(pair, key, expected, "give one number (a floor) or (low, high)")
+    lo, hi = (float(x) for x in expected)
+    check(0 <= lo <= hi, key, expected, "the low bound is above the high bound: give (low, high)")
+    return (lo, hi)
 
 
 def _fit(points: deque[tuple[int, float]]) -> tuple[float, float, float]:

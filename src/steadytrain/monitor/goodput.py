@@ -46,7 +46,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BUCKETS", "Breakdown", "GoodputAccumulator", "compute_goodput", "productive_s"]
+__all__ = [
+    "BUCKETS",
+    "Breakdown",
+    "GoodputAccumulator",
+    "compute_goodput",
+    "data_stall_share",
+    "productive_s",
+]
 
 BUCKETS = (
     "startup",
@@ -312,3 +319,17 @@ def compute_goodput(records: Iterable[dict[str, Any]], now: float | None = None)
     for rec in records:
         acc.add(rec)
     return acc.breakdown(now)
+
+
+def data_stall_share(b: Breakdown) -> float:
+    """Share of the loop's time in steps, outside checkpoint blocks, spent waiting for data:
+    ``data_wait / (data_wait + productive time of every recorded step)``, kept or redone
+    (``goodput_s + lost_to_failures``: redone steps waited too).
+
+    This is the planner's ``s`` (docs/planning.md): its model charges checkpoint blocks,
+    restarts and lost work separately, so they stay out of the denominator. 0 when no step
+    was recorded.
+    """
+    wait = b.badput_s.get("data_wait", 0.0)
+    busy = wait + b.goodput_s + b.badput_s.get("lost_to_failures", 0.0)
+    return wait / busy if busy > 0 else 0.0

@@ -8,7 +8,8 @@ appends to the same file, so the file alone tells where every second of the whol
 Durability: lines are handed to the OS after every batch (a crashed *process* loses at
 most the records still queued in memory) and ``fsync``'d at every checkpoint commit and at
 ``job_end`` (a crashed *machine* loses at most the steps since the last checkpoint, which a
-restart redoes anyway). A line cut short by a crash is skipped on read, never fatal.
+restart redoes anyway); the first fsync also syncs the run directory, so a new ledger's
+name lasts as long as its lines. A line cut short by a crash is skipped on read, never fatal.
 
 Restart snapshot: ``RUN_DIR/ledger.snapshot.json`` (written by the meter, atomically) holds
 the goodput accumulator's state as of a byte offset of the ledger, so a restarting meter
@@ -25,6 +26,8 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from steadytrain.storage.publish import atomic_writer, fsync_dir
 
 __all__ = [
     "LEDGER_NAME",
@@ -70,6 +73,7 @@ class Ledger:
         self._fix_torn_tail()
         # Append mode: restarts add to the history, never rewrite it.
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._dir_synced = False
 
     def _fix_torn_tail(self) -> None:
         # A crash mid-write can leave a last line without its newline; start ours on a
@@ -92,7 +96,14 @@ class Ledger:
             self._f.write("\n".join(lines) + "\n")
         self._f.flush()
         if durable:
-            os.fsync(self._f.fileno())
+            self._fsync()
+
+    def _fsync(self) -> None:
+        """Make every line written so far durable (the caller flushed)."""
+        os.fsync(self._f.fileno())
+        if not self._dir_synced:  # the file may be new: its directory entry must last too
+            fsync_dir(str(self.path.parent))
+            self._dir_synced = True
 
     def offset(self) -> int:
         """Bytes written so far (the file is only ever appended to, by this writer)."""
@@ -101,12 +112,12 @@ class Ledger:
 
     def sync(self) -> None:
         self._f.flush()
-        os.fsync(self._f.fileno())
+        self._fsync()
 
     def close(self) -> None:
         if not self._f.closed:
             self._f.flush()
-            os.fsync(self._f.fileno())
+            self._fsync()
             self._f.close()
 
 
@@ -160,8 +171,8 @@ def snapshot_path(run_dir: str | os.PathLike[str]) -> Path:
 
 
 def write_snapshot(run_dir: str | os.PathLike[str], offset: int, state: dict[str, Any]) -> None:
-    """Publish ``state`` as of ledger byte ``offset`` atomically (tmp, fsync, rename, fsync
-    of the directory). The caller has made the ledger durable up to ``offset`` first."""
+    """Publish ``state`` as of ledger byte ``offset`` atomically and durably
+    (``storage.publish``). The caller has made the ledger durable up to ``offset`` first."""
     lp = ledger_path(run_dir)
     st = os.stat(lp)
     with open(lp, "rb") as f:
@@ -172,21 +183,8 @@ def write_snapshot(run_dir: str | os.PathLike[str], offset: int, state: dict[str
         "ledger": {"offset": offset, "inode": st.st_ino, "dev": st.st_dev, "tail": tail.hex()},
         **state,
     }
-    path = snapshot_path(run_dir)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_writer(str(snapshot_path(run_dir)), "w") as f:
         json.dump(doc, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def load_snapshot(run_dir: str | os.PathLike[str]) -> tuple[int, dict[str, Any]] | None:

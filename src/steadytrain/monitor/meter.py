@@ -23,6 +23,7 @@ waits for the device to produce it.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import time
@@ -35,46 +36,42 @@ from typing import Any
 from steadytrain.monitor.alerts import AlertConfig, AlertEngine, _band
 from steadytrain.monitor.goodput import Breakdown, GoodputAccumulator
 from steadytrain.monitor.ledger import iter_ledger, ledger_path, load_snapshot, write_snapshot
-from steadytrain.monitor.sinks import BackgroundWriter, JsonlSink, make_sink
+from steadytrain.monitor.memory import RssReader, shm_used_bytes
+from steadytrain.monitor.sinks import SINKS, BackgroundWriter, JsonlSink, make_sink
+from steadytrain.settings import check, merge
 
-__all__ = ["GoodputMeter", "shm_used_bytes"]
+__all__ = ["GoodputMeter", "MeterConfig", "shm_used_bytes"]
 
 log = logging.getLogger("steadytrain.monitor")
 
 
-def shm_used_bytes(path: str = "/dev/shm") -> int | None:
-    """Bytes in use on the shared-memory file system (node-wide; what blew up in the
-    incident this project remembers). ``None`` where there is no /dev/shm."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
+@dataclasses.dataclass(kw_only=True)
+class MeterConfig:
+    """A ``GoodputMeter``'s settings and their one check (``[monitor]`` in a training config);
+    the run directory, rank and run length are the run's, passed apart."""
 
+    # Per GPU: (low, high), or x meaning "at least 0.9 x"; None or 0: learn it (alerts).
+    expected_tokens_per_s: float | tuple[float, float] | None = None
+    sinks: list[Any] = dataclasses.field(default_factory=lambda: ["jsonl"])  # names or objects
+    tracking_uri: str | None = None  # MLflow (None: sqlite in RUN_DIR)
+    experiment: str = "steadytrain"  # MLflow experiment
+    memory_every: int = 1  # sample RSS and /dev/shm every N steps
+    flush_interval_s: float = 0.25  # the background writer's batching period
+    sink_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. window_s
+    snapshot_every: int = 1000  # ledger records between restart snapshots
+    alerts: AlertConfig = dataclasses.field(default_factory=AlertConfig)
 
-class _RssReader:
-    """This process's resident memory. On Linux a kept-open /proc/self/statm read with
-    pread (~30 us after the loop slept; psutil re-opens the file: ~150 us)."""
-
-    def __init__(self) -> None:
-        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        try:
-            self._fd: int | None = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY)
-        except OSError:
-            import psutil
-
-            self._fd = None
-            self._proc = psutil.Process()
-
-    def __call__(self) -> int:
-        if self._fd is None:
-            return int(self._proc.memory_info().rss)
-        return int(os.pread(self._fd, 128, 0).split()[1]) * self._page
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+    def __post_init__(self) -> None:
+        if self.expected_tokens_per_s == 0:
+            self.expected_tokens_per_s = None  # TOML cannot say None: 0 means "learn it"
+        _band(self.expected_tokens_per_s)  # the alerts' own check
+        self.sinks = list(self.sinks)  # any iterable given: it is read again when opening
+        for spec in self.sinks:
+            ok = spec in SINKS if isinstance(spec, str) else hasattr(spec, "write")
+            check(ok, "sinks", spec, f"use {sorted(SINKS)} or an object with write() and close()")
+        check(self.memory_every >= 1, "memory_every", self.memory_every, "use 1 or more steps")
+        check(self.flush_interval_s > 0, "flush_interval_s", self.flush_interval_s, "use > 0")
+        check(self.snapshot_every >= 1, "snapshot_every", self.snapshot_every, "use 1 or more")
 
 
 class GoodputMeter:
@@ -86,37 +83,37 @@ class GoodputMeter:
         rank: int = 0,
         world_size: int = 1,
         expected_tokens_per_s: float | tuple[float, float] | None = None,
-        sinks: Iterable[Any] = ("jsonl",),
+        sinks: Iterable[Any] | None = None,
         *,
         alert_config: AlertConfig | None = None,
         tracking_uri: str | None = None,
-        experiment: str = "steadytrain",
+        experiment: str | None = None,
         console: Any = None,
         total_steps: int | None = None,
-        memory_every: int = 1,
-        flush_interval_s: float = 0.25,
+        memory_every: int | None = None,
+        flush_interval_s: float | None = None,
         sink_options: dict[str, Any] | None = None,
-        snapshot_every: int = 1000,
+        snapshot_every: int | None = None,
+        config: MeterConfig | None = None,
     ) -> None:
+        cfg = merge(MeterConfig, config, {**locals(), "alerts": alert_config})
+        self.config = cfg
         self.run_dir = Path(run_dir)
-        self.rank = rank
-        self.world_size = world_size
-        self.enabled = rank == 0
+        self.rank, self.world_size, self.enabled = rank, world_size, rank == 0
         self.alerts: deque[dict[str, Any]] = deque(maxlen=1000)
         self.live: dict[str, Any] = {}
         self._closed = False
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._band = _band(expected_tokens_per_s)  # validates early, at construction
-        self.memory_every = max(1, int(memory_every))
+        self._band = _band(cfg.expected_tokens_per_s)
+        self.memory_every = cfg.memory_every
         self.total_steps = total_steps
-        # History of earlier attempts: goodput so far, attempt number, last commit time.
-        self._acc = GoodputAccumulator()
-        self._engine = AlertEngine(alert_config, expected_tokens_per_s, world_size)
+        self._acc = GoodputAccumulator()  # earlier attempts: goodput, attempts, last commit
+        self._engine = AlertEngine(cfg.alerts, cfg.expected_tokens_per_s, world_size)
         self.attempt = 0  # during start-up: the next attempt number seen in the ledger
         self._last_ok_ckpt_t: float | None = None
-        self.snapshot_every = max(1, int(snapshot_every))
+        self.snapshot_every = cfg.snapshot_every
         self.snapshot_used = False  # start-up resumed from RUN_DIR/ledger.snapshot.json
         self.records_replayed = 0  # ledger records parsed at start-up
         self._load_history()
@@ -124,15 +121,14 @@ class GoodputMeter:
         self._attempt_next = self.attempt
         self._since_snapshot = 0
         self._jsonl: JsonlSink | None = None
-        self._sink_specs = list(sinks)
         self._sink_context = {
             "run_dir": self.run_dir,
             "rank": rank,
-            "tracking_uri": tracking_uri,
-            "experiment": experiment,
+            "tracking_uri": cfg.tracking_uri,
+            "experiment": cfg.experiment,
             "console": console,
             "total_steps": total_steps,
-            **(sink_options or {}),  # e.g. window_s / flush_s for MLflow, refresh_s for console
+            **cfg.sink_options,  # e.g. window_s / flush_s for MLflow, refresh_s for console
         }
         self._sinks: list[Any] = []
         self._window: deque[tuple[int, float, float]] = deque(maxlen=20)
@@ -140,13 +136,13 @@ class GoodputMeter:
         self._last_step = 0
         self._n = 0
         self._close_reason = "finished"
-        self._rss = _RssReader()
+        self._rss = RssReader()
         self._writer = BackgroundWriter(
             self._process,
             self._tick,
             on_start=self._open_sinks,
             on_stop=self._close_sinks,
-            interval_s=flush_interval_s,
+            interval_s=cfg.flush_interval_s,
         )
         ref = weakref.ref(self)
         self._atexit = lambda: (m := ref()) is not None and m.close("interpreter_exit")
@@ -292,12 +288,12 @@ class GoodputMeter:
     def __enter__(self) -> GoodputMeter:
         return self
 
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        self.close("finished" if exc_type is None else f"error: {exc_type.__name__}")
+    def __exit__(self, exc_type: Any, exc: Any, _tb: Any) -> None:
+        self.close("finished" if exc_type is None else f"error: {exc_type.__name__}: {exc}")
 
     # -- the background thread -------------------------------------------------------------
     def _open_sinks(self) -> None:
-        for spec in self._sink_specs:
+        for spec in self.config.sinks:
             try:
                 sink = make_sink(spec, **self._sink_context)
                 self._sinks.append(sink)

@@ -23,6 +23,7 @@ from typing import Any
 from steadytrain.errors import SteadyError
 from steadytrain.monitor.goodput import BUCKETS, GoodputAccumulator
 from steadytrain.monitor.ledger import iter_ledger, ledger_path
+from steadytrain.storage.publish import publish_bytes
 
 __all__ = ["build_report"]
 
@@ -317,7 +318,9 @@ def build_report(
     summary["plots"] = _plots(data, out)
     summary["html"] = str(_html(summary, out))
     summary["json"] = str(out / "report.json")
-    tmp = out / "report.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    os.replace(tmp, out / "report.json")
+    # Atomic, so a reader never parses half a report; not fsync'd: rerunning
+    # ``steadytrain report`` rebuilds it from the ledger.
+    publish_bytes(
+        str(out / "report.json"), json.dumps(summary, indent=2, default=str), durable=False
+    )
     return summary

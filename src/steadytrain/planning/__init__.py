@@ -1,19 +1,23 @@
 """Goodput planning: failure model, best checkpoint interval, Monte-Carlo check.
 
 See docs/planning.md for the model. This package is the one import path for the planner;
-the checkpointer's ``interval="auto"`` calls ``optimal_interval_s``. The Monte-Carlo
-simulator (numpy) is imported only when asked for.
+the checkpointer's ``interval="auto"`` calls ``optimal_interval_s``; ``steadytrain plan`` and
+``steadytrain demo`` both call ``plan_from_run``. A run's ledger is read through
+``steadytrain.monitor`` (``measure_run``). The Monte-Carlo simulator (numpy) is imported
+only when asked for.
 """
 
 from typing import TYPE_CHECKING, Any
 
 from steadytrain.planning.failures import LLAMA3_AFR, LLAMA3_INTERRUPTIONS_PER_DAY, FailureModel
+from steadytrain.planning.from_run import plan_from_run
 from steadytrain.planning.interval import (
     daly_interval_s,
     exact_interval_s,
     goodput_exact,
     goodput_first_order,
     optimal_interval_s,
+    time_shares_first_order,
     young_interval_s,
 )
 from steadytrain.planning.run_costs import RunCosts, measure_run
@@ -35,7 +39,9 @@ __all__ = [
     "make_plan",
     "measure_run",
     "optimal_interval_s",
+    "plan_from_run",
     "simulate",
+    "time_shares_first_order",
     "young_interval_s",
 ]
 

@@ -43,6 +43,7 @@ __all__ = [
     "optimal_interval_s",
     "goodput_first_order",
     "goodput_exact",
+    "time_shares_first_order",
 ]
 
 
@@ -156,6 +157,47 @@ def goodput_first_order(
         return max(0.0, keep * (1.0 - restart_s / mtbf_s))
     lost = restart_s + period / 2.0 + l_eff - c
     return max(0.0, interval_s / period * keep * (1.0 - lost / mtbf_s))
+
+
+def time_shares_first_order(
+    interval_s: float,
+    ckpt_cost_s: float,
+    mtbf_s: float,
+    restart_s: float = 0.0,
+    durable_s: float = 0.0,
+    stall_frac: float = 0.0,
+) -> dict[str, float]:
+    """Where the wall time goes under the first-order model, in the report's bucket names.
+
+    Shares of wall time that sum to 1; ``goodput`` equals ``goodput_first_order``. With
+    ``r = R/M`` and ``w = (P/2 + L - C)/M`` (the share lost to restarts and to redone work)::
+
+        restart          = r                      (report: startup + restore + restart_gap)
+        checkpoint_block = (1 - r) C / P
+        data_wait        = (1 - r) tau s / P      (redone steps wait too, as in the ledger)
+        lost_to_failures = w tau (1 - s) / P      (productive time of redone steps)
+        goodput          = (1 - r - w) tau (1 - s) / P
+
+    ``r`` and ``w`` are capped so that no share is negative (where ``goodput_first_order``
+    floors at 0).
+    """
+    _check(ckpt_cost_s, mtbf_s, restart_s, durable_s)
+    c, l_eff, keep = _terms(interval_s, ckpt_cost_s, durable_s, stall_frac)
+    period = interval_s + c
+    lam = 1.0 / mtbf_s
+    r = min(1.0, lam * restart_s)
+    if period == 0.0:  # free saves, taken continuously: the tau -> 0 limit
+        train, w = 1.0, 0.0
+    else:
+        train = interval_s / period
+        w = min(1.0 - r, lam * (period / 2.0 + l_eff - c))
+    return {
+        "goodput": (1.0 - r - w) * train * keep,
+        "data_wait": (1.0 - r) * train * (1.0 - keep),
+        "checkpoint_block": (1.0 - r) * (1.0 - train),
+        "restart": r,
+        "lost_to_failures": w * train * keep,
+    }
 
 
 def goodput_exact(

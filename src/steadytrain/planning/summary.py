@@ -5,6 +5,8 @@ Save modes: *sync* blocks until the checkpoint is durable (``C = L``); *async* b
 for the copy to host memory (``C_async``) and lands ``L`` after the save started. When the
 inputs are synchronous and no asynchronous cost is known, ``C_async = C / 10`` is assumed
 (staging to pinned host memory is a memory copy, the write is the slow part) and marked so.
+``badput`` says where the wall time goes at the evaluated interval under the first-order
+model, in the report's bucket names, so a plan can be read against a run's measured badput.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from steadytrain.planning.interval import (
     goodput_exact,
     goodput_first_order,
     optimal_interval_s,
+    time_shares_first_order,
     young_interval_s,
 )
 
@@ -114,6 +117,13 @@ def _minutes(seconds: float) -> float | None:
     return None if math.isinf(seconds) else seconds / 60.0
 
 
+def _badput(tau: float, c: float, m: float, kw: dict[str, float]) -> dict[str, float]:
+    """The first-order badput at ``tau`` by bucket (``goodput`` is reported beside it)."""
+    shares = time_shares_first_order(tau, c, m, **kw)
+    shares.pop("goodput")
+    return shares
+
+
 def make_plan(
     failure: FailureModel,
     *,
@@ -164,6 +174,7 @@ def make_plan(
         "goodput": goodput_first_order(tau, c, m, **kw),
         "goodput_exact": goodput_exact(tau, c, m, **kw),
         "goodput_at_optimal": goodput_first_order(best, c, m, **kw),
+        "badput": _badput(tau, c, m, kw),
         "modes": modes,
     }
     minutes = set(TABLE_MINUTES)

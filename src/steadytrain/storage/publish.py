@@ -10,16 +10,23 @@ DESIGN invariant 3 (nothing is visible before it is complete) is kept here and n
 
 On any error the temporary file is removed and the final name is untouched. ``durable=False``
 skips both fsyncs for files whose loss on power failure costs only a recomputation (cache
-stamps, a ledger snapshot that is rebuilt from the ledger); the rename stays atomic.
+stamps, a report that ``steadytrain report`` rebuilds); the rename stays atomic.
+
+A whole directory (a new dataset) is published the same way by ``publish_dir``: built under a
+``temp_name`` sibling, renamed into place once, never over a directory that holds anything.
 
 Checksums are xxh3-64, written ``xxh3_64:<16 hex digits>`` (the dataset manifest's notation);
-COMMIT files store the bare hex digest. ``Hasher`` is the one streaming hasher; ``publish``
-and ``atomic_writer`` can hash what they write as they write it.
+COMMIT files store the bare hex digest (``digest_bytes``, ``file_digest``,
+``Hasher.digest_hex``). ``Hasher`` is the one streaming hasher; ``atomic_writer`` can hash what
+it writes as it writes it. (xxh3-128 *fingerprints* of settings are identities, not checksums
+of stored bytes, and stay with their owners.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -31,13 +38,16 @@ __all__ = [
     "CHECKSUM_ALGO",
     "Hasher",
     "StreamingChecksum",
+    "canonical_digest",
     "checksum_bytes",
+    "digest_bytes",
     "file_checksum",
     "file_digest",
     "fsync_dir",
     "atomic_writer",
     "publish_bytes",
     "publish_file",
+    "publish_dir",
     "temp_name",
 ]
 
@@ -46,8 +56,9 @@ _CHUNK = 8 << 20
 
 
 class Hasher:
-    """Streaming xxh3-64: ``update`` with pieces, then ``hexdigest`` (bare) or ``checksum``
-    (``xxh3_64:<hex>``)."""
+    """Streaming xxh3-64: ``update`` with pieces (any buffer: bytes, memoryview, a contiguous
+    numpy array), then ``digest_hex`` (bare hex, COMMIT's notation) or ``hexdigest``
+    (``xxh3_64:<hex>``, the manifest's). ``size`` counts the bytes seen."""
 
     def __init__(self) -> None:
         self._h = xxhash.xxh3_64()
@@ -69,9 +80,22 @@ class Hasher:
 StreamingChecksum = Hasher
 
 
+def digest_bytes(data: Any) -> str:
+    """Bare xxh3-64 hex of a buffer (COMMIT's notation)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def canonical_digest(obj: Any) -> str:
+    """xxh3-128 hex of ``obj`` as canonical JSON (sorted keys, no spaces): the identity of a
+    small structure (a dataset fingerprint, a tokenize recipe). Changing the serialisation
+    would change every fingerprint on disk, so it is fixed here, once."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
 def checksum_bytes(data: Any) -> str:
-    """``xxh3_64:<hex>`` of a buffer."""
-    return f"{CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(data)}"
+    """``xxh3_64:<hex>`` of a buffer (the manifest's notation)."""
+    return f"{CHECKSUM_ALGO}:{digest_bytes(data)}"
 
 
 def file_digest(path: str, *, chunk: int = _CHUNK) -> tuple[int, str]:
@@ -89,10 +113,18 @@ def file_checksum(path: str) -> str:
 
 
 def fsync_dir(path: str) -> None:
-    """Make a rename (or a create, or an unlink) in ``path`` durable."""
+    """Make a rename (or a create, or an unlink) in ``path`` durable.
+
+    A file system that cannot fsync a directory at all (some FUSE and network mounts answer
+    EINVAL or ENOTSUP) gives renames only the durability it has; that is not an error here,
+    or every publish on it would fail. Any other failure (EIO, a missing directory) raises.
+    """
     fd = os.open(path or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 
@@ -157,19 +189,37 @@ def atomic_writer(
     try:
         with open(tmp, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
             yield _HashingWriter(f, hasher) if hasher is not None else f
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    if durable:
-        fsync_dir(directory)
+    publish_file(tmp, final, durable=durable)
 
 
 def publish_bytes(final: str, data: bytes | str, *, durable: bool = True) -> None:
     """Publish ``data`` as ``final`` atomically (text is written as UTF-8)."""
     with atomic_writer(final, "w" if isinstance(data, str) else "wb", durable=durable) as f:
         f.write(data)
+
+
+def publish_dir(tmp_dir: str, final_dir: str, *, durable: bool = True) -> None:
+    """Rename a finished directory (built at ``temp_name(final_dir)``) onto ``final_dir``.
+
+    ``final_dir`` must be missing or empty: renaming a directory onto an empty one is atomic
+    (POSIX), onto one that holds anything fails, so a directory is never overwritten in place
+    (``FileExistsError`` naming ``final_dir``). On any error ``tmp_dir`` is left as it is: it holds
+    finished work, and the caller decides whether to keep it (and say where) or remove it.
+    Files inside ``tmp_dir`` were published with their own fsyncs; ``durable`` fsyncs the
+    directory's own entries before the rename and its parent after it.
+    """
+    if durable:
+        fsync_dir(tmp_dir)
+    try:
+        os.rename(tmp_dir, final_dir)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            # The standard OSError shape (errno, strerror, filename): callers word the fix.
+            raise FileExistsError(exc.errno, os.strerror(exc.errno), final_dir) from None
+        raise
+    if durable:
+        fsync_dir(os.path.dirname(os.path.abspath(final_dir)))

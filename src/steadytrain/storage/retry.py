@@ -21,8 +21,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from steadytrain.errors import ConfigError, ReadDeadlineError
+from steadytrain.settings import check
 
-__all__ = ["RetryPolicy", "is_transient", "call_with_retry"]
+__all__ = ["RetryPolicy", "is_transient", "call_with_retry", "ENV_VARS"]
 
 T = TypeVar("T")
 
@@ -38,15 +39,24 @@ _TRANSIENT_CODES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
+# The one place that reads the STEADYTRAIN_STORAGE_* variables (documented in
+# docs/storage.md): the variable, the RetryPolicy field it sets, and what it means.
+ENV_VARS = {
+    "STEADYTRAIN_STORAGE_TIMEOUT_S": ("request_timeout_s", "seconds one request may take"),
+    "STEADYTRAIN_STORAGE_RETRY_S": ("total_s", "seconds to keep retrying a request"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
-    """How one remote request is retried.
+    """How one remote request is retried: the storage layer's config.
 
     ``request_timeout_s`` bounds a single attempt (it is cancelled, then retried);
     ``total_s`` bounds all attempts together; backoff doubles from ``base_s`` up to
     ``max_backoff_s`` with full jitter so many ranks do not retry in lock-step.
-    Environment overrides (read once, at construction by ``from_env``):
-    ``STEADYTRAIN_STORAGE_TIMEOUT_S`` and ``STEADYTRAIN_STORAGE_RETRY_S``.
+    Storage retry is a property of the cluster's object store rather than of one
+    experiment, so it is set per environment: ``from_env`` reads ``ENV_VARS`` (once, when a
+    ``Store`` is built without an explicit policy); nothing else reads them.
     """
 
     request_timeout_s: float = 60.0
@@ -55,24 +65,30 @@ class RetryPolicy:
     max_backoff_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.request_timeout_s <= 0 or self.total_s < 0 or self.base_s <= 0:
-            raise ConfigError(f"invalid RetryPolicy {self}: timeouts and base must be positive")
-        if self.max_backoff_s < self.base_s:
-            raise ConfigError(f"RetryPolicy max_backoff_s {self.max_backoff_s} < base_s")
+        check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "use > 0")
+        check(self.total_s >= 0, "total_s", self.total_s, "use 0 (no retries) or more seconds")
+        check(self.base_s > 0, "base_s", self.base_s, "use > 0")
+        check(
+            self.max_backoff_s >= self.base_s,
+            "max_backoff_s",
+            self.max_backoff_s,
+            f"use at least base_s ({self.base_s})",
+        )
 
     @classmethod
     def from_env(cls, **overrides: float) -> RetryPolicy:
+        """The defaults, then ``ENV_VARS`` from the environment, then ``overrides``."""
         kw: dict[str, float] = {}
-        for var, field in (
-            ("STEADYTRAIN_STORAGE_TIMEOUT_S", "request_timeout_s"),
-            ("STEADYTRAIN_STORAGE_RETRY_S", "total_s"),
-        ):
+        for var, (field, _meaning) in ENV_VARS.items():
             raw = os.environ.get(var)
             if raw:
                 try:
                     kw[field] = float(raw)
-                except ValueError:
-                    raise ConfigError(f"{var}={raw!r} is not a number of seconds") from None
+                    cls(**{field: kw[field]})
+                except (ValueError, ConfigError):
+                    raise ConfigError(
+                        f"{var}={raw!r} is invalid: use a positive number of seconds"
+                    ) from None
         kw.update(overrides)
         return cls(**kw)
 

@@ -9,7 +9,9 @@ Remote requests run under a ``RetryPolicy``: each attempt has a deadline (it is 
 when it passes), transient errors are retried with jittered exponential backoff, and
 permanent ones (missing credentials, access denied, missing bucket or object) become a
 ``StorageError`` that names the URL and the fix. How endpoint and credentials are found is
-in ``steadytrain.storage.s3``.
+in ``steadytrain.storage.s3``. A whole-file transfer's deadline grows with its size
+(``SLOWEST_LINK_BPS``), so a hung PUT ends in ``ReadDeadlineError`` instead of blocking a
+checkpoint save forever. Checkpoints (``checkpoint/remote.py``) reach bytes through here too.
 """
 
 from __future__ import annotations
@@ -17,20 +19,21 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import shutil
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from typing import IO, Any, TypeVar
 
 import fsspec
 
-from steadytrain.errors import StorageError
+from steadytrain.errors import SteadyError, StorageError
+from steadytrain.storage.publish import atomic_writer, publish_bytes, publish_file, temp_name
 from steadytrain.storage.retry import RetryPolicy, call_with_retry
-from steadytrain.storage.s3 import storage_options_for, translate_error
+from steadytrain.storage.s3 import S3_PROTOCOLS, endpoint_of, storage_options_for, translate_error
 
 T = TypeVar("T")
 
-__all__ = ["Store", "safe_relpath", "is_remote_url"]
+__all__ = ["Store", "safe_relpath", "is_remote_url", "is_missing", "SLOWEST_LINK_BPS"]
 
 
 def is_remote_url(url: str) -> bool:
@@ -57,12 +60,32 @@ def safe_relpath(name: str, *, what: str = "path") -> str:
 
 
 # Calls fsspec runs as coroutines on its loop: these accept ``timeout=`` (``open`` does not).
-_DEADLINE_METHODS = frozenset({"cat_file", "exists", "size", "info", "ls", "rm"})
+_DEADLINE_METHODS = frozenset(
+    {"cat_file", "exists", "size", "info", "ls", "rm", "du", "put_file", "get_file", "pipe_file"}
+)
+
+# A whole-file transfer may take its request deadline plus the time its bytes need at this
+# rate; anything slower is treated as a hung connection (cancelled, then retried).
+SLOWEST_LINK_BPS = 1 << 20
+
+# Exceptions from the client libraries that are storage trouble, never a steadytrain bug.
+_CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs")
 
 
-def _is_missing_object(exc: StorageError) -> bool:
-    """The object (not its bucket, not our access to it) is missing."""
-    return isinstance(exc.__cause__, FileNotFoundError) and "bucket" not in str(exc)
+def is_missing(exc: BaseException) -> bool:
+    """``exc`` (from a ``Store`` call) says only that the object (not its bucket, not our
+    access to it) is missing. Matched on the message's form (``translate_error``), not on
+    the word "bucket", which may be part of the URL."""
+    return (
+        isinstance(exc, StorageError)
+        and isinstance(exc.__cause__, FileNotFoundError)
+        and str(exc).endswith(" does not exist")
+    )
+
+
+def _is_client_error(exc: BaseException) -> bool:
+    module = type(exc).__module__ or ""
+    return isinstance(exc, OSError) or module.split(".", 1)[0] in _CLIENT_MODULES
 
 
 class Store:
@@ -125,8 +148,13 @@ class Store:
         return self.path(name) if self.is_local else None
 
     # -- the one place remote calls go through -----------------------------------------
-    def _call(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call ``self.fs.<method>`` with a per-attempt deadline, retries and clear errors."""
+    def _call(
+        self, name: str, method: str, *args: Any, deadline_s: float | None = None, **kwargs: Any
+    ) -> Any:
+        """Call ``self.fs.<method>`` with a per-attempt deadline, retries and clear errors.
+
+        ``deadline_s`` replaces the policy's ``request_timeout_s`` for one long transfer.
+        """
         what = self.display(name)
         fn: Callable[..., Any] = getattr(self.fs, method)
         if self.is_local:
@@ -136,7 +164,7 @@ class Store:
                 raise StorageError(f"{what} does not exist") from exc
         if getattr(self.fs, "async_impl", False) and method in _DEADLINE_METHODS:
             # fsspec's sync wrapper cancels the coroutine when the deadline passes.
-            kwargs["timeout"] = self.retry.request_timeout_s
+            kwargs["timeout"] = deadline_s or self.retry.request_timeout_s
 
         def attempt() -> Any:
             with self._stats_lock:
@@ -147,21 +175,38 @@ class Store:
             with self._stats_lock:
                 self.stats["retries"] += 1
 
+        # A store that stops answering is named by its endpoint too: it is what to go check.
+        where = f"{what} at {endpoint_of(self.storage_options)}" if self._is_s3 else what
         try:
-            return call_with_retry(attempt, what=what, policy=self.retry, on_retry=on_retry)
-        except StorageError:
-            raise
+            return call_with_retry(attempt, what=where, policy=self.retry, on_retry=on_retry)
+        except SteadyError:
+            raise  # already clear (ReadDeadlineError is also an OSError: keep it as it is)
         except Exception as exc:
             err = translate_error(
                 exc, what=what, url=self.url, storage_options=self.storage_options
             )
+            if err is None and _is_client_error(exc):
+                # Storage trouble without a better name (a 400, a malformed response): still
+                # the user's to fix, so a message and not a traceback.
+                err = StorageError(
+                    f"{what}: {method} failed ({type(exc).__name__}: {exc}); check the URL, "
+                    f"the endpoint ({endpoint_of(self.storage_options)}) and the credentials"
+                )
             if err is None:
                 raise
             raise err from exc
 
+    def _transfer_deadline(self, nbytes: int) -> float:
+        """The per-attempt deadline of a whole-file transfer of ``nbytes``."""
+        return self.retry.request_timeout_s + nbytes / SLOWEST_LINK_BPS
+
+    @property
+    def _is_s3(self) -> bool:
+        return not self.is_local and self.url.startswith(S3_PROTOCOLS)
+
     def _check_bucket(self) -> None:
         """A missing bucket must not read as 'the file is not there yet': say so once."""
-        if self._bucket_checked or self.is_local or not self.url.startswith(("s3://", "s3a://")):
+        if self._bucket_checked or not self._is_s3:
             return
         bucket = self.root.split("/", 1)[0]
         if not self._call("", "exists", bucket):
@@ -196,6 +241,52 @@ class Store:
                 self.stats["bytes_read"] += len(data)
         return data
 
+    def info(self, name: str) -> dict[str, Any]:
+        """fsspec's description of ``name`` (``size``, ``type``, a modification time...)."""
+        if not self.is_local:
+            self.fs.invalidate_cache(self.path(name))
+        return dict(self._call(name, "info", self.path(name)))
+
+    def du(self, name: str) -> int:
+        """Total bytes of the files under ``name`` (or of the file ``name``); 0 if missing."""
+        if not self.is_local:
+            self.fs.invalidate_cache(self.path(name))
+        try:
+            sizes = self._call(name, "du", self.path(name), total=False)
+        except StorageError as exc:
+            if is_missing(exc):
+                return 0
+            raise
+        return int(sum(sizes.values()))
+
+    def get_file(self, name: str, local_path: str, *, durable: bool = True) -> None:
+        """Download ``name`` to ``local_path`` through ``storage.publish``: a partial download
+        never has the final name. ``durable=False``: no fsync (a copy verified, used at once)."""
+        if self.is_local:
+            try:
+                src = open(self.path(name), "rb")  # noqa: SIM115 - closed below
+            except FileNotFoundError as exc:
+                raise StorageError(f"{self.display(name)} does not exist") from exc
+            with src, atomic_writer(local_path, durable=durable) as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+            return
+        directory = os.path.dirname(local_path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        tmp = temp_name(local_path)
+        try:
+            size = self.size(name)  # sets the deadline; each attempt rewrites tmp from byte 0
+            self._call(
+                name, "get_file", self.path(name), tmp, deadline_s=self._transfer_deadline(size)
+            )
+            publish_file(tmp, local_path, durable=durable)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        with self._stats_lock:
+            self.stats["bytes_read"] += size
+
     def open_read(self, name: str) -> IO[bytes]:
         """A file object (no per-request deadline: prefer ``read_bytes`` for remote data)."""
         return self._call(name, "open", self.path(name), "rb")
@@ -208,7 +299,7 @@ class Store:
         try:
             entries = self._call(name, "ls", base, detail=False)
         except StorageError as exc:
-            if _is_missing_object(exc):
+            if is_missing(exc):
                 return []
             raise
         prefix = base.rstrip("/") + "/"
@@ -228,27 +319,53 @@ class Store:
         try:
             self._call(name, "rm", self.path(name), recursive=recursive)
         except StorageError as exc:
-            if not _is_missing_object(exc):
+            if not is_missing(exc):
                 raise
+
+    def remove_tree(self, name: str) -> None:
+        """Delete ``name`` and everything under it; a tree that is already gone is fine."""
+        path = self.path(name)
+        if self.is_local:
+            try:
+                shutil.rmtree(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise StorageError(
+                    f"cannot remove {path}: {exc}; check its permissions, or delete it by hand"
+                ) from exc
+            return
+        # Two passes: filer-backed stores (SeaweedFS) keep the emptied "directory" as an
+        # object until a second delete; a cached listing would hide what is left.
+        for _ in range(2):
+            self.fs.invalidate_cache(path)
+            try:
+                self._call(name, "rm", path, recursive=True)
+            except StorageError as exc:
+                if is_missing(exc):
+                    break
+                raise
+
+    def put_file(self, local_path: str, name: str) -> None:
+        """Upload ``local_path`` as ``name``, published whole: an object appears only when its
+        (multipart) PUT completes, a local copy through ``storage.publish``."""
+        final = self.path(name)
+        if self.is_local:
+            with open(local_path, "rb") as src, atomic_writer(final) as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+            return
+        self._check_bucket()
+        deadline = self._transfer_deadline(os.path.getsize(local_path))
+        self._call(name, "put_file", local_path, final, deadline_s=deadline)
+        self.fs.invalidate_cache(final)
 
     @contextlib.contextmanager
     def open_write_atomic(self, name: str) -> Iterator[IO[bytes]]:
         """Write ``name`` so readers see the old state or the whole new file, never a part."""
         final = self.path(name)
         if self.is_local:
-            directory = os.path.dirname(final)
-            os.makedirs(directory, exist_ok=True)
-            tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
-            try:
-                with open(tmp, "wb") as f:
-                    yield f
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, final)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-                raise
+            with atomic_writer(final) as f:
+                yield f
             return
         # Object stores: the object appears only when the upload completes; discard on error.
         self._check_bucket()
@@ -277,5 +394,13 @@ class Store:
         self.fs.invalidate_cache(final)
 
     def write_bytes_atomic(self, name: str, data: bytes) -> None:
-        with self.open_write_atomic(name) as f:
-            f.write(data)
+        """Publish ``data`` as ``name``: locally through ``storage.publish``; remotely as one
+        PUT under the request deadline and retries (a COMMIT or a manifest written last)."""
+        if self.is_local:
+            publish_bytes(self.path(name), data)
+            return
+        self._check_bucket()
+        self._call(
+            name, "pipe_file", self.path(name), data, deadline_s=self._transfer_deadline(len(data))
+        )
+        self.fs.invalidate_cache(self.path(name))

@@ -1,77 +1,98 @@
-"""Training configuration: dataclasses per component, a TOML file, ``--set key=value``.
+"""Training configuration: the components' own configs, composed; a TOML file; ``--set``.
 
-Each section is a ``kw_only`` dataclass that checks itself in ``__post_init__`` and raises
-``ConfigError`` naming the key and the fix, so a bad value stops the job before any process
-group, dataset or checkpoint is touched. File and command-line parsing are a thin layer:
-``load_config(path, ["optim.lr=3e-4", "train.max_steps=50"])``. Values given with ``--set``
-are coerced to the field's type (``int``, ``float``, ``bool``, ``str``, ``list[int]``).
+The ``[data]``, ``[checkpoint]`` and ``[monitor]`` tables are the configs the components
+own -- ``LoaderConfig`` (plus where the data is), ``CheckpointerConfig`` (plus where the
+checkpoints go and which engine), ``MeterConfig`` (with ``[monitor.alerts]``:
+``AlertConfig``) -- so each default and each check exists once, in the component, and the
+loop hands the table to the component as it is (``TokenLoader(ds, config=cfg.data, ...)``).
+``[model]``, ``[optim]``, ``[train]`` and ``[faults]`` belong to the reference loop itself.
+
+This module is only the thin layer around them: read TOML and apply ``--set key=value``
+(``load_config(path, ["optim.lr=3e-4", "monitor.alerts.window=50"])``);
+``settings.from_table`` coerces each value to its field's declared type and names the
+section in errors. Everything is validated before any process group, dataset or
+checkpoint is touched. Storage retries are set per environment instead
+(``STEADYTRAIN_STORAGE_*``, ``storage/retry.py``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
-import typing
 from typing import Any, Literal
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser as a package
-    import tomli as tomllib  # type: ignore[no-redef]
-
+from steadytrain.checkpoint.checkpointer import CheckpointerConfig
+from steadytrain.data.read.loader import LoaderConfig
 from steadytrain.errors import ConfigError
+from steadytrain.monitor.meter import MeterConfig
+from steadytrain.settings import Text, check, check_choices, coerce, from_table, read_toml
 
 __all__ = [
-    "DataConfig",
+    "DataSection",
     "ModelConfig",
     "OptimConfig",
     "TrainLoopConfig",
-    "CheckpointConfig",
+    "CheckpointSection",
     "FaultConfig",
     "Config",
     "load_config",
     "apply_overrides",
     "coerce",
+    "config_from_dict",
     "resolve_config_path",
 ]
 
 
-def _check(cond: bool, key: str, value: Any, fix: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key} = {value!r} is invalid: {fix}")
-
-
 @dataclasses.dataclass(kw_only=True)
-class DataConfig:
-    dataset: str = ""  # local path or URL (s3://bucket/prefix)
+class DataSection(LoaderConfig):
+    """``[data]``: the loader's own settings (``LoaderConfig``) plus where the data is."""
+
+    # One local path or URL (s3://bucket/prefix), or a list of them blended by `weights`.
+    dataset: str | list[str] = ""
     cache_dir: str = ""  # node-local cache; required when the dataset is remote
-    seq_len: int = 64
-    global_batch: int = 8  # samples per optimizer step, over all ranks
-    micro_batch: int = 2  # samples per forward/backward on one rank
-    shuffle: Literal["global", "block", "sequential"] = "global"  # data.modes
-    num_workers: int = 0
     preflight: bool = True  # check every shard is reachable before the first step
     prefetch_steps: int = 64  # remote data: fetch the shards of the next N steps ahead
-    cache_budget_bytes: int = 0  # remote data: node cache byte budget (0: unlimited)
+    cache_budget_bytes: int = 0  # remote data: each dataset's node cache budget (0: no cap)
 
     def __post_init__(self) -> None:
-        _check(bool(self.dataset), "data.dataset", self.dataset, "set the dataset path or URL")
-        _check(self.seq_len >= 2, "data.seq_len", self.seq_len, "use at least 2")
-        _check(self.micro_batch >= 1, "data.micro_batch", self.micro_batch, "use at least 1")
-        _check(
-            self.global_batch >= self.micro_batch and self.global_batch % self.micro_batch == 0,
-            "data.global_batch",
-            self.global_batch,
-            f"use a positive multiple of data.micro_batch ({self.micro_batch})",
+        super().__post_init__()
+        urls = self.urls
+        check(
+            bool(urls) and all(isinstance(u, str) and u for u in urls),
+            "dataset",
+            self.dataset,
+            "set the dataset path or URL (or a list of them, blended by weights)",
         )
-        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "use 0 or more")
-        _check(self.prefetch_steps >= 0, "data.prefetch_steps", self.prefetch_steps, "use 0+")
-        _check(
+        if self.weights is not None:
+            check(
+                len(self.weights) == len(urls),
+                "weights",
+                self.weights,
+                f"give one weight per dataset ({len(urls)})",
+            )
+        check(self.prefetch_steps >= 0, "prefetch_steps", self.prefetch_steps, "use 0 (off)+")
+        check(
             self.cache_budget_bytes >= 0,
-            "data.cache_budget_bytes",
+            "cache_budget_bytes",
             self.cache_budget_bytes,
             "use 0 (unlimited) or a positive byte count",
         )
+
+    @property
+    def urls(self) -> list[str]:
+        """The datasets, as a list (one entry unless blending)."""
+        return [self.dataset] if isinstance(self.dataset, str) else list(self.dataset)
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointSection(CheckpointerConfig):
+    """``[checkpoint]``: the ``Checkpointer``'s own settings plus where and which engine."""
+
+    dir: str = ""  # default RUN_DIR/checkpoints
+    # "dcp": the Checkpointer (sharded, async, COMMIT); "torch_save": the classic baseline,
+    # one file written synchronously by rank 0 (benchmarks; DDP, steps interval only)
+    engine: Literal["dcp", "torch_save"] = "dcp"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -84,16 +105,16 @@ class ModelConfig:
     vocab_size: int = 0  # 0: the dataset's vocabulary
 
     def __post_init__(self) -> None:
-        _check(self.n_layer >= 1, "model.n_layer", self.n_layer, "use at least 1")
-        _check(self.n_head >= 1, "model.n_head", self.n_head, "use at least 1")
-        _check(
+        check(self.n_layer >= 1, "n_layer", self.n_layer, "use at least 1")
+        check(self.n_head >= 1, "n_head", self.n_head, "use at least 1")
+        check(
             self.n_embd >= 1 and self.n_embd % self.n_head == 0,
-            "model.n_embd",
+            "n_embd",
             self.n_embd,
-            f"use a positive multiple of model.n_head ({self.n_head})",
+            f"use a positive multiple of n_head ({self.n_head})",
         )
-        _check(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "use a value in [0, 1)")
-        _check(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "use 0 or more")
+        check(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "use a value in [0, 1)")
+        check(self.vocab_size >= 0, "vocab_size", self.vocab_size, "use 0 or more")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -107,13 +128,13 @@ class OptimConfig:
     grad_clip: float = 1.0  # 0 disables clipping
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "optim.lr", self.lr, "use a positive learning rate")
-        _check(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "use 0 <= min_lr <= lr")
-        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "use 0 or more")
-        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "use 0 or more")
-        for key, beta in (("optim.beta1", self.beta1), ("optim.beta2", self.beta2)):
-            _check(0 <= beta < 1, key, beta, "use a value in [0, 1)")
-        _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "use 0 (off) or more")
+        check(self.lr > 0, "lr", self.lr, "use a positive learning rate")
+        check(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, "use 0 <= min_lr <= lr")
+        check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "use 0 or more")
+        check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "use 0 or more")
+        for key in ("beta1", "beta2"):
+            check(0 <= getattr(self, key) < 1, key, getattr(self, key), "use a value in [0, 1)")
+        check(self.grad_clip >= 0, "grad_clip", self.grad_clip, "use 0 (off) or more")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -124,63 +145,13 @@ class TrainLoopConfig:
     parallel: Literal["ddp", "fsdp"] = "ddp"
     deterministic: bool = True  # torch.use_deterministic_algorithms; needed for exact resume
     threads: int = 0  # torch.set_num_threads; 0 leaves the default
-    expected_tokens_per_s: float = 0.0  # throughput band for the ledger's alerts; 0: learn it
     trace: bool = True  # per-step losses and sample ids in RUN_DIR/trace-rank{R}.jsonl
 
     def __post_init__(self) -> None:
-        _check(self.max_steps >= 1, "train.max_steps", self.max_steps, "use at least 1")
-        _check(self.log_every >= 1, "train.log_every", self.log_every, "use at least 1")
-        _check(self.threads >= 0, "train.threads", self.threads, "use 0 (default) or more")
-
-
-@dataclasses.dataclass(kw_only=True)
-class CheckpointConfig:
-    dir: str = ""  # default RUN_DIR/checkpoints
-    every_steps: int = 0  # 0: not by steps
-    every_seconds: float = 0.0  # 0: not by time
-    interval: Literal["steps", "seconds", "auto"] = "steps"
-    keep_last: int = 3
-    async_mode: Literal["sync", "thread", "process"] = "thread"
-    remote: str = ""  # optional s3://… copy of every committed checkpoint
-    # "dcp": the Checkpointer (sharded, async, COMMIT); "torch_save": the classic baseline,
-    # one file written synchronously by rank 0 (benchmarks; DDP, steps interval only)
-    engine: Literal["dcp", "torch_save"] = "dcp"
-    mtbf_s: float = 0.0  # the job's mean time between failures, for interval = "auto"
-    # How a restore checks checksums. "overlap": hashed while the bytes stream into the
-    # fresh model (one read; a damaged shard falls back to the next older checkpoint);
-    # "full": everything verified before any tensor is written (one extra memory copy).
-    verify: Literal["full", "overlap"] = "overlap"
-
-    def __post_init__(self) -> None:
-        _check(self.every_steps >= 0, "checkpoint.every_steps", self.every_steps, "use 0 or more")
-        _check(self.every_seconds >= 0, "checkpoint.every_seconds", self.every_seconds, "use >= 0")
-        if self.interval == "steps":
-            _check(
-                self.every_steps >= 1,
-                "checkpoint.every_steps",
-                self.every_steps,
-                'set it (>= 1) with checkpoint.interval = "steps"',
-            )
-        if self.interval == "seconds":
-            _check(
-                self.every_seconds > 0,
-                "checkpoint.every_seconds",
-                self.every_seconds,
-                'set it (> 0) with checkpoint.interval = "seconds"',
-            )
-        if self.interval == "auto":
-            _check(
-                self.mtbf_s > 0,
-                "checkpoint.mtbf_s",
-                self.mtbf_s,
-                'set the job\'s mean time between failures (seconds) with interval = "auto"',
-            )
-        _check(
-            self.keep_last >= 2,
-            "checkpoint.keep_last",
-            self.keep_last,
-            "keep at least 2: a crash during a save must leave the previous one",
-        )
+        check_choices(self)
+        check(self.max_steps >= 1, "max_steps", self.max_steps, "use at least 1")
+        check(self.log_every >= 1, "log_every", self.log_every, "use at least 1")
+        check(self.threads >= 0, "threads", self.threads, "use 0 (default) or more")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -198,10 +169,10 @@ class FaultConfig:
     def __post_init__(self) -> None:
         for key in ("kill_at_steps", "kill_in_save_at_steps", "slow_read_at_steps"):
             for s in getattr(self, key):
-                _check(s >= 1, f"faults.{key}", s, "steps are counted from 1")
-        _check(self.kill_rank >= -1, "faults.kill_rank", self.kill_rank, "use -1 or a rank")
-        _check(self.mtbf_s >= 0, "faults.mtbf_s", self.mtbf_s, "use 0 (off) or more")
-        _check(self.slow_read_s >= 0, "faults.slow_read_s", self.slow_read_s, "use 0 or more")
+                check(s >= 1, key, s, "steps are counted from 1")
+        check(self.kill_rank >= -1, "kill_rank", self.kill_rank, "use -1 or a rank")
+        check(self.mtbf_s >= 0, "mtbf_s", self.mtbf_s, "use 0 (off) or more")
+        check(self.slow_read_s >= 0, "slow_read_s", self.slow_read_s, "use 0 or more")
 
     @property
     def any(self) -> bool:
@@ -217,19 +188,18 @@ class FaultConfig:
 class Config:
     run_dir: str = "runs/steadytrain"
     seed: int = 0  # model init and data order
-    data: DataConfig
+    data: DataSection
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainLoopConfig = dataclasses.field(default_factory=TrainLoopConfig)
-    checkpoint: CheckpointConfig = dataclasses.field(
-        default_factory=lambda: CheckpointConfig(every_steps=50)
-    )
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    monitor: MeterConfig = dataclasses.field(default_factory=MeterConfig)
     faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
-        _check(bool(self.run_dir), "run_dir", self.run_dir, "set a directory for this run")
+        check(bool(self.run_dir), "run_dir", self.run_dir, "set a directory for this run")
         if self.checkpoint.engine == "torch_save":
-            _check(
+            check(
                 self.train.parallel == "ddp" and self.checkpoint.interval == "steps",
                 "checkpoint.engine",
                 "torch_save",
@@ -245,72 +215,28 @@ class Config:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = {
-    "data": DataConfig,
+_SECTIONS: dict[str, type] = {
+    "data": DataSection,
     "model": ModelConfig,
     "optim": OptimConfig,
     "train": TrainLoopConfig,
-    "checkpoint": CheckpointConfig,
+    "checkpoint": CheckpointSection,
+    "monitor": MeterConfig,
     "faults": FaultConfig,
 }
+_build_section = from_table  # the name train/faults.py imports
 
-
-def coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Convert a TOML value or a ``--set`` string to the field's declared type."""
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        choices = typing.get_args(annotation)
-        if value not in choices:
-            raise ConfigError(f"{key} = {value!r} is invalid: choose one of {list(choices)}")
-        return value
-    if origin is list:
-        (item,) = typing.get_args(annotation)
-        if isinstance(value, str):
-            value = [v for v in value.replace(" ", "").strip("[]").split(",") if v]
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} = {value!r} is invalid: give a list, e.g. [5, 12]")
-        return [coerce(v, item, key) for v in value]
-    try:
-        if annotation is bool:
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if annotation is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value)
-        if annotation is float:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if annotation is str:
-            return str(value)
-    except (TypeError, ValueError):
-        name = getattr(annotation, "__name__", str(annotation))
-        raise ConfigError(f"{key} = {value!r} is invalid: expected {name}") from None
-    raise ConfigError(f"{key}: unsupported field type {annotation!r}")
-
-
-def _build_section(cls: type, values: dict[str, Any], prefix: str) -> Any:
-    if not isinstance(values, dict):
-        raise ConfigError(f"[{prefix}] must be a table, got {values!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ConfigError(
-            f"unknown key {prefix}.{unknown[0]}; known keys of [{prefix}]: {sorted(fields)}"
-        )
-    kwargs = {k: coerce(v, hints[k], f"{prefix}.{k}") for k, v in values.items()}
-    return cls(**kwargs)
+# Keys that moved to the component that owns them, still accepted where they were.
+_MOVED = {("train", "expected_tokens_per_s"): ("monitor", "expected_tokens_per_s")}
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Build and validate a ``Config`` from nested dicts (a parsed TOML file)."""
+    raw = copy.deepcopy(raw)
+    for (old_sec, old_key), (new_sec, new_key) in _MOVED.items():
+        if isinstance(raw.get(old_sec), dict) and old_key in raw[old_sec]:
+            value = raw[old_sec].pop(old_key)
+            raw.setdefault(new_sec, {}).setdefault(new_key, value)
     top = {k: v for k, v in raw.items() if k not in _SECTIONS}
     unknown = sorted(set(top) - {"run_dir", "seed"})
     if unknown:
@@ -327,27 +253,30 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         kwargs["seed"] = coerce(top["seed"], int, "seed")
     for name, cls in _SECTIONS.items():
         if name in raw:
-            kwargs[name] = _build_section(cls, raw[name], name)
+            kwargs[name] = from_table(cls, raw[name], name)
     return Config(**kwargs)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.key=value`` strings to a nested dict (values coerced at build time)."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    """Apply ``section.key=value`` strings (``monitor.alerts.window=50`` reaches a nested
+    table) to a copy of a nested dict; values are coerced when the config is built."""
+    out = copy.deepcopy(raw)
     for item in overrides:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. optim.lr=3e-4")
-        section, dot, field = key.partition(".")
-        if not dot:
-            out[key] = value
-            continue
-        if section not in _SECTIONS:
+        *path, field = key.split(".")
+        if path and path[0] not in _SECTIONS:
             raise ConfigError(
-                f"--set {item!r}: unknown section {section!r}; use {sorted(_SECTIONS)}"
+                f"--set {item!r}: unknown section {path[0]!r}; use {sorted(_SECTIONS)}"
             )
-        out.setdefault(section, {})[field] = value
+        table = out
+        for part in path:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"--set {item!r}: {part} is a value, not a table")
+        table[field] = Text(value)
     return out
 
 
@@ -355,14 +284,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> Config:
     """Read a TOML file or packaged config (``None``: no file), apply ``--set``, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = resolve_config_path(path)
-        try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+        raw = read_toml(resolve_config_path(path))
     return config_from_dict(apply_overrides(raw, overrides or []))
 
 

@@ -3,9 +3,10 @@
 Read it top to bottom; it is one function on purpose. It wires the pieces together:
 TokenDataset (+ node-local ShardCache when the data is remote) -> TokenLoader -> DDP/FSDP2
 model -> AdamW with warm-up and cosine decay -> Checkpointer (async, sharded, COMMIT last) ->
-GoodputMeter (RUN_DIR/ledger.jsonl). Every start, first or after a crash, calls
-``restore_latest`` and continues from the newest committed checkpoint, so a job run under
-``torchrun --max-restarts N`` recovers without a human.
+GoodputMeter (RUN_DIR/ledger.jsonl). Each component takes its own table of the config as it
+is (``[data]``, ``[checkpoint]``, ``[monitor]``: train/config.py). Every start, first or after
+a crash, calls ``restore_latest`` and continues from the newest committed checkpoint, so a
+job run under ``torchrun --max-restarts N`` recovers without a human.
 
 Restarts need a fresh rendezvous store per attempt (pytorch/pytorch#135712)::
 
@@ -32,29 +33,38 @@ loss and the sample ids of every step (every attempt appends) so runs can be com
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import socket
 import time
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from steadytrain.checkpoint import Checkpointer
+from steadytrain.data.read.dataset import TokenDataset
+from steadytrain.data.read.loader import TokenLoader
+from steadytrain.errors import CheckpointError
+from steadytrain.monitor.meter import GoodputMeter
+from steadytrain.storage.publish import publish_bytes
 from steadytrain.train.config import Config
 from steadytrain.train.faults import FaultInjector, faults_from_env
 from steadytrain.train.model import GPT, GPTConfig
 from steadytrain.train.support import (
-    close_quietly,
+    StepTrace,
     goodput_so_far,
     loader_metrics,
     preflight,
     process_start,
+    start_prefetchers,
     weights_digest,
 )
+from steadytrain.train.torch_save import TorchSaveCheckpointer
 
 __all__ = ["run_training", "TrainState", "lr_factor"]
 
@@ -88,11 +98,6 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 def run_training(cfg: Config) -> dict[str, Any]:
     """Run (or resume) the job described by ``cfg``; returns a summary (rank 0's view)."""
-    from steadytrain.checkpoint import Checkpointer
-    from steadytrain.data.read.dataset import TokenDataset
-    from steadytrain.data.read.loader import TokenLoader
-    from steadytrain.monitor.meter import GoodputMeter
-
     # -- 1. Processes: one per rank, started by torchrun (or alone: a world of one) -------
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -108,188 +113,154 @@ def run_training(cfg: Config) -> dict[str, Any]:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     else:  # plain `steadytrain train`: a one-rank group, so every code path is the same
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    if cfg.train.deterministic:
-        # Bit-exact resume needs every kernel to be deterministic (CPU: all of ours are).
-        torch.use_deterministic_algorithms(True)
-    run_dir = cfg.run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # pytorch/pytorch#135712: with the agent's shared store, restarted workers can read
-        # the previous attempt's gloo/NCCL addresses and fail to connect, again and again.
-        print(
-            "[train] warning: torchrun shares its TCPStore with the workers; restarts may fail "
-            "to reconnect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun.",
-            flush=True,
+    # Everything opened from here on is closed on the way out, newest first, whether the run
+    # finishes or fails: the checkpointer first waits for its save in flight (it may be the
+    # newest recovery point), fetch threads and loader workers stop, the ledger gets its
+    # job_end (with the error, if any), and the process group goes last.
+    with contextlib.ExitStack() as closing:
+        closing.callback(dist.destroy_process_group)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        if cfg.train.deterministic:
+            # Bit-exact resume needs every kernel to be deterministic (CPU: all of ours are).
+            torch.use_deterministic_algorithms(True)
+        run_dir = cfg.run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # pytorch/pytorch#135712: with the agent's shared store, restarted workers can read
+            # the previous attempt's gloo/NCCL addresses and fail to connect, again and again.
+            print(
+                "[train] warning: torchrun shares its TCPStore with the workers; restarts may "
+                "fail to reconnect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun.",
+                flush=True,
+            )
+        faults = FaultInjector(faults_from_env(cfg.faults), run_dir, rank)
+
+        # -- 2. Data: open the datasets (through the node-local cache when remote) -----------
+        cache_dir = os.path.expandvars(cfg.data.cache_dir) or None  # e.g. $SLURM_TMPDIR/cache
+        datasets = []
+        for url in cfg.data.urls:  # one, or several blended by data.weights
+            datasets.append(TokenDataset.open(url, cache_dir=cache_dir))
+            closing.callback(datasets[-1].close)
+        # The order is a pure function of (datasets, weights, seed, seq_len, position): rank r
+        # of W takes its slice of each global batch, whatever W was when the checkpoint was
+        # made. The loader checks that W divides the batch.
+        loader = TokenLoader(datasets, rank=rank, world_size=world, seed=cfg.seed, config=cfg.data)
+        closing.enter_context(loader)
+        accum = loader.micro_per_step  # micro-batches per step on this rank
+        tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+
+        # -- 3. Model: weights are a function of the seed; DDP or FSDP2 -----------------------
+        torch.manual_seed(cfg.seed)  # dropout's RNG (checkpointed per rank)
+        vocab = cfg.model.vocab_size or max(ds.vocab_size for ds in datasets)
+        model = GPT(
+            GPTConfig(
+                vocab_size=vocab,
+                seq_len=cfg.data.seq_len,
+                n_layer=cfg.model.n_layer,
+                n_head=cfg.model.n_head,
+                n_embd=cfg.model.n_embd,
+                dropout=cfg.model.dropout,
+                bias=cfg.model.bias,
+            ),
+            seed=cfg.seed,
+        ).to(device)
+        if cfg.train.parallel == "fsdp":
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            ddp_model = model
+        else:
+            ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)
+        # bf16 autocast on GPU; fp32 on CPU (exact and, at this size, no slower).
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda else nullcontext()
+
+        # -- 4. Optimizer: AdamW (decay on matrices only), warm-up then cosine decay ----------
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        optim = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": cfg.optim.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=cfg.optim.lr,
+            betas=(cfg.optim.beta1, cfg.optim.beta2),
+            foreach=False,  # the plain per-parameter kernel: same bits on every run
         )
-    faults = FaultInjector(faults_from_env(cfg.faults), run_dir, rank)
-
-    # -- 2. Data: open the dataset (through the node-local cache when remote) ---------------
-    if cfg.data.global_batch % (world * cfg.data.micro_batch):
-        from steadytrain.errors import ConfigError
-
-        raise ConfigError(
-            f"data.global_batch = {cfg.data.global_batch} must be a multiple of world size "
-            f"({world}) x data.micro_batch ({cfg.data.micro_batch})"
-        )
-    cache_dir = os.path.expandvars(cfg.data.cache_dir) or None  # e.g. $SLURM_TMPDIR/cache
-    ds = TokenDataset.open(cfg.data.dataset, cache_dir=cache_dir)
-    # The loader's order is a pure function of (dataset, seed, seq_len, position): rank r
-    # of W takes its slice of each global batch, whatever W was when the checkpoint was made.
-    loader = TokenLoader(
-        ds,
-        seq_len=cfg.data.seq_len,
-        global_batch=cfg.data.global_batch,
-        micro_batch=cfg.data.micro_batch,
-        rank=rank,
-        world_size=world,
-        seed=cfg.seed,
-        shuffle=cfg.data.shuffle,
-        num_workers=cfg.data.num_workers,
-    )
-    accum = cfg.data.global_batch // world // cfg.data.micro_batch  # micro-batches per step
-    tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-
-    # -- 3. Model: weights are a function of the seed; DDP or FSDP2 ---------------------------
-    torch.manual_seed(cfg.seed)  # dropout's RNG (checkpointed per rank)
-    vocab = cfg.model.vocab_size or ds.vocab_size
-    model = GPT(
-        GPTConfig(
-            vocab_size=vocab,
-            seq_len=cfg.data.seq_len,
-            n_layer=cfg.model.n_layer,
-            n_head=cfg.model.n_head,
-            n_embd=cfg.model.n_embd,
-            dropout=cfg.model.dropout,
-            bias=cfg.model.bias,
-        ),
-        seed=cfg.seed,
-    ).to(device)
-    if cfg.train.parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        ddp_model = model
-    else:
-        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)
-    # bf16 autocast on GPU; fp32 on CPU (exact and, at this size, no slower).
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda else nullcontext()
-
-    # -- 4. Optimizer: AdamW (decay on matrices only), warm-up then cosine decay ------------
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optim = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.optim.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        foreach=False,  # the plain per-parameter kernel: same bits on every run
-    )
-    total = cfg.train.max_steps
-    min_ratio = cfg.optim.min_lr / cfg.optim.lr
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optim, lambda s: lr_factor(s, cfg.optim.warmup_steps, total, min_ratio)
-    )
-
-    # -- 5. Ledger and checkpointer; then resume from the newest committed checkpoint ------
-    meter = GoodputMeter(
-        run_dir,
-        rank=rank,
-        world_size=world,
-        expected_tokens_per_s=cfg.train.expected_tokens_per_s or None,
-        total_steps=total,
-    )
-    held: list[dict] = []  # the restore event waits until job_start opens this attempt
-    if cfg.checkpoint.engine == "torch_save":  # the synchronous baseline (benchmarks)
-        from steadytrain.train.torch_save import TorchSaveCheckpointer
-
-        ckpt = TorchSaveCheckpointer(cfg.checkpoint_dir, cfg.checkpoint.every_steps, held.append)
-    else:
-        ckpt = Checkpointer(
-            cfg.checkpoint_dir,
-            every_steps=cfg.checkpoint.every_steps or None,
-            every_seconds=cfg.checkpoint.every_seconds or None,
-            interval=cfg.checkpoint.interval,
-            keep_last=cfg.checkpoint.keep_last,
-            async_mode=cfg.checkpoint.async_mode,
-            remote=cfg.checkpoint.remote or None,
-            on_event=held.append,  # makes its own gloo group (on DDP's group: deadlock)
-            mtbf_s=cfg.checkpoint.mtbf_s or None,  # interval = "auto" plans with it
-            verify=cfg.checkpoint.verify,  # restore at start, onto freshly built state
-        )
-    state = TrainState()
-    states = {"model": model, "optim": optim, "sched": sched, "loader": loader, "train": state}
-    t_restore = time.perf_counter()
-    step = ckpt.restore_latest(states)
-    restore_s = time.perf_counter() - t_restore
-    if step != state.step:
-        from steadytrain.errors import CheckpointError
-
-        raise CheckpointError(
-            f"checkpoint step {step} disagrees with its saved train state step {state.step}"
-        )
-    node_ranks = list(range(rank, rank + int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    if cfg.data.preflight and local_rank == 0:
-        preflight(ds, cfg, step, world, node_ranks)  # after restore: the steps ahead of us
-    prefetcher = None
-    if local_rank == 0 and cfg.data.prefetch_steps:
-        # Remote data: the order is known, so one fetcher per node pulls the shards of the
-        # node's ranks for the next N steps ahead of need (None for a local dataset).
-        from steadytrain.storage.prefetch import Prefetcher
-
-        prefetcher = Prefetcher.for_loader(
-            loader,
-            ranks=node_ranks,
-            horizon_steps=cfg.data.prefetch_steps,
-            budget_bytes=cfg.data.cache_budget_bytes or None,
-            total_steps=total,
-        )
-    meter.job_start(
-        restored_step=step,
-        startup_s=time.time() - PROCESS_START - restore_s,  # interpreter start to now
-        restore_s=restore_s,
-        config=cfg.to_dict(),
-    )
-    for event in held:
-        meter.event(event)
-    ckpt.on_event = meter.event
-    meter.flush()  # the attempt's start is on disk even if it dies in its first step
-    trace = None
-    # One id per attempt, shared by all ranks (each agent counts its own restarts).
-    attempt_id = [time.time()]
-    dist.broadcast_object_list(attempt_id, src=0)
-    if cfg.train.trace:
-        trace = open(os.path.join(run_dir, f"trace-rank{rank}.jsonl"), "a")  # noqa: SIM115
-    if rank == 0:
-        where = f"resumed from step {step}" if step else "starting from scratch"
-        print(
-            f"[train] attempt {meter.attempt}, {world} rank(s) on {device.type}, "
-            f"{model.num_params() / 1e6:.2f}M parameters, {where}, {total} steps",
-            flush=True,
+        total = cfg.train.max_steps
+        min_ratio = cfg.optim.min_lr / cfg.optim.lr
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            optim, lambda s: lr_factor(s, cfg.optim.warmup_steps, total, min_ratio)
         )
 
-    # -- 6. The loop ----------------------------------------------------------------------
-    model.train()
-    batches = iter(loader)
-    t_log, tokens_log, wait_log, block_log = time.perf_counter(), 0, 0.0, 0.0
-    try:
+        # -- 5. Ledger and checkpointer; then resume from the newest committed checkpoint ----
+        meter = GoodputMeter(
+            run_dir, rank=rank, world_size=world, total_steps=total, config=cfg.monitor
+        )
+        closing.enter_context(meter)  # closed after the checkpointer: it records the last save
+        held: list[dict] = []  # the restore event waits until job_start opens this attempt
+        if cfg.checkpoint.engine == "torch_save":  # the synchronous baseline (benchmarks)
+            ckpt = TorchSaveCheckpointer(
+                cfg.checkpoint_dir, cfg.checkpoint.every_steps, held.append
+            )
+        else:  # it makes its own gloo group (async writes on DDP's group deadlock)
+            ckpt = Checkpointer(cfg.checkpoint_dir, on_event=held.append, config=cfg.checkpoint)
+        closing.callback(ckpt.close)
+        state = TrainState()
+        states = {"model": model, "optim": optim, "sched": sched, "loader": loader, "train": state}
+        t_restore = time.perf_counter()
+        step = ckpt.restore_latest(states)  # onto the freshly built state above
+        restore_s = time.perf_counter() - t_restore
+        if step != state.step:
+            raise CheckpointError(
+                f"checkpoint step {step} disagrees with its saved train state step {state.step}"
+            )
+        node_ranks = list(range(rank, rank + int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        if local_rank == 0 and cfg.data.preflight:
+            preflight(loader, step, total, node_ranks)  # after restore: the steps ahead of us
+        if local_rank == 0 and cfg.data.prefetch_steps:
+            # Remote data: the order is known, so one fetcher per node (and dataset) pulls the
+            # shards of the node's ranks for the next N steps ahead of need (none when local).
+            for prefetcher in start_prefetchers(loader, node_ranks, cfg.data, total):
+                closing.enter_context(prefetcher)
+        meter.job_start(
+            restored_step=step,
+            startup_s=time.time() - PROCESS_START - restore_s,  # interpreter start to now
+            restore_s=restore_s,
+            config=cfg.to_dict(),
+        )
+        for event in held:
+            meter.event(event)
+        ckpt.on_event = meter.event
+        meter.flush()  # the attempt's start is on disk even if it dies in its first step
+        # One id per attempt, shared by all ranks (each agent counts its own restarts).
+        attempt_id = [time.time()]
+        dist.broadcast_object_list(attempt_id, src=0)
+        trace = StepTrace(run_dir, rank, world, attempt, attempt_id[0], enabled=cfg.train.trace)
+        closing.enter_context(trace)
+        if rank == 0:
+            where = f"resumed from step {step}" if step else "starting from scratch"
+            print(
+                f"[train] attempt {meter.attempt}, {world} rank(s) on {device.type}, "
+                f"{model.num_params() / 1e6:.2f}M parameters, {where}, {total} steps",
+                flush=True,
+            )
+
+        # -- 6. The loop ----------------------------------------------------------------------
+        model.train()
+        batches = iter(loader)
+        t_log, tokens_log, wait_log, block_log = time.perf_counter(), 0, 0.0, 0.0
         while step < total:
             t0 = time.perf_counter()
             data_wait = faults.before_data(step + 1)  # an injected slow/stalled read
-            losses, sample_ids = [], []
+            losses = []
             for micro in range(accum):
                 t_data = time.perf_counter()
                 batch = next(batches)
                 data_wait += time.perf_counter() - t_data
                 x = batch["input_ids"].to(device, non_blocking=True)
                 y = batch["labels"].to(device, non_blocking=True)
-                if trace is not None:  # the per-step sample record is for exact-resume checks
-                    sample_ids.extend(batch["sample_ids"].tolist())
+                trace.add(batch)  # its sample ids, when tracing
                 # Gradients are all-reduced once per step, on the last micro-batch.
                 sync = micro == accum - 1 or cfg.train.parallel == "fsdp"
                 with nullcontext() if sync else ddp_model.no_sync(), autocast:
@@ -312,7 +283,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
 
             # Checkpoint: every rank snapshots its state; writing continues in the background.
             block_s = ckpt.maybe_save(step, states, tokens_seen=state.tokens)
-            faults.after_save_started(step)
+            faults.after_save_started(step)  # an injected crash while that save is written
             step_s = time.perf_counter() - t0
             meter.step(
                 step,
@@ -323,21 +294,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
                 loss=global_loss,
                 **loader_metrics(loader),
             )
-            if trace is not None:
-                rec = {
-                    "step": step,
-                    "attempt": attempt,
-                    "attempt_id": attempt_id[0],
-                    "node": os.environ.get("STEADYTRAIN_NODE", socket.gethostname()),
-                    "world": world,
-                    "rank": rank,
-                    "loss": global_loss,
-                    "local_loss": float(local_loss),
-                    "lr": sched.get_last_lr()[0],
-                    "sample_ids": sample_ids,
-                }
-                trace.write(json.dumps(rec) + "\n")
-                trace.flush()
+            trace.write(step, global_loss, float(local_loss), sched.get_last_lr()[0])
             tokens_log += tokens_per_step
             wait_log += data_wait
             block_log += block_s
@@ -351,26 +308,14 @@ def run_training(cfg: Config) -> dict[str, Any]:
                 )
                 t_log, tokens_log, wait_log, block_log = time.perf_counter(), 0, 0.0, 0.0
 
-        # -- 7. Finish: make sure the final state is committed, then close everything ------
+        # -- 7. Finish: make sure the final state is committed (`closing` closes the rest) ---
         ckpt.wait()
         last = ckpt.last_event or {}
         if not (last.get("step") == step and last.get("ok", True)):
             ckpt.save(step, states, tokens_seen=state.tokens)
             ckpt.wait()
         weights = weights_digest(model)
-        if rank == 0:
-            with open(os.path.join(run_dir, "final.json"), "w") as f:
-                json.dump({"step": step, "tokens": state.tokens, "weights": weights}, f)
-    except BaseException as exc:
-        meter.close(reason=f"error: {type(exc).__name__}: {exc}")
-        raise
-    meter.close(reason="finished")
-    ckpt.close()
-    if prefetcher is not None:
-        prefetcher.close()
-    if trace is not None:
-        trace.close()
-    close_quietly(loader)
-    ds.close()
-    dist.destroy_process_group()
+        if rank == 0:  # atomic: a reader (the demo, a test) never parses half of it
+            final = {"step": step, "tokens": state.tokens, "weights": weights}
+            publish_bytes(os.path.join(run_dir, "final.json"), json.dumps(final))
     return {"step": step, "tokens": state.tokens, "weights": weights, "run_dir": run_dir}

@@ -1,72 +1,154 @@
-"""Helpers of the reference training loop, kept out of its way (train.py reads top to bottom)."""
+"""Helpers of the reference training loop, kept out of its way (loop.py reads top to bottom)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import socket
 import time
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from steadytrain.train.config import Config
+from steadytrain.storage.prefetch import Prefetcher
+from steadytrain.storage.stage import preflight as cache_preflight
+from steadytrain.train.config import DataSection
 
 __all__ = [
     "process_start",
     "preflight",
+    "start_prefetchers",
+    "StepTrace",
     "loader_metrics",
     "goodput_so_far",
     "weights_digest",
-    "close_quietly",
 ]
 
 
 def process_start() -> float:
     """When this process was born (start-up cost counts from there, imports included)."""
     try:
-        import psutil
+        import psutil  # optional: only for the process's birth time
 
         return psutil.Process().create_time()  # includes interpreter start and imports
     except Exception:  # noqa: BLE001 - no psutil or no /proc: from this import on
         return time.time()
 
 
-def preflight(
-    ds: Any, cfg: Config, step: int, world: int, ranks: list[int], ahead: int = 50
-) -> None:
+def _node() -> str:
+    return os.environ.get("STEADYTRAIN_NODE", socket.gethostname())
+
+
+def _cached(loader: Any) -> list[tuple[int, Any]]:
+    """(index, cache) of every dataset the loader reads through a node-local ShardCache."""
+    caches = [(d, getattr(ds, "cache", None)) for d, ds in enumerate(loader.datasets)]
+    return [(d, c) for d, c in caches if c is not None]
+
+
+def _schedule(loader: Any, dataset: int, ranks: list[int]) -> Any:
+    """The (step, shard) schedule of one dataset for ``ranks``, from the loader's own
+    sampler: with a blend, each dataset's schedule depends on the weights."""
+    world = loader.world_size
+    return lambda a, b: loader.shards_for_steps(
+        a, b, ranks=ranks, world_size=world, dataset=dataset
+    )
+
+
+def preflight(loader: Any, step: int, total: int, ranks: list[int], ahead: int = 50) -> None:
     """Say whether this node's cache already holds the shards of the next ``ahead`` steps.
 
     Only for remote datasets (a local one was size-checked by ``TokenDataset.open``).
     Missing shards are fetched on demand; a spare node pre-warmed with ``steadytrain stage``
     reports ready and starts without a single remote read.
     """
-    cache = getattr(ds, "cache", None)
-    if cache is None:
-        return
-    from steadytrain.data.read.schedule import schedule_for_run
-    from steadytrain.storage.stage import preflight as cache_preflight
+    n = min(ahead, max(1, total - step))
+    for d, cache in _cached(loader):
+        rep = cache_preflight(cache, _schedule(loader, d, ranks), n, start_step=step)
+        if rep["ready"]:
+            msg = f"cache ready for steps {step + 1}..{step + n} ({rep['shards_needed']} shards)"
+        else:
+            first = step + rep["ready_steps"] + 1
+            msg = (
+                f"cache misses {len(rep['missing_shards'])} shard(s), "
+                f"{rep['missing_bytes'] / 1e6:.1f} MB, first needed at step {first}: "
+                f"fetched on demand (pre-warm with `steadytrain stage`)"
+            )
+        where = f"dataset {d}: " if len(loader.datasets) > 1 else ""
+        print(f"[train] preflight on node {_node()}: {where}{msg}", flush=True)
 
-    schedule = schedule_for_run(
-        ds,
-        seq_len=cfg.data.seq_len,
-        global_batch=cfg.data.global_batch,
-        seed=cfg.seed,
-        shuffle=cfg.data.shuffle,
-        world_size=world,
-        ranks=ranks,
-    )
-    n = min(ahead, max(1, cfg.train.max_steps - step))
-    rep = cache_preflight(cache, schedule, n, start_step=step)
-    node = os.environ.get("STEADYTRAIN_NODE", socket.gethostname())
-    if rep["ready"]:
-        msg = f"cache ready for steps {step + 1}..{step + n} ({rep['shards_needed']} shards)"
-    else:
-        msg = (
-            f"cache misses {len(rep['missing_shards'])} shard(s), "
-            f"{rep['missing_bytes'] / 1e6:.1f} MB, first needed at step {step + rep['ready_steps'] + 1}: "
-            f"fetched on demand (pre-warm with `steadytrain stage`)"
+
+def start_prefetchers(
+    loader: Any, ranks: list[int], data: DataSection, total: int
+) -> list[Prefetcher]:
+    """One prefetcher per remote dataset, fetching the shards ``ranks`` read in the next
+    ``data.prefetch_steps`` steps; the loader's ``on_step`` slides their horizon."""
+    out = [
+        Prefetcher(
+            cache,
+            _schedule(loader, d, ranks),
+            horizon_steps=data.prefetch_steps,
+            budget_bytes=data.cache_budget_bytes or None,
+            start_step=loader.step,
+            total_steps=total,
         )
-    print(f"[train] preflight on node {node}: {msg}", flush=True)
+        for d, cache in _cached(loader)
+    ]
+    previous = loader.on_step
+
+    def on_step(step: int) -> None:
+        for pf in out:
+            pf.advance(step)
+        if previous is not None:
+            previous(step)
+
+    if out:
+        loader.on_step = on_step
+    return out
+
+
+class StepTrace:
+    """``RUN_DIR/trace-rank{R}.jsonl``: the loss and the sample ids of every step, one line
+    per step and attempt (appended), for exact-resume checks. Does nothing when off."""
+
+    def __init__(
+        self, run_dir: str, rank: int, world: int, attempt: int, attempt_id: float, enabled: bool
+    ) -> None:
+        path = os.path.join(run_dir, f"trace-rank{rank}.jsonl")
+        self._f = open(path, "a") if enabled else None  # noqa: SIM115 - closed in close()
+        self._fixed = {
+            "attempt": attempt,
+            "attempt_id": attempt_id,
+            "node": _node(),
+            "world": world,
+            "rank": rank,
+        }
+        self._ids: list[int] = []
+
+    def add(self, batch: dict[str, torch.Tensor]) -> None:
+        """Note one micro-batch's sample ids (skipped when off: ``tolist`` is not free)."""
+        if self._f is not None:
+            self._ids.extend(batch["sample_ids"].tolist())
+
+    def write(self, step: int, loss: float, local_loss: float, lr: float) -> None:
+        if self._f is None:
+            return
+        rec = {"step": step, **self._fixed, "loss": loss, "local_loss": local_loss, "lr": lr}
+        self._f.write(json.dumps({**rec, "sample_ids": self._ids}) + "\n")
+        self._f.flush()
+        self._ids = []
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self) -> StepTrace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def loader_metrics(loader: Any) -> dict[str, Any]:
@@ -89,10 +171,6 @@ def goodput_so_far(meter: Any) -> str:
 
 def weights_digest(model: torch.nn.Module) -> str:
     """SHA-256 over every parameter's bytes in name order (full tensors, all ranks call)."""
-    import hashlib
-
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     h = hashlib.sha256()
     for name in sorted(sd):
@@ -100,9 +178,3 @@ def weights_digest(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
-
-
-def close_quietly(obj: Any) -> None:
-    close = getattr(obj, "close", None)
-    if callable(close):
-        close()

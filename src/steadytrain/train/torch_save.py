@@ -4,8 +4,8 @@
 compare what asynchronous sharded checkpoints buy. Same calls (``restore_latest``,
 ``maybe_save``, ``save``, ``wait``, ``close``, ``last_event``) and the same ledger events, so
 the goodput ledger measures both the same way. Every rank blocks until rank 0 has written
-and fsync'd ``DIR/ckpt.pt`` (published by rename, so a crash mid-save keeps the previous
-one). DDP only: model and optimizer state are full on every rank; the loader state is
+and fsync'd ``DIR/ckpt.pt`` (published atomically by ``storage.publish``, so a crash
+mid-save keeps the previous one). DDP only: model and optimizer state are full on every rank; the loader state is
 rank-independent; RNG state is not saved (the reference model has no dropout by default).
 """
 
@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from steadytrain.storage.publish import atomic_writer
 
 __all__ = ["TorchSaveCheckpointer"]
 
@@ -74,12 +76,8 @@ class TorchSaveCheckpointer:
                 "tokens_seen": tokens_seen,
                 "states": {name: obj.state_dict() for name, obj in states.items()},
             }
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "wb") as f:
+            with atomic_writer(self.path) as f:
                 torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
         if dist.is_initialized():
             dist.barrier()  # nobody goes on before the file is durable
         block_s = time.perf_counter() - t0

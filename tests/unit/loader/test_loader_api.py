@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from steadytrain.data.read.loader import TokenLoader
+from steadytrain.data.read.loader import LoaderConfig, TokenLoader
 from steadytrain.errors import ConfigError, LoaderStateError, ReadDeadlineError
 
 SEQ = 16
@@ -196,20 +196,40 @@ def test_load_refuses_mid_step_state_on_another_world_and_bad_input(ds_a):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        ({"num_workers": -1}, "num_workers and prefetch must be >= 0"),
-        ({"prefetch": -1}, "num_workers and prefetch must be >= 0"),
+        ({"num_workers": -1}, "num_workers = -1 is invalid: use 0"),
+        ({"prefetch": -1}, "prefetch = -1 is invalid: use 0"),
         ({"prefetch": 0, "read_timeout_s": 1.0}, "prefetch=0 reads synchronously"),
         ({"prefetch": 0, "num_workers": 2}, "prefetch=0 reads synchronously"),
-        ({"read_timeout_s": 0}, "read_timeout_s must be positive"),
+        ({"read_timeout_s": 0}, "read_timeout_s = 0 is invalid: use > 0"),
         ({"world_size": 3}, "world_size=3 does not divide global_batch=8"),
-        ({"micro_batch": 3}, "micro_batch=3 does not divide"),
+        ({"micro_batch": 3}, r"global_batch = 8 is invalid: use a positive multiple of micro_b"),
         ({"seq_len": 1000}, "no shard with more than seq_len=1000"),
-        ({"shuffle": "nope"}, "shuffle='nope' is not one of"),
+        ({"shuffle": "nope"}, r"shuffle = 'nope' is invalid: choose one of \['block', 'global'"),
+        ({"weights": [-1]}, r"weights = \[-1\] is invalid: weight 0 is -1"),
     ],
 )
 def test_construction_errors_name_the_setting(ds_a, kw, match):
     with pytest.raises(ConfigError, match=match):
         loader(ds_a, **kw)
+
+
+def test_config_and_keywords_are_one_loader(ds_a, ds_b):
+    """``config=LoaderConfig(...)`` and the keywords build the same loader (same stream,
+    same state); a keyword given with ``config=`` wins; nothing has a second default."""
+    config = LoaderConfig(seq_len=SEQ, global_batch=8, micro_batch=2, weights=[2, 1], prefetch=1)
+    with (
+        TokenLoader([ds_a, ds_b], seed=1, config=config) as by_config,
+        loader([ds_a, ds_b], weights=[2, 1], prefetch=1) as by_keywords,
+    ):
+        assert by_config.config == by_keywords.config == config
+        for _ in range(6):
+            assert torch.equal(next(by_config)["sample_ids"], next(by_keywords)["sample_ids"])
+        assert by_config.state_dict() == by_keywords.state_dict()
+    plain = LoaderConfig(seq_len=SEQ, global_batch=8, micro_batch=2)
+    with TokenLoader(ds_a, seed=1, micro_batch=4, config=plain) as ld:
+        assert ld.micro_batch == 4 and ld.config.micro_batch == 4
+    with pytest.raises(ConfigError, match="seq_len, global_batch, micro_batch must be given"):
+        TokenLoader(ds_a)
 
 
 @pytest.mark.timeout(60)

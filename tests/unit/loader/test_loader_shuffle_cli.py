@@ -71,3 +71,34 @@ def test_shuffle_cli_errors_name_the_problem(ds_a, tmp_path, capsys):
     assert main(["shuffle", ds_a.url, "--out", str(tmp_path / "o2"), "--seq-len", "1000"]) == 2
     assert "seq_len=1000" in capsys.readouterr().err
     assert not (tmp_path / "o2" / "manifest.json").exists()
+
+
+def test_shuffle_copies_the_stored_tokenizer_so_the_output_verifies(tmp_path, capsys):
+    """A dataset tokenized with a tokenizer.json names that file in its manifest; the
+    shuffled copy must hold it too, or ``verify`` fails on the copy."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from steadytrain.data.ingest.tokenize import tokenize
+    from steadytrain.data.ingest.verify import verify_dataset
+
+    text = tmp_path / "docs.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train([str(text)], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|eos|>"]))
+    tok_path = tmp_path / "tokenizer.json"
+    tok.save(str(tok_path))
+    src = tmp_path / "ds"
+    res = tokenize([str(text)], str(src), tokenizer=str(tok_path), shard_tokens=512, workers=0)
+    assert res.manifest.tokenizer.get("file") == "tokenizer.json"
+    out = tmp_path / "shuffled"
+    assert main(["shuffle", str(src), "--out", str(out), "--seq-len", "8"]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    report = verify_dataset(str(out))
+    assert report.ok, report.problems
+    # A source whose manifest names a tokenizer file it lacks is refused before any manifest.
+    (src / "tokenizer.json").unlink()
+    bad_out = tmp_path / "shuffled2"
+    assert main(["shuffle", str(src), "--out", str(bad_out), "--seq-len", "8"]) == 2
+    assert "tokenizer.json" in capsys.readouterr().err
+    assert not (bad_out / "manifest.json").exists()

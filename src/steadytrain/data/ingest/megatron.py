@@ -39,19 +39,19 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from steadytrain.data.ingest.output import Output
+from steadytrain.data.ingest.output import Output, result_json
 from steadytrain.data.ingest.progress import NullProgress
 from steadytrain.data.ingest.tokenizer import TOKENIZER_FILE, resolve_tokenizer
 from steadytrain.data.ingest.writer import shard_names
 from steadytrain.data.read.format import (
     Manifest,
     ShardInfo,
-    StreamingChecksum,
     compute_fingerprint,
     dtype_for_vocab,
     write_manifest,
 )
 from steadytrain.errors import ConfigError, DatasetError
+from steadytrain.storage.publish import Hasher, checksum_bytes
 
 __all__ = [
     "MEGATRON_MAGIC",
@@ -128,21 +128,16 @@ class ImportResult:
     linked: bool
 
     def to_json(self) -> dict[str, Any]:
-        m = self.manifest
         return {
-            "dataset": self.url,
-            "up_to_date": self.up_to_date,
-            **m.summary(),
-            "seconds": round(self.seconds, 3),
-            "tokens_per_s": round(m.num_tokens / self.seconds, 1) if self.seconds else 0.0,
+            **result_json(self.url, self.manifest, self.up_to_date, self.seconds),
             "hardlinked": self.linked,
-            "extra": m.extra,
+            "extra": self.manifest.extra,
         }
 
 
 def _scan(tokens: np.ndarray, progress: NullProgress) -> tuple[str, int, int]:
     """xxh3-64 of the token bytes and the min / max id, one chunk at a time."""
-    h = StreamingChecksum()
+    h = Hasher()
     lo, hi = 0, -1
     for start in range(0, tokens.size, SCAN_TOKENS):
         block = np.ascontiguousarray(tokens[start : start + SCAN_TOKENS])
@@ -253,7 +248,7 @@ def import_megatron(
                     raise
         checksum = src_checksum if reusable else None
         if not linked:
-            h = StreamingChecksum()
+            h = Hasher()
             with store.open_write_atomic(name) as f:
                 for start in range(0, total, SCAN_TOKENS):
                     block = np.ascontiguousarray(
@@ -271,7 +266,7 @@ def import_megatron(
             checksum=checksum,
             index_name=index_name,
             index_bytes=int(ends.size) * 8,
-            index_checksum=f"xxh3_64:{xxhash.xxh3_64_hexdigest(ends)}",
+            index_checksum=checksum_bytes(ends),
         )
         tok_entry: dict[str, Any] = (
             spec.manifest_entry()

@@ -18,13 +18,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import uuid
+from typing import Any
 
 from steadytrain.data.read.format import MANIFEST_NAME, Manifest, read_manifest
 from steadytrain.errors import DatasetError
+from steadytrain.storage.publish import publish_dir, temp_name
 from steadytrain.storage.store import Store
 
-__all__ = ["Output", "DEBRIS_NAMES"]
+__all__ = ["Output", "DEBRIS_NAMES", "result_json"]
 
 # What an unfinished run of ours can leave behind (no manifest yet): safe to clear.
 DEBRIS_NAMES = ("shards", "tokenizer.json")
@@ -78,9 +79,8 @@ class Output:
                 self.store.remove(name, recursive=True)
             return self.store
         root = self.store.root
-        parent, name = os.path.split(root)
-        os.makedirs(parent, exist_ok=True)
-        self._tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+        os.makedirs(os.path.dirname(root), exist_ok=True)
+        self._tmp = temp_name(root)
         os.makedirs(self._tmp)
         return Store(self._tmp)
 
@@ -100,26 +100,31 @@ class Output:
             else:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+        tmp, self._tmp = self._tmp, None  # from here on the build is published or kept
         try:
-            # Renaming a directory onto a missing or empty directory is atomic (POSIX).
-            os.rename(self._tmp, root)
+            # Onto a missing or (debris cleared) empty DEST: one atomic rename, fsync'd.
+            publish_dir(tmp, root)
         except OSError as exc:
-            kept, self._tmp = self._tmp, None  # keep the finished build: the message names it
+            if not os.path.isdir(tmp):
+                raise  # renamed, but the directory fsync failed: the OS error says why
             raise DatasetError(
                 f"cannot publish the new dataset at {self.dest}: {exc.strerror}; something "
-                f"else wrote there meanwhile. The finished dataset is kept at {kept}"
+                f"else wrote there meanwhile. The finished dataset is kept at {tmp}"
             ) from None
-        self._tmp = None
-        # Make the rename itself durable.
-        with contextlib.suppress(OSError):
-            fd = os.open(os.path.dirname(root), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
     def discard(self) -> None:
         """Remove the temporary build (after an error, or when DEST is already up to date)."""
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+def result_json(url: str, manifest: Manifest, up_to_date: bool, seconds: float) -> dict[str, Any]:
+    """The keys every dataset-building command reports first (tokenize, Megatron import)."""
+    return {
+        "dataset": url,
+        "up_to_date": up_to_date,
+        **manifest.summary(),
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(manifest.num_tokens / seconds, 1) if seconds > 0 else 0.0,
+    }

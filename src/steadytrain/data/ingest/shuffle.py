@@ -11,7 +11,8 @@ is not last in its shard, which is the first token of the next window (one token
 are kept in the output's document index; a window start is a document start.
 
 The result is written with ``DatasetWriter``, so the destination may be any URL and the
-manifest appears last.
+manifest appears last. The stored ``tokenizer.json`` (if the source has one) is copied
+before the manifest, so the output names only files it holds and ``verify`` passes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from steadytrain.data.ingest.writer import DatasetWriter
 from steadytrain.data.read.dataset import TokenDataset
 from steadytrain.data.read.permute import Feistel, derive_key
 from steadytrain.data.read.sampler import Sampler
-from steadytrain.errors import ConfigError
+from steadytrain.errors import ConfigError, DatasetError
+from steadytrain.storage.store import Store, safe_relpath
 
 __all__ = ["ShuffleResult", "shuffle_dataset"]
 
@@ -89,6 +91,7 @@ def shuffle_dataset(
             writer.add_documents(tokens, lengths)
             if progress is not None:
                 progress(int(j[-1]) + 1, n)
+        _copy_tokenizer_file(ds, writer.store)
     except BaseException:
         writer.abort()  # no manifest: nothing half-written is ever taken for a dataset
         raise
@@ -120,3 +123,17 @@ def _gather(
         lengths.append(np.diff(np.concatenate(([0], cuts, [size]))))
         pos += size
     return tokens, np.concatenate(lengths)
+
+
+def _copy_tokenizer_file(ds: TokenDataset, dest: Store) -> None:
+    """Copy the stored tokenizer file the manifest names, so the output is self-contained."""
+    name = (ds.manifest.tokenizer or {}).get("file")
+    if not name:
+        return
+    name = safe_relpath(name, what="manifest tokenizer.file")
+    if not ds.store.exists(name):
+        raise DatasetError(
+            f"{ds.store.display(name)} is named by the manifest but missing; restore it "
+            f"(or re-tokenize) before shuffling, or the shuffled copy would not verify"
+        )
+    dest.write_bytes_atomic(name, ds.store.read_bytes(name))

@@ -9,21 +9,33 @@ Decoding policy: text is decoded as UTF-8 with ``errors="replace"``. Invalid byt
 become U+FFFD, the run continues, and each affected file gets one warning naming it and the
 number of replacements (real corpora, the Python standard library included, hold a few
 non-UTF-8 files; failing a multi-hour run on one of them helps nobody, silently mangling
-them is worse). Paths may be local or fsspec URLs.
+them is worse). Paths may be local or fsspec URLs; bytes are reached through
+``steadytrain.storage.files``.
+
+Walking a directory reads files with a known suffix (``TEXT_SUFFIXES``, JSON Lines,
+Parquet) plus any matching an ``include`` glob. Nothing is skipped silently: files left out
+for an unknown suffix are counted, and the caller warns with examples and the
+``--include GLOB`` fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
-import os
 from collections.abc import Callable, Iterator, Sequence
 
-import fsspec
-
 from steadytrain.errors import DatasetError
+from steadytrain.storage.files import list_input, open_input
 
-__all__ = ["SourceFile", "DecodeStats", "list_sources", "iter_documents", "TEXT_SUFFIXES"]
+__all__ = [
+    "SourceFile",
+    "DecodeStats",
+    "Skipped",
+    "list_sources",
+    "iter_documents",
+    "TEXT_SUFFIXES",
+]
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.zst")
 PARQUET_SUFFIXES = (".parquet",)
@@ -69,45 +81,61 @@ def _kind(name: str) -> str:
     return "text"
 
 
-def _wanted_in_dir(rel: str) -> bool:
-    parts = rel.split("/")
-    if any(p.startswith(".") or p in SKIP_DIRS for p in parts):
-        return False
-    low = parts[-1].lower()
-    return low.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES + TEXT_SUFFIXES)
+def _hidden(rel: str) -> bool:
+    return any(p.startswith(".") or p in SKIP_DIRS for p in rel.split("/"))
 
 
-def _mtime(info: dict) -> float:
-    value = info.get("mtime", info.get("LastModified", info.get("last_modified", 0.0)))
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return float(value.timestamp()) if hasattr(value, "timestamp") else 0.0
+def _included(rel: str, include: Sequence[str]) -> bool:
+    """A known suffix, or a match of any ``include`` glob (on the relative path or the name)."""
+    low = rel.rsplit("/", 1)[-1].lower()
+    if low.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES + TEXT_SUFFIXES):
+        return True
+    name = rel.rsplit("/", 1)[-1]
+    return any(fnmatch.fnmatch(rel, g) or fnmatch.fnmatch(name, g) for g in include)
 
 
-def list_sources(inputs: Sequence[str]) -> list[SourceFile]:
-    """Expand inputs into a deterministic list of files (directories walked, sorted)."""
+@dataclasses.dataclass
+class Skipped:
+    """Files a directory walk left out because no suffix or ``--include`` glob matched."""
+
+    count: int = 0
+    bytes: int = 0
+    examples: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, url: str, size: int) -> None:
+        self.count += 1
+        self.bytes += size
+        if len(self.examples) < 5:
+            self.examples.append(url)
+
+    def message(self) -> str:
+        return (
+            f"skipped {self.count} file(s) ({self.bytes:,} bytes) with no known text suffix, "
+            f"e.g. {', '.join(self.examples)}; pass --include GLOB (e.g. --include 'LICENSE*' "
+            f"or --include '*') to tokenize them too"
+        )
+
+
+def list_sources(
+    inputs: Sequence[str], *, include: Sequence[str] = (), skipped: Skipped | None = None
+) -> list[SourceFile]:
+    """Expand inputs into a deterministic list of files (directories walked, sorted).
+
+    Hidden files and ``__pycache__``-like directories are never read; other files a walk
+    leaves out are counted in ``skipped``. An explicitly named file is read whatever its
+    suffix.
+    """
     out: list[SourceFile] = []
     for inp in inputs:
-        fs, root = fsspec.core.url_to_fs(inp)
-        proto = inp.split("://", 1)[0] + "://" if "://" in inp else ""
-        if not fs.exists(root):
-            raise DatasetError(f"input {inp} does not exist; check the path")
-        if fs.isdir(root):
-            # find() returns every file below; sort by path so the order is the same on every
-            # machine and every run (os.walk order is not).
-            found = fs.find(root, detail=True, withdirs=False)
-            prefix = root.rstrip("/") + "/"
-            for path in sorted(found):
-                rel = path[len(prefix) :] if path.startswith(prefix) else os.path.basename(path)
-                if _wanted_in_dir(rel):
-                    info = found[path]
-                    url = path if not proto or proto == "file://" else proto + path
-                    out.append(SourceFile(url, _kind(path), int(info["size"]), _mtime(info)))
-        else:
-            info = fs.info(root)
-            url = inp if proto and proto != "file://" else root
-            out.append(SourceFile(url, _kind(root), int(info["size"]), _mtime(info)))
+        is_dir, files = list_input(inp)
+        for f in files:
+            if is_dir and _hidden(f.rel):
+                continue
+            if is_dir and not _included(f.rel, include):
+                if skipped is not None:
+                    skipped.add(f.url, f.size)
+                continue
+            out.append(SourceFile(f.url, _kind(f.rel or f.url), f.size, f.mtime))
     return out
 
 
@@ -129,7 +157,7 @@ def _decode(data: bytes, src: str, stats: DecodeStats, warn: Warn | None) -> str
 
 
 def _iter_text(src: SourceFile, stats: DecodeStats, warn: Warn | None) -> Iterator[str]:
-    with fsspec.open(src.url, "rb") as f:
+    with open_input(src.url) as f:
         data = f.read()
     stats.bytes_read += len(data)
     yield _decode(data, src.url, stats, warn)
@@ -139,7 +167,7 @@ def _iter_jsonl(
     src: SourceFile, text_field: str, stats: DecodeStats, warn: Warn | None
 ) -> Iterator[str]:
     bad_lines = 0
-    with fsspec.open(src.url, "rb", compression="infer") as f:
+    with open_input(src.url, compression="infer") as f:
         for lineno, raw in enumerate(f, 1):
             stats.bytes_read += len(raw)
             if not raw.strip():
@@ -180,7 +208,7 @@ def _iter_parquet(
 ) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    with fsspec.open(src.url, "rb") as f:
+    with open_input(src.url) as f:
         try:
             pf = pq.ParquetFile(f)
         except Exception as exc:  # pyarrow raises several types for a damaged file

@@ -18,7 +18,6 @@ document).
 from __future__ import annotations
 
 import dataclasses
-import json
 import multiprocessing as mp
 import os
 import time
@@ -27,11 +26,16 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import xxhash
 
-from steadytrain.data.ingest.output import Output
+from steadytrain.data.ingest.output import Output, result_json
 from steadytrain.data.ingest.progress import NullProgress
-from steadytrain.data.ingest.sources import DecodeStats, SourceFile, iter_documents, list_sources
+from steadytrain.data.ingest.sources import (
+    DecodeStats,
+    Skipped,
+    SourceFile,
+    iter_documents,
+    list_sources,
+)
 from steadytrain.data.ingest.tokenizer import (
     TOKENIZER_FILE,
     Encoder,
@@ -42,6 +46,7 @@ from steadytrain.data.ingest.tokenizer import (
 from steadytrain.data.ingest.writer import DEFAULT_SHARD_TOKENS, DatasetWriter
 from steadytrain.data.read.format import Manifest
 from steadytrain.errors import ConfigError, DatasetError
+from steadytrain.storage.publish import canonical_digest
 
 __all__ = ["TokenizeResult", "tokenize", "encode_stream", "default_workers"]
 
@@ -63,24 +68,21 @@ class TokenizeResult:
     replaced_files: int = 0
     replacements: int = 0
     warnings: list[str] = dataclasses.field(default_factory=list)
+    skipped_files: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.manifest.num_tokens / self.seconds if self.seconds > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        m = self.manifest
         return {
-            "dataset": self.url,
-            "up_to_date": self.up_to_date,
-            **m.summary(),
-            "seconds": round(self.seconds, 3),
-            "tokens_per_s": round(self.tokens_per_s, 1),
+            **result_json(self.url, self.manifest, self.up_to_date, self.seconds),
             "input_files": self.input_files,
             "input_bytes": self.input_bytes,
             "empty_docs": self.empty_docs,
             "replaced_files": self.replaced_files,
             "replacements": self.replacements,
+            "skipped_files": self.skipped_files,
             "warnings": self.warnings,
         }
 
@@ -212,18 +214,15 @@ def _recipe_key(
     text_field: str,
 ) -> str:
     """Identity of the inputs and settings: equal keys mean re-running would change nothing."""
-    canonical = json.dumps(
+    return canonical_digest(
         {
             "tokenizer": tokenizer,
             "tokenizer_hash": spec_hash,
             "shard_tokens": shard_tokens,
             "text_field": text_field,
             "files": [[s.url, s.size, s.mtime] for s in sources],
-        },
-        sort_keys=True,
-        separators=(",", ":"),
+        }
     )
-    return xxhash.xxh3_128_hexdigest(canonical.encode())
 
 
 def tokenize(
@@ -236,8 +235,12 @@ def tokenize(
     text_field: str = "text",
     progress: NullProgress | None = None,
     warn: Callable[[str], None] | None = None,
+    include: Sequence[str] = (),
 ) -> TokenizeResult:
-    """Tokenize ``inputs`` into a new dataset at ``out`` (local path or fsspec URL)."""
+    """Tokenize ``inputs`` into a new dataset at ``out`` (local path or fsspec URL).
+
+    Directories are walked for known text suffixes plus the ``include`` globs; what a walk
+    leaves out is reported through ``warn`` (and counted in ``skipped_files``)."""
     t0 = time.perf_counter()
     if shard_tokens < 1:
         raise ConfigError(f"--shard-tokens must be >= 1, got {shard_tokens}")
@@ -252,13 +255,17 @@ def tokenize(
         if warn is not None:
             warn(msg)
 
-    sources = list_sources(inputs)
+    skipped = Skipped()
+    sources = list_sources(inputs, include=include, skipped=skipped)
     total_bytes = sum(s.size for s in sources)
     if not sources or total_bytes == 0:
+        hint = f"; {skipped.message()}" if skipped.count else ""
         raise DatasetError(
             f"the input is empty: {', '.join(inputs) or '(none)'} holds no readable bytes "
-            f"({len(sources)} file(s)); nothing was written"
+            f"({len(sources)} file(s)){hint}; nothing was written"
         )
+    if skipped.count:
+        _warn(skipped.message())
     resolved = resolve_tokenizer(tokenizer)
     fixed_hash = resolved.file_hash if isinstance(resolved, TokenizerSpec) else None
     recipe = _recipe_key(sources, tokenizer, fixed_hash, shard_tokens, text_field)
@@ -266,7 +273,14 @@ def tokenize(
     output = Output(out)
     if output.existing is not None and output.existing.extra.get("recipe") == recipe:
         return TokenizeResult(
-            out, output.existing, True, time.perf_counter() - t0, len(sources), total_bytes
+            out,
+            output.existing,
+            True,
+            time.perf_counter() - t0,
+            len(sources),
+            total_bytes,
+            warnings=warnings,
+            skipped_files=skipped.count,
         )
     if output.existing is not None and not output.store.is_local:
         # No rename on object stores: building next to it would mean overwriting it.
@@ -346,4 +360,5 @@ def tokenize(
         stats.replaced_files,
         stats.replacements,
         warnings,
+        skipped.count,
     )

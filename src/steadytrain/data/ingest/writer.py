@@ -15,12 +15,12 @@ import numpy as np
 from steadytrain.data.read.format import (
     Manifest,
     ShardInfo,
-    StreamingChecksum,
     compute_fingerprint,
     dtype_for_vocab,
     write_manifest,
 )
 from steadytrain.errors import DatasetError
+from steadytrain.storage.publish import Hasher
 from steadytrain.storage.store import Store
 
 __all__ = ["DatasetWriter", "shard_names"]
@@ -42,8 +42,8 @@ class _OpenShard:
         self._stack = contextlib.ExitStack()
         self._tokens_f = self._stack.enter_context(store.open_write_atomic(self.name))
         self._index_f = self._stack.enter_context(store.open_write_atomic(self.index_name))
-        self._sum = StreamingChecksum()
-        self._index_sum = StreamingChecksum()
+        self._sum = Hasher()
+        self._index_sum = Hasher()
         self.tokens = 0
         self.docs = 0
 

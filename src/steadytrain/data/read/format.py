@@ -21,10 +21,14 @@ import json
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from steadytrain.errors import DatasetError, StorageError
-from steadytrain.storage.publish import CHECKSUM_ALGO, StreamingChecksum, checksum_bytes
+from steadytrain.storage.publish import (
+    CHECKSUM_ALGO,
+    StreamingChecksum,
+    canonical_digest,
+    checksum_bytes,
+)
 from steadytrain.storage.store import Store, safe_relpath
 
 __all__ = [
@@ -206,7 +210,7 @@ class Manifest:
 
 def compute_fingerprint(dtype: str, vocab_size: int, eos_id: int, shards: list[ShardInfo]) -> str:
     """Content identity: settings plus every shard's token count and checksum, in order."""
-    canonical = json.dumps(
+    return canonical_digest(
         {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -214,11 +218,8 @@ def compute_fingerprint(dtype: str, vocab_size: int, eos_id: int, shards: list[S
             "vocab_size": vocab_size,
             "eos_id": eos_id,
             "shards": [[s.tokens, s.docs, s.checksum] for s in shards],
-        },
-        sort_keys=True,
-        separators=(",", ":"),
+        }
     )
-    return xxhash.xxh3_128_hexdigest(canonical.encode())
 
 
 def read_manifest(store: Store) -> Manifest:

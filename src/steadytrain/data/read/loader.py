@@ -3,14 +3,16 @@
 The order comes from ``Sampler`` (position -> sample) and ``BatchPlan`` (step -> rank slice
 -> micro-batches), so the loader's state is a cursor plus the settings that define the order.
 Background work runs on one thread (``num_workers=0``) or in worker processes that hold only
-memory maps and integers and send raw token bytes over pipes (``_worker.py``). Every wait of
+memory maps and integers and send raw token bytes over pipes (``workers.py``). Every wait of
 the training loop is measured (``last_data_wait_s``), and a read that does not finish within
-``read_timeout_s`` becomes a ``ReadDeadlineError`` naming the files it was reading.
+``read_timeout_s`` becomes a ``ReadDeadlineError`` naming the files it was reading. Every
+setting lives in ``LoaderConfig`` (the ``[data]`` table of a training config extends it).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,15 +20,70 @@ from typing import Any
 import numpy as np
 import torch
 
+from steadytrain.data.read.blend import quantise_weights
 from steadytrain.data.read.loader_state import check_state, make_state
+from steadytrain.data.read.modes import MODES
 from steadytrain.data.read.producers import ProcessProducer, ThreadProducer
 from steadytrain.data.read.sampler import BatchPlan, Refs, Sampler
 from steadytrain.data.read.workers import Reader
 from steadytrain.errors import ConfigError, ReadDeadlineError
+from steadytrain.settings import InvalidSetting, check, merge
 
-__all__ = ["TokenLoader"]
+__all__ = ["TokenLoader", "LoaderConfig"]
 
 _POLL_S = 0.05
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoaderConfig:
+    """Everything a ``TokenLoader`` can be told, with the one copy of each default and
+    check. Topology (``rank``, ``world_size``) and ``seed`` are the run's, passed apart."""
+
+    seq_len: int  # tokens per sample
+    global_batch: int  # samples per optimizer step, all ranks together
+    micro_batch: int  # samples per forward/backward on one rank
+    shuffle: str = "global"  # an order of data/read/modes: global, block, sequential
+    shuffle_settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # the mode's
+    num_workers: int = 0  # worker processes (0: one background thread)
+    prefetch: int = 4  # micro-batches read ahead (0: read inside next(), synchronously)
+    pin_memory: bool = False  # page-locked batches (CUDA only)
+    read_timeout_s: float | None = None  # a micro-batch slower than this is an error
+    startup_timeout_s: float = 120.0  # the first read after (re)starting workers may take this
+    weights: list[float] | None = None  # blend several datasets (None: equal weights)
+    blend_period: int | None = None  # positions per blend period (None: from the weights)
+    return_doc_ids: bool = False  # add "doc_ids" (document index within each sample)
+    return_position_ids: bool = False  # add "position_ids" (restart at each document)
+    allow_dataset_change: bool = False  # load a state saved on other data (else refused)
+
+    def __post_init__(self) -> None:
+        check(self.seq_len >= 1, "seq_len", self.seq_len, "use at least 1")
+        check(self.micro_batch >= 1, "micro_batch", self.micro_batch, "use at least 1")
+        check(
+            self.global_batch >= 1 and self.global_batch % self.micro_batch == 0,
+            "global_batch",
+            self.global_batch,
+            f"use a positive multiple of micro_batch ({self.micro_batch})",
+        )
+        check(self.shuffle in MODES, "shuffle", self.shuffle, f"choose one of {sorted(MODES)}")
+        check(self.num_workers >= 0, "num_workers", self.num_workers, "use 0 (a thread) or more")
+        check(self.prefetch >= 0, "prefetch", self.prefetch, "use 0 (synchronous) or more")
+        if self.read_timeout_s is not None:
+            check(self.read_timeout_s > 0, "read_timeout_s", self.read_timeout_s, "use > 0")
+        check(self.startup_timeout_s > 0, "startup_timeout_s", self.startup_timeout_s, "use > 0")
+        if self.prefetch == 0:
+            check(
+                not self.num_workers and self.read_timeout_s is None,
+                "prefetch",
+                0,
+                "prefetch=0 reads synchronously inside next(): it cannot use worker processes "
+                "or enforce read_timeout_s; use prefetch >= 1 for either",
+            )
+        if self.weights is not None:
+            self.weights = list(self.weights)  # any sequence given: one JSON-able form
+            try:  # the blend's own rules, checked now rather than at the first batch
+                quantise_weights(self.weights, self.blend_period)
+            except ConfigError as exc:
+                raise InvalidSetting("weights", self.weights, str(exc)) from None
 
 
 class TokenLoader:
@@ -39,62 +96,56 @@ class TokenLoader:
     def __init__(
         self,
         ds: Any,
-        seq_len: int,
-        global_batch: int,
-        micro_batch: int,
+        seq_len: int | None = None,
+        global_batch: int | None = None,
+        micro_batch: int | None = None,
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
-        shuffle: str = "global",
-        num_workers: int = 0,
+        shuffle: str | None = None,
+        num_workers: int | None = None,
         *,
         weights: Sequence[float] | None = None,
         shuffle_settings: dict[str, Any] | None = None,
         blend_period: int | None = None,
-        prefetch: int = 4,
-        pin_memory: bool = False,
+        prefetch: int | None = None,
+        pin_memory: bool | None = None,
         read_timeout_s: float | None = None,
-        startup_timeout_s: float = 120.0,
-        return_doc_ids: bool = False,
-        return_position_ids: bool = False,
-        allow_dataset_change: bool = False,
+        startup_timeout_s: float | None = None,
+        return_doc_ids: bool | None = None,
+        return_position_ids: bool | None = None,
+        allow_dataset_change: bool | None = None,
         on_step: Callable[[int], None] | None = None,
+        config: LoaderConfig | None = None,
     ) -> None:
         self.datasets = list(ds) if isinstance(ds, (list, tuple)) else [ds]
-        if num_workers < 0 or prefetch < 0:
-            raise ConfigError(
-                f"num_workers and prefetch must be >= 0, got {num_workers} and {prefetch}"
-            )
-        if read_timeout_s is not None and not read_timeout_s > 0:
-            raise ConfigError(f"read_timeout_s must be positive or None, got {read_timeout_s}")
-        if prefetch == 0 and (num_workers or read_timeout_s is not None):
-            raise ConfigError(
-                "prefetch=0 reads synchronously inside next(): it cannot use worker processes "
-                "or enforce read_timeout_s; use prefetch >= 1 for either"
-            )
+        cfg = merge(LoaderConfig, config, locals())
+        self.config = cfg
+        seq_len, global_batch, micro_batch = cfg.seq_len, cfg.global_batch, cfg.micro_batch
+        shuffle, num_workers, prefetch = cfg.shuffle, cfg.num_workers, cfg.prefetch
         self.sampler = Sampler(
             self.datasets,
             seq_len,
             global_batch,
             seed=seed,
             mode=shuffle,
-            mode_settings=shuffle_settings,
-            weights=weights,
-            blend_period=blend_period,
+            mode_settings=cfg.shuffle_settings,
+            weights=cfg.weights,
+            blend_period=cfg.blend_period,
         )
         self.plan = BatchPlan(global_batch, micro_batch, rank, world_size)
         self._micro_per_step = self.plan.micro_per_step  # read on every next(): a plain int
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.num_workers, self.prefetch = num_workers, prefetch
-        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
-        self.read_timeout_s = read_timeout_s
+        self.pin_memory = cfg.pin_memory and torch.cuda.is_available()
+        self.read_timeout_s = cfg.read_timeout_s
         # The first micro-batch after (re)starting also waits for worker processes to
         # import and map their shards: it gets at least this long.
-        self.startup_timeout_s = startup_timeout_s
+        self.startup_timeout_s = cfg.startup_timeout_s
         self._first_after_start = False
-        self.return_doc_ids, self.return_position_ids = return_doc_ids, return_position_ids
-        self.allow_dataset_change = allow_dataset_change
+        self.return_doc_ids, self.return_position_ids = cfg.return_doc_ids, cfg.return_position_ids
+        self.allow_dataset_change = cfg.allow_dataset_change
         self.on_step = on_step
         self._cursor = 0  # this rank's micro-batches handed out so far
         self._producer: ThreadProducer | ProcessProducer | None = None

@@ -1,0 +1,228 @@
+"""Every private PyTorch API steadytrain relies on, in one place, checked before first use.
+
+Private names carry no compatibility promise: a torch release may rename, reshape or drop
+them without a deprecation cycle. Each one used under ``src/`` is fenced here, with why we use
+it, so that callers (``archive``, ``reader``, ``writer``) import them from this module only:
+
+- ``torch._weights_only_unpickler.Unpickler`` with its ``persistent_load`` hook (the
+  unpickler behind ``torch.load(weights_only=True)``): parses a ``torch.save`` pickle onto
+  the ``meta`` device, ~10x cheaper per tensor than ``torch.load`` (``archive.py``).
+- ``torch.storage.TypedStorage(..., _internal=True)``: what ``persistent_load`` must return,
+  built the way ``torch.load`` builds it (without ``_internal`` every call warns that
+  ``TypedStorage`` is deprecated).
+- ``FileSystemReader.storage_data``: DCP's ``{storage index: _StorageInfo(relative_path,
+  offset, length, transform_descriptors)}``, where each item sits in which ``.distcp`` file
+  (``reader.py`` reads tensor bytes straight from there).
+- ``AsyncStager._synchronize_after_execute``: the attribute behind the stager protocol's
+  ``should_synchronize_after_execute``; ``IdentityStager`` sets both so ``dcp.async_save``
+  neither copies nor waits for a state dict we already staged (``writer.py``).
+
+Each API is checked once, at first use, not at import: ``import steadytrain`` (and
+``tokenize``, ``verify``, the loader) must keep working on any torch. A missing or reshaped
+API raises ``TorchAPIError`` (a ``CheckpointError``) that names the torch version, the API and
+the fix, instead of an ``AttributeError`` deep inside a restore. tests/unit/test_torch_private.py
+exercises each API, so a torch upgrade that changes one fails loudly there first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import io
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from steadytrain.errors import CheckpointError
+
+__all__ = [
+    "TorchAPIError",
+    "StorageInfo",
+    "IdentityStager",
+    "unpickle_weights_only",
+    "typed_storage",
+    "storage_infos",
+    "identity_stager",
+    "check_all",
+]
+
+
+class TorchAPIError(CheckpointError):
+    """The installed torch lacks (or reshaped) a private API steadytrain relies on."""
+
+
+def _torch_requirement() -> str:
+    """The torch requirement steadytrain declares (e.g. ``torch==2.13.0``), or ''."""
+    try:
+        from importlib.metadata import requires
+
+        for req in requires("steadytrain") or []:
+            if req.replace(" ", "").startswith("torch") and not req.startswith("torch-"):
+                return req.split(";")[0].strip()
+    except Exception:  # noqa: BLE001 - only a hint for the message; never hide the real error
+        pass
+    return ""
+
+
+def _fail(api: str, why: str, problem: str) -> TorchAPIError:
+    from steadytrain import __version__
+
+    wanted = _torch_requirement()
+    pin = f"install the declared {wanted}" if wanted else "install the torch it was tested with"
+    return TorchAPIError(
+        f"steadytrain {__version__} needs {api} ({why}), which torch {torch.__version__} "
+        f"{problem}; {pin} or upgrade steadytrain (the private torch APIs it uses are listed "
+        f"in steadytrain/checkpoint/torch_private.py)"
+    )
+
+
+def _attr(module: str, path: str, api: str, why: str) -> Any:
+    """``module.path`` (dotted), or TorchAPIError naming ``api``."""
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError:
+        raise _fail(api, why, f"does not have (no module {module})") from None
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            raise _fail(api, why, "does not have")
+        obj = getattr(obj, part)
+    return obj
+
+
+# -- torch._weights_only_unpickler ---------------------------------------------------------
+_UNPICKLER = "torch._weights_only_unpickler.Unpickler"
+_UNPICKLER_WHY = "to read a tensor's layout from its torch.save pickle without its data"
+
+
+@functools.cache
+def _unpickler_class() -> type:
+    cls = _attr("torch._weights_only_unpickler", "Unpickler", _UNPICKLER, _UNPICKLER_WHY)
+    params = inspect.signature(cls.__init__).parameters
+    if "encoding" not in params or not callable(getattr(cls, "load", None)):
+        raise _fail(_UNPICKLER, _UNPICKLER_WHY, "changed (no encoding= or load())")
+    if not callable(getattr(cls, "persistent_load", None)):
+        raise _fail(f"{_UNPICKLER}.persistent_load", _UNPICKLER_WHY, "does not have")
+    return cls
+
+
+def unpickle_weights_only(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
+    """Unpickle ``data`` with torch's weights-only unpickler, storages via ``persistent_load``."""
+    unpickler = _unpickler_class()(io.BytesIO(data), encoding="utf-8")
+    unpickler.persistent_load = persistent_load
+    return unpickler.load()
+
+
+# -- TypedStorage(_internal=True) ----------------------------------------------------------
+_TYPED = "torch.storage.TypedStorage(_internal=True)"
+_TYPED_WHY = "to hand the weights-only unpickler storages the way torch.load does"
+
+
+@functools.cache
+def _typed_storage_class() -> type:
+    cls = _attr("torch.storage", "TypedStorage", _TYPED, _TYPED_WHY)
+    params = inspect.signature(cls.__new__).parameters
+    if not {"wrap_storage", "dtype", "_internal"} <= set(params):
+        raise _fail(_TYPED, _TYPED_WHY, "changed (no wrap_storage=/dtype=/_internal=)")
+    return cls
+
+
+def typed_storage(untyped: Any, dtype: torch.dtype) -> Any:
+    """A ``TypedStorage`` view of ``untyped`` as ``dtype`` (no deprecation warning)."""
+    return _typed_storage_class()(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+# -- FileSystemReader.storage_data ---------------------------------------------------------
+_STORAGE = "torch.distributed.checkpoint.FileSystemReader.storage_data"
+_STORAGE_WHY = "to read each tensor's bytes from its place in the .distcp file"
+_STORAGE_FIELDS = ("relative_path", "offset", "length", "transform_descriptors")
+
+
+class StorageInfo(Protocol):
+    """Where DCP stored one item (torch's private ``_StorageInfo``)."""
+
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: Sequence[str] | None
+
+
+@functools.cache
+def _check_storage_info() -> None:
+    info = _attr("torch.distributed.checkpoint.filesystem", "_StorageInfo", _STORAGE, _STORAGE_WHY)
+    fields = {f.name for f in dataclasses.fields(info)} if dataclasses.is_dataclass(info) else set()
+    missing = [f for f in _STORAGE_FIELDS if f not in fields]
+    if missing:
+        raise _fail(_STORAGE, _STORAGE_WHY, f"changed (_StorageInfo has no {missing})")
+
+
+def storage_infos(reader: Any) -> Mapping[Any, StorageInfo]:
+    """``reader.storage_data`` of a ``FileSystemReader`` that DCP has set up and asked to
+    read something (so the mapping cannot legitimately be empty)."""
+    _check_storage_info()
+    data = getattr(reader, "storage_data", None)
+    if not isinstance(data, Mapping):
+        raise _fail(_STORAGE, _STORAGE_WHY, f"changed (a {type(data).__name__}, not a mapping)")
+    if not data:
+        raise _fail(_STORAGE, _STORAGE_WHY, "no longer fills in set_up_storage_reader")
+    sample = next(iter(data.values()))
+    if not all(hasattr(sample, f) for f in _STORAGE_FIELDS):
+        raise _fail(_STORAGE, _STORAGE_WHY, f"changed (a {type(sample).__name__} entry)")
+    return data
+
+
+# -- AsyncStager._synchronize_after_execute ------------------------------------------------
+_STAGER = "torch.distributed.checkpoint.staging.AsyncStager._synchronize_after_execute"
+_STAGER_WHY = "to pass an already staged state dict to dcp.async_save without a second copy"
+
+
+class IdentityStager:
+    """The state dict is already staged into our reusable buffers: DCP must not copy again.
+
+    Implements DCP's ``AsyncStager`` protocol. ``should_synchronize_after_execute`` is what
+    ``async_save`` reads; ``_synchronize_after_execute`` is what the protocol's default
+    property reads, set too so either way DCP does not wait on staging we already finished.
+    """
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@functools.cache
+def _check_stager() -> None:
+    proto = _attr("torch.distributed.checkpoint.staging", "AsyncStager", _STAGER, _STAGER_WHY)
+    if not hasattr(proto, "_synchronize_after_execute"):
+        raise _fail(_STAGER, _STAGER_WHY, "does not have")
+    if not hasattr(proto, "should_synchronize_after_execute"):
+        raise _fail(f"{_STAGER} (should_synchronize_after_execute)", _STAGER_WHY, "dropped")
+    if not isinstance(IdentityStager(), proto):
+        raise _fail(_STAGER, _STAGER_WHY, "changed (AsyncStager needs more methods)")
+    save = _attr("torch.distributed.checkpoint", "async_save", _STAGER, _STAGER_WHY)
+    if "async_stager" not in inspect.signature(save).parameters:
+        raise _fail(_STAGER, _STAGER_WHY, "changed (async_save takes no async_stager=)")
+
+
+def identity_stager() -> IdentityStager:
+    """An ``IdentityStager`` for ``dcp.async_save(async_stager=...)``, after the check."""
+    _check_stager()
+    return IdentityStager()
+
+
+def check_all() -> list[str]:
+    """Check every fenced API now; the names checked (TorchAPIError on the first failure)."""
+    _unpickler_class()
+    _typed_storage_class()
+    _check_storage_info()
+    _check_stager()
+    return [_UNPICKLER, _TYPED, _STORAGE, _STAGER]

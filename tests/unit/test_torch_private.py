@@ -1,0 +1,167 @@
+"""The private torch APIs steadytrain relies on (checkpoint/torch_private.py), each exercised.
+
+When a torch upgrade renames or reshapes one of them, this file is where it shows, with the
+API named, instead of a slow path or an AttributeError deep inside a restore.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import steadytrain
+from steadytrain.checkpoint import torch_private as tp
+from steadytrain.checkpoint.archive import tensor_layout
+from steadytrain.errors import CheckpointError
+
+SRC = Path(steadytrain.__file__).parent
+_CHECKS = (tp._unpickler_class, tp._typed_storage_class, tp._check_storage_info, tp._check_stager)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_checks():
+    """Each test sees the checks run against the torch it has (they are cached otherwise)."""
+    for check in _CHECKS:
+        check.cache_clear()
+    yield
+    for check in _CHECKS:
+        check.cache_clear()
+
+
+def test_every_fenced_api_is_present_in_this_torch():
+    assert len(tp.check_all()) == 4
+
+
+def _pickle_of(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zf:
+        (name,) = [n for n in zf.namelist() if n.endswith("/data.pkl")]
+        return zf.read(name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_weights_only_unpickler_and_typed_storage_rebuild_a_tensor_on_meta(dtype):
+    src = torch.zeros(6, 10, dtype=dtype)[:, 2:7]  # a strided view: offset and strides
+    seen = []
+
+    def persistent_load(saved_id):
+        _kind, storage_type, _key, _location, numel = saved_id
+        seen.append(numel)
+        storage = torch.UntypedStorage(numel * storage_type.dtype.itemsize, device="meta")
+        return tp.typed_storage(storage, storage_type.dtype)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # TypedStorage must not warn: _internal=True works
+        meta = tp.unpickle_weights_only(_pickle_of(src), persistent_load)
+    assert seen == [60]
+    assert type(meta) is torch.Tensor and meta.device.type == "meta"
+    assert (meta.dtype, meta.shape, meta.stride()) == (dtype, src.shape, src.stride())
+    assert meta.storage_offset() == src.storage_offset() == 2
+
+
+def test_the_weights_only_unpickler_still_refuses_code():
+    class Evil:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    import pickle
+
+    with pytest.raises(pickle.UnpicklingError):
+        tp.unpickle_weights_only(pickle.dumps(Evil(), protocol=2), lambda pid: None)
+
+
+def test_storage_infos_locate_every_item_in_the_distcp_files(tmp_path):
+    state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 4)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    reader = dcp.FileSystemReader(str(tmp_path))
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    infos = tp.storage_infos(reader)
+    assert len(infos) == 2
+    for index, info in infos.items():
+        path = tmp_path / info.relative_path
+        assert info.offset + info.length <= path.stat().st_size
+        with open(path, "rb") as f:  # the record there is the tensor's torch.save archive
+            meta, _at = tensor_layout(f.fileno(), info.offset, info.length)
+        assert meta.shape == state[index.fqn].shape
+
+
+def test_storage_infos_of_a_reader_dcp_did_not_set_up_is_a_clear_error(tmp_path):
+    with pytest.raises(tp.TorchAPIError) as err:
+        tp.storage_infos(dcp.FileSystemReader(str(tmp_path)))
+    assert "FileSystemReader.storage_data" in str(err.value)
+    assert isinstance(err.value, CheckpointError)
+
+
+def test_identity_stager_hands_dcp_our_staged_dict_and_is_not_waited_on(tmp_path):
+    calls = []
+
+    class Recording(tp.IdentityStager):
+        def stage(self, state_dict):
+            calls.append(("stage", state_dict))
+            return state_dict
+
+        def synchronize_staging(self):
+            calls.append(("synchronize_staging", None))
+
+    tp.identity_stager()  # the protocol check
+    staged = {"w": torch.arange(10.0)}
+    fut = dcp.async_save(
+        staged,
+        storage_writer=dcp.FileSystemWriter(str(tmp_path)),
+        async_stager=Recording(),
+        no_dist=True,
+    )
+    fut.result()
+    assert [name for name, _ in calls] == ["stage"]  # no copy, no wait on staging
+    assert calls[0][1]["w"] is staged["w"]
+    loaded = {"w": torch.zeros(10)}
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+    assert torch.equal(loaded["w"], staged["w"])
+
+
+def test_a_missing_private_api_names_torch_the_api_and_the_fix(monkeypatch):
+    import torch._weights_only_unpickler as wou
+
+    monkeypatch.delattr(wou, "Unpickler")
+    with pytest.raises(tp.TorchAPIError) as err:
+        tp.unpickle_weights_only(b"", lambda pid: None)
+    msg = str(err.value)
+    assert f"torch {torch.__version__}" in msg
+    assert "torch._weights_only_unpickler.Unpickler" in msg
+    assert f"steadytrain {steadytrain.__version__}" in msg and "upgrade steadytrain" in msg
+    with pytest.raises(tp.TorchAPIError):
+        tp.check_all()
+
+
+def test_a_stager_protocol_without_the_private_flag_is_refused(monkeypatch):
+    from torch.distributed.checkpoint import staging
+
+    monkeypatch.delattr(staging.AsyncStager, "_synchronize_after_execute")
+    with pytest.raises(tp.TorchAPIError, match="_synchronize_after_execute"):
+        tp.identity_stager()
+
+
+# Private torch names, wherever they appear under src/: only the fence may use them.
+_PRIVATE = re.compile(
+    r"torch\.[A-Za-z_.]*\._[a-z]|from torch[\w.]* import _|_weights_only_unpickler"
+    r"|\.storage_data\b|_synchronize_after_execute|_internal=True|_fsspec_filesystem"
+)
+
+
+def test_no_module_but_the_fence_uses_private_torch_names():
+    offenders = [
+        f"{path.relative_to(SRC)}:{n}"
+        for path in sorted(SRC.rglob("*.py"))
+        if path.name != "torch_private.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if _PRIVATE.search(line)
+    ]
+    assert offenders == []
