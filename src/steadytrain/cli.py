@@ -1,14 +1,20 @@
 """The command line: parse, call the library, print. No logic lives here.
 
-Each sub-command is a small module under ``steadytrain.commands`` exposing
-``add_parser(subparsers)`` (which sets ``func``) so commands stay independent and their
-imports stay lazy: ``steadytrain --help`` must not pay for importing torch.
+Each sub-command is a small module under ``steadytrain.commands`` that declares ``HELP``,
+``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args) -> int``; this module turns them
+into sub-parsers. Commands stay independent and their imports stay lazy: ``steadytrain
+--help`` must not pay for importing torch.
+
+Exit codes: 0 success, 1 a check failed (``verify``), 2 a user-fixable error (a
+``SteadyError``: the message names the file and the fix), 130 interrupted. Output piped into
+a reader that stops early (``steadytrain inspect --json | head -1``) ends quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from steadytrain.errors import SteadyError
@@ -41,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != f"steadytrain.commands.{name}":
                 raise
             continue  # command not built yet
-        module.add_parser(sub)
+        p = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
     return parser
 
 
@@ -56,6 +64,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"steadytrain {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        _silence_stdout()
+        return 0
+    finally:
+        # A reader that closed the pipe must not turn the final flush into a traceback.
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _silence_stdout()
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's exit-time flush cannot fail again
+    (the recipe in Python's signal documentation for SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+HELP = "list committed and partial checkpoints, newest first"
+DESCRIPTION = (
+    "List checkpoints under DIR (a local path or a URL) with step, size, age "
+    "and whether each verifies against its COMMIT manifest (sizes and checksums)."
+)
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "checkpoints",
-        help="list committed and partial checkpoints, newest first",
-        description="List checkpoints under DIR (a local path or a URL) with step, size, age "
-        "and whether each verifies against its COMMIT manifest (sizes and checksums).",
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", metavar="DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--no-checksums", action="store_true", help="check sizes only (faster on big runs)"
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,17 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+HELP = "run the demo on the embedded corpus (the Python standard library's source)"
+DESCRIPTION = (
+    "Tokenize the Python standard library's source into RUN_DIR/data, train "
+    "the small GPT with 2 processes under torchrun on CPU with asynchronous checkpoints, "
+    "inject two crashes (mid-step and mid-save), resume automatically, then print the "
+    "goodput report and the planner's recommended checkpoint interval. About a minute "
+    "on 2 cores."
+)
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "demo",
-        help="run the demo on the embedded corpus (the Python standard library's source)",
-        description="Tokenize the Python standard library's source into RUN_DIR/data, train "
-        "the small GPT with 2 processes under torchrun on CPU with asynchronous checkpoints, "
-        "inject two crashes (mid-step and mid-save), resume automatically, then print the "
-        "goodput report and the planner's recommended checkpoint interval. About a minute "
-        "on 2 cores.",
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default=None, help="default: runs/demo-<timestamp>")
     p.add_argument("--tokenizer", default="bytes", help="bytes | PATH.json | train:VOCAB")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes")
@@ -26,7 +26,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-train", action="store_true", help="stop after tokenizing")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

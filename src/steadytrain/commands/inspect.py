@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+HELP = "summarise a dataset (tokens, documents, shards, tokenizer, fingerprint)"
+DESCRIPTION = (
+    "Summarise a dataset from its manifest after checking every listed file "
+    "is present with its listed size (use `verify` to check every byte)."
+)
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "inspect",
-        help="summarise a dataset (tokens, documents, shards, tokenizer, fingerprint)",
-        description="Summarise a dataset from its manifest after checking every listed file "
-        "is present with its listed size (use `verify` to check every byte).",
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dataset", metavar="DATASET", help="dataset directory or URL")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,17 +11,16 @@ DEFAULT_CKPT_COST_S = 30.0
 DEFAULT_RESTART_COST_S = 300.0
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "plan",
-        help="choose the checkpoint interval from cluster size, failure rate and costs",
-        description=(
-            "Probability of failure, best checkpoint interval (Young, Daly, exact) and the "
-            "goodput of sync and async saves, checked by a Monte-Carlo simulation. Give the "
-            "failure rate one way: --gpus/--afr, --mtbf-hours or --interruptions-per-day "
-            "(default: the Llama 3 rate per GPU). See docs/planning.md."
-        ),
-    )
+HELP = "choose the checkpoint interval from cluster size, failure rate and costs"
+DESCRIPTION = (
+    "Probability of failure, best checkpoint interval (Young, Daly, exact) and the "
+    "goodput of sync and async saves, checked by a Monte-Carlo simulation. Give the "
+    "failure rate one way: --gpus/--afr, --mtbf-hours or --interruptions-per-day "
+    "(default: the Llama 3 rate per GPU). See docs/planning.md."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("failure rate (one of --afr, --mtbf-hours, --interruptions-per-day)")
     g.add_argument(
         "--gpus", type=int, metavar="N", help="GPUs in the job (scales --afr; default 1024)"
@@ -81,7 +80,6 @@ def add_parser(subparsers: Any) -> None:
         help="Weibull shape of failure gaps (1: Poisson)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

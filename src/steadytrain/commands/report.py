@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+
+HELP = "goodput breakdown, incidents with diagnoses, and plots of a run"
+DESCRIPTION = (
+    "Read RUN_DIR/ledger.jsonl (every attempt of the run) and write throughput, "
+    "wait and goodput plots (PNG), one HTML page and report.json."
+)
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "report",
-        help="goodput breakdown, incidents with diagnoses, and plots of a run",
-        description=(
-            "Read RUN_DIR/ledger.jsonl (every attempt of the run) and write throughput, "
-            "wait and goodput plots (PNG), one HTML page and report.json."
-        ),
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding ledger.jsonl")
     p.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/report)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

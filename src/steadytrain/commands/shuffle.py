@@ -5,18 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+HELP = "rewrite a dataset with its samples in a keyed random order"
+DESCRIPTION = (
+    "Write DATASET's samples (windows of --seq-len tokens) to DEST in a keyed random "
+    "order, so that a loader with shuffle='sequential' streams well-mixed batches "
+    "(useful when reading shards in order from object storage). Memory stays bounded "
+    "whatever the dataset size; DEST may be a local path or a URL (s3://...)."
+)
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "shuffle",
-        help="rewrite a dataset with its samples in a keyed random order",
-        description=(
-            "Write DATASET's samples (windows of --seq-len tokens) to DEST in a keyed random "
-            "order, so that a loader with shuffle='sequential' streams well-mixed batches "
-            "(useful when reading shards in order from object storage). Memory stays bounded "
-            "whatever the dataset size; DEST may be a local path or a URL (s3://...)."
-        ),
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dataset", metavar="DATASET", help="input dataset (path or URL)")
     p.add_argument("--out", required=True, metavar="DEST", help="output dataset (path or URL)")
     p.add_argument("--seq-len", type=int, required=True, help="training sequence length")
@@ -29,7 +27,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--cache-dir", default=None, help="local cache for a remote DATASET")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

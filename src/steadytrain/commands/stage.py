@@ -6,17 +6,15 @@ import argparse
 
 from steadytrain.errors import ConfigError
 
+HELP = "pre-warm a node-local cache with a dataset (or the shards a step range needs)"
+DESCRIPTION = (
+    "Fetch a remote dataset's shards into a node-local cache directory, verify every "
+    "file against the manifest and report bytes, time and GB/s. With --steps A:B only "
+    "the shards that steps [A, B) read are staged (the run settings decide which)."
+)
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "stage",
-        help="pre-warm a node-local cache with a dataset (or the shards a step range needs)",
-        description=(
-            "Fetch a remote dataset's shards into a node-local cache directory, verify every "
-            "file against the manifest and report bytes, time and GB/s. With --steps A:B only "
-            "the shards that steps [A, B) read are staged (the run settings decide which)."
-        ),
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dataset", metavar="DATASET", help="dataset URL (s3://bucket/prefix) or path")
     p.add_argument("--cache", required=True, metavar="DIR", help="node-local cache directory")
     p.add_argument("--steps", metavar="A:B", help="stage only what steps [A, B) need")
@@ -27,7 +25,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--world-size", type=int, default=1, help="ranks in the run (default 1)")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads (default 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
 
 
 def _parse_steps(text: str) -> tuple[int, int]:

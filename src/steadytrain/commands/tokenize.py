@@ -5,18 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+HELP = "tokenize JSON Lines / Parquet / text files into a token-shard dataset"
+DESCRIPTION = (
+    "Tokenize inputs (JSON Lines, Parquet, text files, directories of them) into a "
+    "token-shard dataset at DEST (a local path or an fsspec URL). EOS is appended to "
+    "every document. Non-UTF-8 bytes are replaced with U+FFFD and reported per file. "
+    "Or import a Megatron-LM .bin/.idx pair with --from-megatron PREFIX."
+)
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "tokenize",
-        help="tokenize JSON Lines / Parquet / text files into a token-shard dataset",
-        description=(
-            "Tokenize inputs (JSON Lines, Parquet, text files, directories of them) into a "
-            "token-shard dataset at DEST (a local path or an fsspec URL). EOS is appended to "
-            "every document. Non-UTF-8 bytes are replaced with U+FFFD and reported per file. "
-            "Or import a Megatron-LM .bin/.idx pair with --from-megatron PREFIX."
-        ),
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="*", metavar="INPUT", help="files or directories")
     p.add_argument("--out", required=True, metavar="DEST", help="new dataset directory or URL")
     p.add_argument(
@@ -40,7 +38,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eos-id", type=int, default=None, help="(--from-megatron) EOS id")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import argparse
 
+HELP = "train the small GPT with checkpoints and automatic resume (alone or under torchrun)"
+DESCRIPTION = (
+    "Train the reference model on a token dataset. Every start resumes from the newest "
+    "committed checkpoint in the run directory, so `torchrun --max-restarts N` "
+    "recovers from crashes by itself."
+)
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "train",
-        help="train the small GPT with checkpoints and automatic resume (alone or under torchrun)",
-        description=(
-            "Train the reference model on a token dataset. Every start resumes from the newest "
-            "committed checkpoint in the run directory, so `torchrun --max-restarts N` "
-            "recovers from crashes by itself."
-        ),
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="TOML config file, or a packaged config name: demo, small")
     p.add_argument(
         "--set",
@@ -32,7 +30,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end (rank 0)")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

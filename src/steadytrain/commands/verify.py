@@ -5,18 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+HELP = "check every checksum and structural invariant of a dataset"
+DESCRIPTION = (
+    "Read every file of a dataset and check checksums, sizes, document "
+    "indexes and token ids. Exit 0 when sound, 1 (naming each bad file) when not."
+)
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "verify",
-        help="check every checksum and structural invariant of a dataset",
-        description="Read every file of a dataset and check checksums, sizes, document "
-        "indexes and token ids. Exit 0 when sound, 1 (naming each bad file) when not.",
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dataset", metavar="DATASET", help="dataset directory or URL")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -61,6 +61,7 @@ from steadytrain.train.support import (
     loader_metrics,
     preflight,
     process_start,
+    say,
     start_prefetchers,
     weights_digest,
 )
@@ -129,10 +130,9 @@ def run_training(cfg: Config) -> dict[str, Any]:
         if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # pytorch/pytorch#135712: with the agent's shared store, restarted workers can read
             # the previous attempt's gloo/NCCL addresses and fail to connect, again and again.
-            print(
-                "[train] warning: torchrun shares its TCPStore with the workers; restarts may "
-                "fail to reconnect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun.",
-                flush=True,
+            say(
+                "warning: torchrun shares its TCPStore with the workers; restarts may "
+                "fail to reconnect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun."
             )
         faults = FaultInjector(faults_from_env(cfg.faults), run_dir, rank)
 
@@ -240,10 +240,9 @@ def run_training(cfg: Config) -> dict[str, Any]:
         closing.enter_context(trace)
         if rank == 0:
             where = f"resumed from step {step}" if step else "starting from scratch"
-            print(
-                f"[train] attempt {meter.attempt}, {world} rank(s) on {device.type}, "
-                f"{model.num_params() / 1e6:.2f}M parameters, {where}, {total} steps",
-                flush=True,
+            say(
+                f"attempt {meter.attempt}, {world} rank(s) on {device.type}, "
+                f"{model.num_params() / 1e6:.2f}M parameters, {where}, {total} steps"
             )
 
         # -- 6. The loop ----------------------------------------------------------------------
@@ -300,11 +299,10 @@ def run_training(cfg: Config) -> dict[str, Any]:
             block_log += block_s
             if rank == 0 and (step % cfg.train.log_every == 0 or step == total):
                 dt = time.perf_counter() - t_log
-                print(
-                    f"[train] step {step:>5}/{total} | loss {global_loss:.4f} | "
+                say(
+                    f"step {step:>5}/{total} | loss {global_loss:.4f} | "
                     f"{tokens_log / dt / 1e3:7.1f}k tok/s | data wait {100 * wait_log / dt:4.1f}% "
-                    f"| ckpt block {block_log * 1e3:5.1f} ms | goodput {goodput_so_far(meter)}",
-                    flush=True,
+                    f"| ckpt block {block_log * 1e3:5.1f} ms | goodput {goodput_so_far(meter)}"
                 )
                 t_log, tokens_log, wait_log, block_log = time.perf_counter(), 0, 0.0, 0.0
 

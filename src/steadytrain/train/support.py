@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -25,6 +26,12 @@ __all__ = [
     "goodput_so_far",
     "weights_digest",
 ]
+
+
+def say(msg: str) -> None:
+    """A ``[train]`` progress line. Progress goes to stderr, so ``steadytrain train --json``
+    leaves stdout to the JSON summary alone (as ``demo --json`` does)."""
+    print(f"[train] {msg}", file=sys.stderr, flush=True)
 
 
 def process_start() -> float:
@@ -76,7 +83,7 @@ def preflight(loader: Any, step: int, total: int, ranks: list[int], ahead: int =
                 f"fetched on demand (pre-warm with `steadytrain stage`)"
             )
         where = f"dataset {d}: " if len(loader.datasets) > 1 else ""
-        print(f"[train] preflight on node {_node()}: {where}{msg}", flush=True)
+        say(f"preflight on node {_node()}: {where}{msg}")
 
 
 def start_prefetchers(
