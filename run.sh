@@ -2,18 +2,18 @@
 # steadytrain quick start. Two commands, each does its own set-up on a fresh machine:
 #   ./run.sh demo [--json]      # tokenize the embedded corpus, train with crashes, report
 #   ./run.sh test [PYTEST ARGS] # the whole test suite
-# Set-up: a virtual environment in .venv with the pinned dependencies, reinstalled only when
-# pyproject.toml changes.
+# Set-up: a virtual environment in .venv with every extra, at the exact versions of
+# constraints.txt (pyproject.toml only declares ranges), reinstalled only when either changes.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${STEADYTRAIN_VENV:-.venv}"
 PY="${PYTHON:-python3}"
-stamp="$VENV/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
+stamp="$VENV/.installed-$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   echo "setting up $VENV (first run only; pinned CPU torch, ~2 min)..." >&2
   "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip >&2
-  "$VENV/bin/pip" install -q -e '.[test]' >&2
+  "$VENV/bin/pip" install -q -c constraints.txt -e '.[all,test]' >&2
   rm -f "$VENV"/.installed-*
   touch "$stamp"
 fi

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from steadytrain.data.ingest.corpus import stdlib_dir
+
 __all__ = ["run_demo", "default_run_dir", "demo_plan"]
 
 # A large cluster for the planner's projection: Llama 3's ~8.6 interruptions a day on 16k GPUs.
@@ -68,6 +70,21 @@ def demo_plan(run_dir: str) -> dict[str, Any]:
     }
 
 
+# The end of tokenize's "not valid UTF-8 ... replaced with U+FFFD" messages (data/ingest/sources).
+DECODE_REPLACED = "replaced with U+FFFD"
+
+
+def _replaced_summary(messages: list[str], replacements: int) -> str:
+    """One line for the corpus files that are not UTF-8, naming one of them."""
+    first = messages[0].split(": ", 1)[0]
+    example = os.path.relpath(first, stdlib_dir()) if os.path.isabs(first) else first
+    return (
+        f"{len(messages)} standard-library file(s) are not UTF-8 on purpose (encoding tests, "
+        f"e.g. {example}): {replacements} invalid byte sequence(s) read as U+FFFD; "
+        f"`steadytrain tokenize` names each such file of your own corpus"
+    )
+
+
 def run_demo(
     run_dir: str | None = None,
     *,
@@ -91,14 +108,27 @@ def run_demo(
     os.makedirs(run_dir, exist_ok=True)
     data_dir = os.path.join(run_dir, "data")
     say(f"[demo] 1/4 tokenizing the Python standard library's source into {data_dir}")
+    # The stdlib ships a few test files in other encodings on purpose: for the demo's own
+    # corpus they are expected, so they get one summary line, not a warning per file.
+    # Anything else tokenize reports still reaches ``warn``.
+    replaced: list[str] = []
+
+    def corpus_warn(msg: str) -> None:
+        if DECODE_REPLACED in msg:
+            replaced.append(msg)
+        elif warn is not None:
+            warn(msg)
+
     result = tokenize(
         stdlib_corpus_paths(corpus_limit_bytes),
         data_dir,
         tokenizer=tokenizer,
         workers=workers,
         progress=make_progress(quiet),
-        warn=warn,
+        warn=corpus_warn,
     )
+    if replaced:
+        say(f"[demo]     {_replaced_summary(replaced, result.replacements)}")
     info = dataset_info(data_dir)
     info["tokenize_seconds"] = round(result.seconds, 3)
     info["tokens_per_s"] = round(result.tokens_per_s, 1)

@@ -9,6 +9,7 @@ the logic lives in ``steadytrain.testing.s3_server``.
 
 from __future__ import annotations
 
+import shutil
 import uuid
 
 import pytest
@@ -22,15 +23,17 @@ def _require_weed() -> None:
 
 
 def _server(data_dir):
-    """Start a server with the "steady" bucket, yield it, kill it."""
+    """Start a server with the "steady" bucket, yield it, kill it and remove its data
+    (every object the tests wrote: pytest's retention policy only removes ``tmp_path``)."""
     _require_weed()
     server = SeaweedServer(str(data_dir))
-    server.start()
-    server.make_bucket("steady")
     try:
+        server.start()
+        server.make_bucket("steady")
         yield server
     finally:
         server.kill()  # a temp server: no graceful shutdown needed (saves ~2 s)
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -91,6 +91,7 @@ def test_remote_checkpoint_uses_the_endpoint_from_the_environment(
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options)
     prefix = s3_bucket.removeprefix("s3://")
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(prefix)) == [
+        ".writer-lease",  # the writer lease (docs/checkpoint.md)
         "step-00000002",
         "step-00000003",
     ]
@@ -196,7 +197,8 @@ def test_hung_put_ends_in_a_deadline_error(s3_server, s3_bucket, env_only, tmp_p
         ckpt.close()
         assert len(events) == 1 and events[0]["ok"] is False
         assert "ReadDeadlineError" in events[0]["error"], events[0]["error"]
-        assert f"{s3_bucket}/step-00000001/" in events[0]["error"]
+        # The first PUT of a job's first save is its writer lease (docs/checkpoint.md).
+        assert f"{s3_bucket}/.writer-lease/" in events[0]["error"], events[0]["error"]
         assert "STEADYTRAIN_STORAGE_RETRY_S" in events[0]["error"]
         assert proxy.stalled_puts >= 2, "the PUT reached the stalled link and was retried"
 

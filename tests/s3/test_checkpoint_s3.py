@@ -48,7 +48,9 @@ def test_s3_save_commit_last_and_restore_elsewhere(s3_server, s3_bucket, tmp_pat
     assert [e["ok"] for e in events] == [True, True, True], events
     fs = s3fs.S3FileSystem(**opts)
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(s3_bucket.removeprefix("s3://")))
-    assert names == ["step-00000002", "step-00000003"], "retention runs on the remote too"
+    assert names == [".writer-lease", "step-00000002", "step-00000003"], (
+        "retention runs on the remote too (and never touches the writer lease)"
+    )
     states = _states(-1.0)
     other = Checkpointer(
         str(tmp_path / "node1"), async_mode="sync", remote=s3_bucket, storage_options=opts

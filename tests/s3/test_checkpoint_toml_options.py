@@ -70,6 +70,7 @@ def test_storage_options_from_toml_reach_the_store(s3_server, s3_bucket, tmp_pat
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options)
     prefix = s3_bucket.removeprefix("s3://")
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(prefix)) == [
+        ".writer-lease",  # the writer lease (docs/checkpoint.md)
         "step-00000002",
         "step-00000004",
         "step-00000005",

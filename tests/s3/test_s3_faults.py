@@ -79,25 +79,23 @@ def test_server_killed_mid_read_then_restarted(s3_restartable, tmp_path):
         result: dict = {}
 
         def read():
-            t0 = time.monotonic()
             result["tokens"] = np.array(ds.tokens(0))
-            result["wait_s"] = time.monotonic() - t0
 
         reader = threading.Thread(target=read)
         reader.start()
         tmp_dir = os.path.join(ds.cache.root, ".tmp")
-        deadline = time.monotonic() + 20
+        # Poll until bytes arrive (the test's timeout guards a download that never starts).
         while not any(os.path.getsize(os.path.join(tmp_dir, f)) for f in os.listdir(tmp_dir)):
-            assert time.monotonic() < deadline, "download never started"
+            assert reader.is_alive(), "the read ended before the outage could be injected"
             time.sleep(0.02)
         server.kill()  # mid-download: the proxy sees the server vanish
-        time.sleep(2.5)  # longer than any retrying inside s3fs/botocore: ours must carry it
+        # The outage lasts longer than any retrying inside s3fs/botocore: ours must carry it.
+        time.sleep(2.5)
         assert reader.is_alive(), "the read must wait for the store, not fail"
         server.start()
-        reader.join(timeout=60)
-        assert not reader.is_alive()
+        reader.join()  # the test's timeout guards a read that never ends
         assert np.array_equal(result["tokens"], TokenDataset.open(local).tokens(0))
-        assert store.stats["retries"] >= 1 and result["wait_s"] >= 2.5
+        assert store.stats["retries"] >= 1  # it rode out the outage by retrying
         assert (
             file_checksum(ds.cache.path(ds.manifest.shards[0].name))
             == ds.manifest.shards[0].checksum
@@ -158,12 +156,11 @@ def test_crash_mid_download_never_leaves_a_usable_partial(s3_server, dataset, tm
         assert child.stdout.readline().strip() == "ready"
         child.stdin.write("go\n")
         child.stdin.flush()
-        deadline = time.monotonic() + 20
         while not (
             os.path.isdir(tmp_dir)
             and any(os.path.getsize(os.path.join(tmp_dir, f)) > 0 for f in os.listdir(tmp_dir))
         ):
-            assert time.monotonic() < deadline, "download never started"
+            assert child.poll() is None, "the child ended before it could be killed mid-download"
             time.sleep(0.02)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
@@ -180,18 +177,18 @@ def test_crash_mid_download_never_leaves_a_usable_partial(s3_server, dataset, tm
 
 
 def test_stalled_store_hits_the_request_deadline(s3_server, dataset):
-    """A store that accepts connections but answers too slowly: each attempt is cancelled
-    at ``request_timeout_s`` and the whole read ends at ``total_s`` with a clear error."""
+    """A store that accepts connections but never answers (a stall far longer than this
+    test's timeout): each attempt is cancelled at ``request_timeout_s`` and the whole read
+    ends at ``total_s`` with a clear error. Only the deadlines can end the read, so no clock
+    is read here: were they broken, the read would hang and the test's timeout fail it."""
     from steadytrain.errors import ReadDeadlineError
 
-    link = SlowLink(s3_server.ports["s3.port"], latency_s=5.0)
+    link = SlowLink(s3_server.ports["s3.port"], latency_s=3600.0)
     try:
         opts = {**s3_server.storage_options, "client_kwargs": {"endpoint_url": link.endpoint}}
         store = Store(dataset, opts, retry=RetryPolicy(request_timeout_s=0.4, total_s=1.2))
-        t0 = time.monotonic()
         with pytest.raises(ReadDeadlineError, match=f"{dataset}/manifest.json.*STORAGE_RETRY_S"):
             store.read_bytes("manifest.json")
-        assert time.monotonic() - t0 < 4.5  # bounded by the deadline, not by the 5 s stall
         assert store.stats["requests"] >= 2  # cancelled, then retried
     finally:
         link.close()

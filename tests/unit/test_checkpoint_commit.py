@@ -1,4 +1,5 @@
-"""Two-phase commit, verification, damaged checkpoints, retention and the in-flight policy.
+"""Two-phase commit, verification, damaged checkpoints and COMMITs, retention and the in-flight
+policy.
 
 Single process (DCP without a process group); the multi-rank paths are in tests/dist/.
 """
@@ -6,13 +7,15 @@ Single process (DCP without a process group); the multi-rank paths are in tests/
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from torch import nn
 
 from steadytrain.checkpoint import Checkpointer
-from steadytrain.checkpoint.commit import parse_commit, safe_name
+from steadytrain.checkpoint.commit import parse_commit, safe_name, seal
+from steadytrain.cli import main as cli_main
 from steadytrain.errors import CheckpointError, ConfigError
 
 
@@ -63,7 +66,8 @@ def test_commit_manifest_is_written_last_and_complete(tmp_path):
     _save_steps(tmp_path, [5])
     d = tmp_path / "step-00000005"
     doc = json.loads((d / "COMMIT").read_text())
-    assert doc["format"] == "steadytrain-checkpoint" and doc["format_version"] == 1
+    assert doc["format"] == "steadytrain-checkpoint" and doc["format_version"] == 2
+    assert doc["commit_checksum"].startswith("xxh3_128:")
     assert doc["step"] == 5 and doc["tokens_seen"] == 50
     assert doc["world"]["world_size"] == 1
     listed = {f["path"] for f in doc["files"]}
@@ -161,6 +165,7 @@ def test_retention_keeps_last_k_and_milestones_and_drops_old_partials(tmp_path):
     _save_steps(tmp_path, range(1, 8), keep_last=2, keep_every=3)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [
+        ".writer-lease",  # the writer lease (docs/checkpoint.md): retention never touches it
         "notes.txt",
         "step-00000003",
         "step-00000006",
@@ -241,9 +246,133 @@ def test_overlap_verify_falls_back_when_a_shard_fails_after_loading(tmp_path):
 def test_overlap_verify_with_nothing_older_raises_instead_of_training_on_garbage(tmp_path):
     _save_steps(tmp_path, [1])
     _flip_shard(tmp_path / "step-00000001")
-    with pytest.raises(CheckpointError, match="overwrote part of the live state"):
+    with pytest.raises(CheckpointError, match="overwrote part of the live state") as err:
         Checkpointer(str(tmp_path), verify="overlap").restore_latest(_states(-1))
+    # Removal is suggested only for what failed verification, and names it.
+    assert "failed verification and cannot be restored: step-00000001" in str(err.value)
     # The default ("full") verifies before loading: nothing is touched, resume from scratch.
     states = _states(-1)
     assert Checkpointer(str(tmp_path)).restore_latest(states) == 0
     assert torch.all(states["model"].weight == -1.0)
+
+
+# -- COMMIT validation: refused whole, before anything is read or loaded ------------------
+
+
+def _edit(doc: dict, case: str) -> bytes:
+    """COMMIT bytes for one kind of damage (``seal`` re-checksums: the schema must catch it)."""
+    if case == "deep_arrays":
+        return b"[" * 100_000 + b"]" * 100_000
+    if case == "deep_extra":
+        nested: object = 0
+        for _ in range(40):
+            nested = {"x": nested}
+        return json.dumps(seal({**doc, "extra": nested})).encode()
+    if case == "nan":
+        return json.dumps(seal(doc)).replace('"block_s": ', '"block_s": NaN, "b": ').encode()
+    if case == "repeated_key":
+        return json.dumps(seal(doc)).replace('"step": 2', '"step": 2, "step": 1').encode()
+    if case == "tokens_bitflip":  # one bit of tokens_seen (20 -> 21), checksum left alone
+        return json.dumps({**doc, "tokens_seen": doc["tokens_seen"] ^ 1}).encode()
+    if case == "version_bitflip":  # '2' -> '1' is one bit too: the checksum covers it
+        return json.dumps({**doc, "format_version": 1}).encode()
+    if case == "no_checksum":
+        return json.dumps({k: v for k, v in doc.items() if k != "commit_checksum"}).encode()
+    bad = json.loads(json.dumps(doc))
+    if case == "tokens_string":
+        bad["tokens_seen"] = "20"
+    elif case == "world_string":
+        bad["world"] = "1"
+    elif case == "world_size_string":
+        bad["world"]["world_size"] = "x"
+    elif case == "size_string":
+        bad["files"][0]["size"] = str(bad["files"][0]["size"])
+    elif case == "rank_out_of_range":
+        bad["files"][0]["rank"] = 7
+    elif case == "total_bytes":
+        bad["total_bytes"] += 1
+    elif case == "negative_wall_time":
+        bad["wall_time"] = -1.0
+    return json.dumps(seal(bad)).encode()
+
+
+MALFORMED = {
+    "deep_arrays": "nests too deeply",
+    "deep_extra": "nests deeper than 16",
+    "nan": "NaN is not a number JSON allows",
+    "repeated_key": "'step' appears twice",
+    "tokens_bitflip": "commit_checksum",
+    "version_bitflip": "commit_checksum",
+    "no_checksum": "has no commit_checksum",
+    "tokens_string": "tokens_seen='20' is not a non-negative integer",
+    "world_string": "world='1' is not an object",
+    "world_size_string": "world.world_size='x' is not a positive integer",
+    "size_string": "malformed file entry",
+    "rank_out_of_range": "malformed file entry",
+    "total_bytes": "total_bytes=",
+    "negative_wall_time": "wall_time=-1.0 is not a non-negative number",
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_commit_is_refused_whole_and_restore_uses_the_older_one(tmp_path, capsys, case):
+    _save_steps(tmp_path, [1, 2])
+    d = tmp_path / "step-00000002"
+    doc = json.loads((d / "COMMIT").read_text())
+    raw = _edit(doc, case)
+    (d / "COMMIT").write_bytes(raw)
+    with pytest.raises(CheckpointError, match=re.escape(MALFORMED[case])) as err:
+        parse_commit(raw, str(d))
+    assert str(d) in str(err.value), "the error names the checkpoint"
+    step, _, event = _restore(tmp_path)  # checks weights and loader are exactly step 1's
+    assert step == 1 and event["tokens_seen"] == 10
+    assert [s["step"] for s in event["skipped"]] == [2]
+    assert MALFORMED[case] in event["skipped"][0]["reason"]
+    # The listing marks the row and lists everything: no traceback, then exit status 2.
+    assert cli_main(["checkpoints", str(tmp_path), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert "1 damaged checkpoint(s)" in captured.err and "step-00000002" in captured.err
+    rows = {r["name"]: r for r in json.loads(captured.out)["checkpoints"]}
+    assert rows["step-00000002"]["state"] == "damaged"
+    assert not rows["step-00000002"]["verifies"]
+    assert MALFORMED[case] in rows["step-00000002"]["error"]
+    assert rows["step-00000001"]["verifies"]
+
+
+def test_malformed_commit_with_nothing_older_leaves_live_state_untouched(tmp_path, capsys):
+    _save_steps(tmp_path, [1])
+    c = tmp_path / "step-00000001" / "COMMIT"
+    c.write_bytes(_edit(json.loads(c.read_text()), "tokens_string"))
+    states = _states(-1)
+    assert Checkpointer(str(tmp_path), verify="overlap").restore_latest(states) == 0
+    assert torch.all(states["model"].weight == -1.0) and states["loader"].cursor == -1
+    assert cli_main(["checkpoints", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert "damaged" in out and "tokens_seen='20'" in out
+
+
+def test_oversized_commit_is_refused_before_parsing(tmp_path, monkeypatch):
+    from steadytrain.checkpoint import commit
+
+    _save_steps(tmp_path, [1])
+    raw = (tmp_path / "step-00000001" / "COMMIT").read_bytes()
+    monkeypatch.setattr(commit, "MAX_COMMIT_BYTES", len(raw) - 1)
+    with pytest.raises(CheckpointError, match=f"COMMIT is {len(raw)} bytes, more than"):
+        parse_commit(raw, "step-00000001")
+
+
+def test_version_1_commit_still_loads_with_a_warning_and_its_schema_checked(tmp_path, caplog):
+    """Checkpoints written before the checksum existed: validated, loaded, warned about."""
+    _save_steps(tmp_path, [1, 2])
+    for step in (1, 2):
+        c = tmp_path / f"step-0000000{step}" / "COMMIT"
+        doc = json.loads(c.read_text())
+        del doc["commit_checksum"]
+        doc["format_version"] = 1
+        if step == 2:
+            doc["tokens_seen"] = "20"  # version 1 gets every schema check too
+        c.write_text(json.dumps(doc, indent=1))
+    with caplog.at_level("WARNING", logger="steadytrain.checkpoint"):
+        step, _, event = _restore(tmp_path)
+    assert step == 1 and "tokens_seen='20'" in event["skipped"][0]["reason"]
+    assert "format_version 1 has no commit_checksum" in caplog.text

@@ -1,25 +1,25 @@
-"""Each diagnosis reproduced in a real training loop: a tiny torch model on random data, a
-real GoodputMeter, and a real fault injected mid-run (slow storage reads with cache
-evictions, a stalled loader, a loader whose memory grows with steps, a slowed compute step,
-a slow synchronous torch.save checkpoint). Times are measured around next(), the step and
-the save exactly as a user's loop would."""
+"""Each diagnosis reproduced from a synthetic run fed through a real GoodputMeter: a baseline
+with jitter, slow warm-up steps and one GC pause, then a fault from ``FAULT_AT`` on (slow
+storage reads with cache evictions, a stalled loader, a loader whose memory grows with
+steps, a slowed compute step, a slow synchronous checkpoint). The per-step durations are
+given, not slept (``steadytrain.testing.synthetic``), so the verdicts do not depend on the
+machine's speed or load; the records take the meter's real path to the ledger, the goodput
+accumulator and the alert engine."""
 
 from __future__ import annotations
 
-import os
-import time
-
 import numpy as np
 import pytest
-import torch
 
 from steadytrain.errors import ConfigError
 from steadytrain.monitor.alerts import AlertConfig, AlertEngine
 from steadytrain.monitor.ledger import read_ledger
 from steadytrain.monitor.meter import GoodputMeter
+from steadytrain.testing.synthetic import Timeline, feed
 
 FAULT_AT = 16  # first faulty step; steps 4..13 form the baseline
 STEPS = 36
+GC_PAUSE_AT = 14  # one slow step between baseline and fault: never an alert by itself
 CFG = AlertConfig(
     window=6,
     warmup=3,
@@ -30,154 +30,84 @@ CFG = AlertConfig(
     max_recovery_age_s=None,
 )
 BATCH, DIM = 16, 64
+MiB = 1 << 20
+# What a tiny model's step costs on a CPU (seconds), before jitter.
+DATA_S, COMPUTE_S, OTHER_S = 0.0004, 0.012, 0.0006
+STALL_S = 0.03  # an injected delay: a stalled loader, a recall from slow storage
+SAVE_S = 0.15  # a synchronous 64 MiB torch.save with fsync
 
 
-class RandomSource:
-    """Random batches; optionally stalls (sleep inside next()) from FAULT_AT on."""
+def simulate(fault: str | None) -> Timeline:
+    """STEPS steps of one attempt; ``fault`` in storage / stall / memory / compute /
+    checkpoint changes what the steps from FAULT_AT on cost (and what the loader reports)."""
+    rng = np.random.default_rng(0)
 
-    def __init__(self, stall_s: float = 0.0) -> None:
-        self.stall_s = stall_s
-        self.n = 0
+    def jitter(x: float) -> float:
+        return x * float(rng.uniform(0.85, 1.15))
 
-    def __next__(self):
-        self.n += 1
-        if self.stall_s and self.n >= FAULT_AT:
-            time.sleep(self.stall_s)
-        return torch.randn(BATCH, DIM), torch.randn(BATCH, DIM)
-
-    def metrics(self) -> dict:
-        return {}
-
-
-class ShardStore:
-    """Batches read from real shard files through an in-memory shard cache. From FAULT_AT
-    on the cache is evicted (a tiered file system moving shards out) and each read pays an
-    injected 30 ms delay (recall from slow storage). Reports per-step cache misses and the
-    p99 of read latency, as the loader does."""
-
-    def __init__(self, root, evict: bool) -> None:
-        self.paths = []
-        for i in range(3):  # all three are cached during warm-up
-            p = os.path.join(root, f"shard-{i}.npy")
-            np.save(p, np.random.default_rng(i).standard_normal((BATCH * 8, DIM * 2), "float32"))
-            self.paths.append(p)
-        self.cache: dict[int, np.ndarray] = {}
-        self.lat: list[float] = []  # this step's reads
-        self.evict = evict
-        self.n = 0
-        self.misses = 0
-
-    def _read(self, i: int) -> np.ndarray:
-        t0 = time.perf_counter()
-        if self.evict and self.n >= FAULT_AT:
-            self.cache.clear()
-        arr = self.cache.get(i)
-        if arr is None:
-            self.misses += 1
-            if self.evict and self.n >= FAULT_AT:
-                time.sleep(0.03)
-            arr = self.cache[i] = np.load(self.paths[i])
-        self.lat.append(time.perf_counter() - t0)
-        return arr
-
-    def __next__(self):
-        self.n += 1
-        arr = self._read(self.n % len(self.paths))
-        j = (self.n * BATCH) % (arr.shape[0] - BATCH)
-        x = torch.from_numpy(arr[j : j + BATCH].copy())
-        return x[:, :DIM], x[:, DIM:]
-
-    def metrics(self) -> dict:
-        m, self.misses = self.misses, 0
-        p99 = float(np.percentile(self.lat, 99))
-        self.lat = []
-        return {"cache_misses": m, "read_p99_s": p99}
-
-
-class GrowingIndexSource(RandomSource):
-    """From FAULT_AT on, every next() appends 4 MiB to an index that is never freed; once
-    it is large, lookups get slower as it grows (the incident: memory grew first, then the
-    loader fell behind)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.index: list[np.ndarray] = []
-
-    def __next__(self):
-        if self.n + 1 >= FAULT_AT:
-            self.index.append(np.ones(1 << 19))  # 4 MiB, touched: real RSS growth
-            time.sleep(0.01 * max(0, len(self.index) - 6))
-        return super().__next__()
-
-
-def run_loop(run_dir, source, **kw):
-    # One intra-op thread: on a shared 2-core machine OpenMP spin-waits make a tiny
-    # model's step jitter by 60 ms, which would drown the injected faults.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _loop(run_dir, source, **kw)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _loop(run_dir, source, slow_compute_s=0.0, ckpt_every=0, ckpt_dir=None):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(DIM, 128), torch.nn.ReLU(), torch.nn.Linear(128, DIM)
-    )
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    big = torch.randn(16 << 20) if ckpt_every else None  # 64 MiB of "optimizer state"
-    meter = GoodputMeter(run_dir, sinks=("jsonl",), alert_config=CFG)
-    meter.job_start()
+    tl = Timeline()
+    tl.job_start(startup_s=0.5)
+    rss = 600 * MiB
     for step in range(1, STEPS + 1):
-        t0 = time.perf_counter()
-        x, y = next(source)
-        t1 = time.perf_counter()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        time.sleep(0.008)  # the accelerator's share of the step
-        if slow_compute_s and step >= FAULT_AT:
-            time.sleep(slow_compute_s)  # a throttled device: the step itself is slower
-        t2 = time.perf_counter()
-        block = 0.0
-        if ckpt_every and step >= FAULT_AT and step % ckpt_every == 0:
-            path = os.path.join(ckpt_dir, f"step-{step}.pt")
-            torch.save({"model": model.state_dict(), "state": big}, path)
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())
-            block = time.perf_counter() - t2
-            meter.event(
-                {
-                    "type": "checkpoint",
-                    "step": step,
-                    "block_s": block,
-                    "durable_s": block,
-                    "ok": True,
-                    "path": path,
-                    "error": None,
-                }
-            )
-        meter.step(
+        warm = step <= CFG.warmup  # compile, allocator and cache warm-up
+        n = step - FAULT_AT + 1  # faulty steps so far (<= 0 before the fault)
+        data, compute, other = jitter(DATA_S), jitter(COMPUTE_S) * (3 if warm else 1), OTHER_S
+        if step == GC_PAUSE_AT:
+            other += 5 * COMPUTE_S
+        block, saved = 0.0, False
+        extra: dict = {}
+        if fault == "storage":  # the shard cache: hits after warm-up, until the eviction
+            miss = warm or n > 0
+            extra["cache_misses"] = int(miss)
+            extra["read_p99_s"] = jitter(0.001 if warm else 2e-6)
+            if n > 0:  # evicted: every read is recalled from slow storage
+                data += STALL_S
+                extra["read_p99_s"] = jitter(0.001) + STALL_S
+        elif fault == "stall" and n > 0:
+            data += STALL_S
+        elif fault == "memory" and n > 0:
+            rss += 4 * MiB  # an index appended to on every next(), never freed
+            data += 0.01 * max(0, n - 6)  # once it is large, lookups slow down with it
+        elif fault == "compute" and n > 0:
+            compute += STALL_S  # a throttled device: the step itself is slower
+        elif fault == "checkpoint" and n > 0 and step % 2 == 0:
+            block, saved = jitter(SAVE_S), True
+        tl.step(
             step,
             tokens=BATCH * DIM,
-            data_wait_s=t1 - t0,
-            compute_s=t2 - t1,
+            data_wait_s=data,
+            compute_s=compute,
             checkpoint_block_s=block,
-            loss=loss.detach(),
-            **source.metrics(),
+            other_s=other,
+            saved=saved,
+            loss=1.0 / step,
+            rss_bytes=rss + int(rng.integers(-4, 5)) * 16384,  # allocator noise
+            shm_bytes=0,
+            **extra,
         )
+    return tl
+
+
+def run(run_dir, fault: str | None):
+    """Feed the synthetic run through a real meter; return its alerts by kind, the meter
+    (closed) and the timeline."""
+    tl = simulate(fault)
+    meter = GoodputMeter(run_dir, sinks=("jsonl",), alert_config=CFG)
+    feed(meter, tl.anchored())
     meter.close()
     alerts = [r for r in read_ledger(run_dir) if r["type"] == "alert"]
-    # Every alert is about the injected fault, none about start-up noise.
+    # Every alert is about the injected fault, none about warm-up or the GC pause.
     assert all(a["step"] >= FAULT_AT for a in alerts), alerts
-    return {a["kind"]: a for a in alerts}, meter
+    return {a["kind"]: a for a in alerts}, meter, tl
+
+
+def test_a_healthy_run_raises_no_alert(tmp_path):
+    alerts, _, _ = run(tmp_path, None)
+    assert alerts == {}
 
 
 def test_slow_storage_is_diagnosed_as_storage(tmp_path):
-    alerts, _ = run_loop(tmp_path / "run", ShardStore(tmp_path, evict=True))
+    alerts, _, _ = run(tmp_path, "storage")
     assert alerts["throughput_band"]["diagnosis"] == "storage"
     assert alerts["data_wait_share"]["diagnosis"] == "storage"
     assert alerts["read_latency"]["diagnosis"] == "storage"
@@ -186,40 +116,37 @@ def test_slow_storage_is_diagnosed_as_storage(tmp_path):
 
 
 def test_stalled_loader_without_storage_signals_is_data_loading(tmp_path):
-    alerts, _ = run_loop(tmp_path, RandomSource(stall_s=0.03))
+    alerts, _, _ = run(tmp_path, "stall")
     assert alerts["throughput_band"]["diagnosis"] == "data loading"
     assert alerts["data_wait_share"]["diagnosis"] == "data loading"
     assert "memory_growth" not in alerts and "read_latency" not in alerts
 
 
 def test_growing_loader_memory_is_diagnosed(tmp_path):
-    src = GrowingIndexSource()
-    alerts, _ = run_loop(tmp_path, src)
+    alerts, _, _ = run(tmp_path, "memory")
     mem = alerts["memory_growth"]
     assert mem["diagnosis"] == "data-loader memory"
     # 4 MiB/step is appended; the slope window may straddle the start of the growth.
-    assert mem["evidence"]["rss_bytes"]["bytes_per_step"] > 1 << 20
+    assert mem["evidence"]["rss_bytes"]["bytes_per_step"] > 1 * MiB
     # The data wait that grows with the index is attributed to the memory growth too.
     assert alerts["throughput_band"]["diagnosis"] == "data-loader memory"
-    recs = [r for r in read_ledger(tmp_path) if r["type"] == "step"]
-    assert recs[-1]["rss_bytes"] - recs[FAULT_AT - 2]["rss_bytes"] > 48 << 20
 
 
 def test_slow_compute_is_diagnosed_as_compute(tmp_path):
-    alerts, _ = run_loop(tmp_path, RandomSource(), slow_compute_s=0.03)
+    alerts, _, _ = run(tmp_path, "compute")
     assert alerts["throughput_band"]["diagnosis"] == "compute/hardware"
     assert alerts["throughput_band"]["evidence"]["compute_ratio"] > 1.3
     assert "data_wait_share" not in alerts
 
 
 def test_slow_sync_checkpoint_is_diagnosed_as_checkpointing(tmp_path):
-    ck = tmp_path / "ckpt"
-    ck.mkdir()
-    alerts, meter = run_loop(tmp_path / "run", RandomSource(), ckpt_every=2, ckpt_dir=ck)
+    alerts, meter, tl = run(tmp_path, "checkpoint")
     assert alerts["throughput_band"]["diagnosis"] == "checkpointing"
     assert alerts["checkpoint_blocking"]["diagnosis"] == "checkpointing"
-    b = meter.breakdown()
-    assert b.badput_s["checkpoint_block"] > 0.1
+    # Every blocked second reaches the checkpoint_block bucket, and only those.
+    blocked = sum(r["checkpoint_block_s"] for r in tl.records if r["type"] == "step")
+    assert blocked > 1.0
+    assert meter.breakdown().badput_s["checkpoint_block"] == pytest.approx(blocked)
 
 
 def test_recovery_point_age_and_failed_checkpoint_alerts():

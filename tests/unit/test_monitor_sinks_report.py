@@ -1,14 +1,18 @@
-"""One real run with every sink on (ledger, MLflow on its SQLite store, the rich console
+"""One run with every sink on (ledger, MLflow on its SQLite store, the rich console
 rendering off-screen), a crash and a resume; then MLflow read back through MlflowClient,
-and the report rendered from the run's ledger, through the library and the CLI."""
+and the report rendered from the run's ledger, through the library and the CLI.
+
+The run's records are synthetic (``steadytrain.testing.synthetic``): explicit per-step
+durations and a data stall, fed through real meters, so what the sinks and the report show
+does not depend on how fast this machine runs a sleep. The meter's own measuring path
+(``meter.step``) has its test at the end."""
 
 from __future__ import annotations
 
 import json
-import time
+import shutil
 
 import pytest
-import torch
 
 from steadytrain.cli import main
 from steadytrain.monitor.alerts import AlertConfig
@@ -16,47 +20,30 @@ from steadytrain.monitor.ledger import read_ledger
 from steadytrain.monitor.meter import GoodputMeter
 from steadytrain.monitor.report import build_report
 from steadytrain.monitor.sinks import offscreen_console
+from steadytrain.testing.synthetic import Timeline, feed
 
 CFG = AlertConfig(window=6, warmup=2, baseline=8, band_tolerance=0.5, max_recovery_age_s=None)
+STALL_S = 0.03  # the data source stalls from step 28 of the second attempt on
 
 
-def _attempt(run_dir, steps, restored, console, stall_from=None, crash=False):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(32, 32)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    meter = GoodputMeter(
-        run_dir,
-        expected_tokens_per_s=None,
-        sinks=("jsonl", "mlflow", "console"),
-        alert_config=CFG,
-        console=console,
-        total_steps=40,
-        sink_options={"every_s": 0.0, "window_s": 0.0, "flush_s": 0.2},
-    )
-    meter.job_start(restored_step=restored, startup_s=0.05, restore_s=0.01 if restored else 0.0)
+def _attempt(tl: Timeline, steps, restored: int, stall_from: int | None = None) -> None:
+    tl.job_start(restored_step=restored, startup_s=0.05, restore_s=0.01 if restored else 0.0)
     for step in steps:
-        t0 = time.perf_counter()
-        if stall_from is not None and step >= stall_from:
-            time.sleep(0.03)  # the data source stalls
-        x = torch.randn(8, 32)
-        t1 = time.perf_counter()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        time.sleep(0.006)
-        t2 = time.perf_counter()
-        meter.step(
+        stalled = stall_from is not None and step >= stall_from
+        tl.step(
             step,
             tokens=8 * 32,
-            data_wait_s=t1 - t0,
-            compute_s=t2 - t1,
-            loss=loss.detach(),
+            data_wait_s=0.0002 + (STALL_S if stalled else 0.0),
+            compute_s=0.006 + 0.0001 * (step % 3),  # a little jitter
+            other_s=0.0003,
+            loss=1.0 / step,
             cache_misses=0,
             read_p99_s=0.001,
+            rss_bytes=500 << 20,
+            shm_bytes=0,
         )
-        if step % 10 == 0:
-            meter.event(
+        if step % 10 == 0:  # an async save commits: it blocked nothing
+            tl.event(
                 {
                     "type": "checkpoint",
                     "step": step,
@@ -67,31 +54,43 @@ def _attempt(run_dir, steps, restored, console, stall_from=None, crash=False):
                     "error": None,
                 }
             )
-    if crash:
-        meter.flush()
-        # A crashed process writes no job_end; stop the writer the way a crash would
-        # leave the file (everything flushed so far is on disk).
-        meter._closed = True
-        meter._writer.close()
-        return meter
-    meter.close()
-    return meter
+
+
+def _meter(run_dir, console) -> GoodputMeter:
+    return GoodputMeter(
+        run_dir,
+        expected_tokens_per_s=None,
+        sinks=("jsonl", "mlflow", "console"),
+        alert_config=CFG,
+        console=console,
+        total_steps=40,
+        sink_options={"every_s": 0.0, "window_s": 0.0, "flush_s": 0.2},
+    )
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     console = offscreen_console()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        # Attempt 0 runs 1..24 and "crashes"; attempt 1 resumes from step 20 (redoes 21..24)
-        # and hits a data stall from step 28 on.
-        _attempt(run_dir, range(1, 25), 0, console, crash=True)
-        meter = _attempt(run_dir, range(21, 41), 20, console, stall_from=28)
-    finally:
-        torch.set_num_threads(threads)
-    return {"dir": run_dir, "meter": meter, "console": console}
+    # Attempt 0 runs 1..24 and "crashes"; 0.5 s later attempt 1 resumes from step 20
+    # (redoes 21..24) and hits a data stall from step 28 on. One clock for both.
+    tl = Timeline()
+    _attempt(tl, range(1, 25), 0)
+    crashed_at = len(tl.records)
+    tl.advance(0.5)
+    _attempt(tl, range(21, 41), 20, stall_from=28)
+    records = tl.anchored()
+    first = _meter(run_dir, console)
+    feed(first, records[:crashed_at], batch=1)
+    # A crashed process writes no job_end; stop the writer the way a crash would leave
+    # the file (everything flushed so far is on disk).
+    first._closed = True
+    first._writer.close()
+    meter = _meter(run_dir, console)
+    feed(meter, records[crashed_at:], batch=1)
+    meter.close()
+    yield {"dir": run_dir, "meter": meter, "console": console}
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _mlflow(run_dir):
@@ -142,7 +141,6 @@ def test_ledger_and_live_goodput_agree(run):
     recs = read_ledger(run["dir"])
     starts = [r for r in recs if r["type"] == "job_start"]
     assert [s["attempt"] for s in starts] == [0, 1]
-    assert all("rss_bytes" in r and "shm_bytes" in r for r in recs if r["type"] == "step")
     b = run["meter"].breakdown()
     assert b.steps_lost == 4 and b.steps_kept == 40
 
@@ -183,3 +181,17 @@ def test_report_cli_json(run, tmp_path, capsys):
 def test_report_cli_missing_ledger_is_a_clear_error(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "ledger.jsonl" in capsys.readouterr().err
+
+
+def test_meter_step_measures_the_step_and_samples_memory(tmp_path):
+    """The training loop's path: ``step_s`` is measured between calls (never less than what
+    the loop reported inside it), RSS and /dev/shm are sampled every ``memory_every``."""
+    with GoodputMeter(tmp_path, memory_every=2) as m:
+        m.job_start()
+        for step in range(1, 6):
+            m.step(step, tokens=8, data_wait_s=0.0, compute_s=0.0)
+    steps = [r for r in read_ledger(tmp_path) if r["type"] == "step"]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
+    assert ["rss_bytes" in s for s in steps] == [True, False, True, False, True]
+    assert all(s["rss_bytes"] > 0 and s["shm_bytes"] >= 0 for s in steps if "rss_bytes" in s)
+    assert all(s["step_s"] >= 0 for s in steps)

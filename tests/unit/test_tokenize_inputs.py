@@ -194,3 +194,135 @@ def test_directory_of_only_unknown_suffixes_names_the_fix(tmp_path):
     with pytest.raises(DatasetError, match=r"skipped 1 file.*--include"):
         tokenize([str(src)], str(tmp_path / "out"), workers=0)
     assert not (tmp_path / "out").exists()
+
+
+# -- train:VOCAB on a bounded sample (issue 12 item 9) ------------------------------------
+SAMPLE_BUDGET = 1 << 20  # the smallest budget allowed
+
+
+def _corpus(root, files: int = 8, docs: int = 1400) -> list[str]:
+    """``files`` JSON Lines files of small documents, each word-tagged with its file, plus
+    one 1.2 MB text file (a single long document): ~3.6 MB of text in all, deterministic."""
+    import random
+
+    rng = random.Random(7)
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+        for _ in range(3000)
+    ]
+    root.mkdir()
+    for f in range(files):
+        with open(root / f"part{f:02d}.jsonl", "w", encoding="utf-8") as out:
+            for _ in range(docs):
+                body = " ".join(rng.choice(words) for _ in range(rng.randint(20, 60)))
+                out.write(json.dumps({"text": f"tagfile{f:02d} {body}\n"}) + "\n")
+    with open(root / "long.txt", "w", encoding="utf-8") as out:
+        for _ in range(24_000):
+            out.write("tagfilelong " + " ".join(rng.choice(words) for _ in range(6)) + "\n")
+    return [f"tagfile{f:02d}" for f in range(files)] + ["tagfilelong"]
+
+
+class _Recorder:
+    """A progress sink that keeps what it was told (the bar's interface, no terminal)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def start(self, total, description) -> None:
+        self.calls.append(("start", total, description))
+
+    def update(self, completed, tokens=None) -> None:
+        self.calls.append(("update", completed))
+
+    def stop(self) -> None:
+        self.calls.append(("stop",))
+
+
+@pytest.mark.timeout(300)
+def test_train_reads_at_most_the_sample_budget_from_all_files_deterministically(
+    tmp_path, monkeypatch
+):
+    from steadytrain.data.ingest import tokenizer as tokenizer_mod
+
+    tags = _corpus(tmp_path / "in")
+    fed: list[list[str]] = []
+    real_train = tokenizer_mod.train_bpe
+
+    def counting_train(texts, vocab_size, **kw):  # the real trainer, told what it got
+        texts = list(texts)
+        fed.append(texts)
+        return real_train(texts, vocab_size, **kw)
+
+    monkeypatch.setattr(tokenizer_mod, "train_bpe", counting_train)
+    inputs = [str(tmp_path / "in")]
+    bar = _Recorder()
+    res = tokenize(
+        inputs,
+        str(tmp_path / "a"),
+        tokenizer="train:1000",
+        workers=0,
+        tokenizer_sample_bytes=SAMPLE_BUDGET,
+        progress=bar,
+    )
+    total = sum(os.path.getsize(tmp_path / "in" / n) for n in os.listdir(tmp_path / "in"))
+    assert total > 3 * SAMPLE_BUDGET
+    trained = sum(len(t.encode("utf-8")) for t in fed[0])
+    assert trained <= SAMPLE_BUDGET  # at most the budget reached the trainer ...
+    assert trained > 0.9 * SAMPLE_BUDGET  # ... and most of it did
+    assert max(len(t) for t in fed[0]) <= tokenizer_mod.PIECE_CHARS  # the long file in pieces
+    joined = "".join(fed[0])
+    assert all(tag in joined for tag in tags)  # drawn from every file, the last ones too
+    info = res.manifest.extra["tokenizer_training"]
+    assert info["sample_budget_bytes"] == SAMPLE_BUDGET and info["sample_bytes"] == trained
+    assert info["input_text_bytes"] > 3 * SAMPLE_BUDGET
+    assert bar.calls[0] == ("start", total, "sample for train:1000")
+    assert ("update", total) in bar.calls  # the read is shown to the end
+
+    # Same input and settings: the same sample and tokenizer, whatever the order of inputs.
+    files = sorted(str(tmp_path / "in" / n) for n in os.listdir(tmp_path / "in"))
+    again = tokenize(
+        files[::-1],
+        str(tmp_path / "b"),
+        tokenizer="train:1000",
+        workers=0,
+        tokenizer_sample_bytes=SAMPLE_BUDGET,
+    )
+    assert fed[1] == fed[0]
+    assert again.manifest.tokenizer["hash"] == res.manifest.tokenizer["hash"]
+    a_json = (tmp_path / "a" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "b" / "tokenizer.json").read_bytes() == a_json
+
+
+@pytest.mark.timeout(300)
+def test_sample_budget_is_part_of_the_recipe_and_is_checked(tmp_path, capsys):
+    from steadytrain.cli import main
+    from steadytrain.data.ingest.tokenizer import DEFAULT_SAMPLE_BYTES
+    from steadytrain.errors import ConfigError
+
+    docs = [f"def f{i}(x):\n    return x * {i}\n" for i in range(200)]
+    src = _write_texts(tmp_path / "in", docs)
+    kw = dict(tokenizer="train:300", workers=0)
+    with pytest.raises(ConfigError, match=r"--tokenizer-sample-bytes 1000: .*at least 1048576"):
+        tokenize([src], str(tmp_path / "x"), tokenizer_sample_bytes=1000, **kw)
+    assert not (tmp_path / "x").exists()
+
+    first = tokenize([src], str(tmp_path / "ds"), **kw)
+    assert first.manifest.extra["tokenizer_training"]["sample_budget_bytes"] == (
+        DEFAULT_SAMPLE_BYTES
+    )
+    assert tokenize([src], str(tmp_path / "ds"), **kw).up_to_date
+    other = tokenize([src], str(tmp_path / "ds2"), tokenizer_sample_bytes=2 << 20, **kw)
+    assert other.manifest.extra["recipe"] != first.manifest.extra["recipe"]
+    # The input is within both budgets: both trained on all of it, the same tokenizer.
+    assert other.manifest.tokenizer["hash"] == first.manifest.tokenizer["hash"]
+
+    argv = ["tokenize", src, "--out", str(tmp_path / "ds3"), "--workers", "0"]
+    assert main(argv + ["--tokenizer-sample-bytes", "2097152"]) == 2  # bytes trains nothing
+    assert "applies to --tokenizer train:VOCAB only" in capsys.readouterr().err
+    assert main(argv + ["--tokenizer", "train:300", "--tokenizer-sample-bytes", "2097152"]) == 0
+    manifest = json.loads((tmp_path / "ds3" / "manifest.json").read_text())
+    assert manifest["extra"]["tokenizer_training"]["sample_budget_bytes"] == 2097152
+    assert manifest["extra"]["recipe"] == other.manifest.extra["recipe"]  # CLI = library
+    with pytest.raises(SystemExit):
+        main(["tokenize", "--help"])
+    assert f"default {DEFAULT_SAMPLE_BYTES}" in " ".join(capsys.readouterr().out.split())

@@ -157,7 +157,7 @@ def test_inspect_text_output(tmp_path, capsys):
     assert "tokens       4" in out and "fingerprint" in out and "bytes" in out
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a hang guard only: nothing here reads a clock
 def test_sigkill_midway_leaves_nothing_inspect_accepts(tmp_path):
     """A real crash (SIGKILL) after shards were published: DEST is still not a dataset."""
     import glob
@@ -177,10 +177,10 @@ def test_sigkill_midway_leaves_nothing_inspect_accepts(tmp_path):
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(src), dest])
     try:
-        deadline = time.monotonic() + 30
+        # Poll for the 4th shard; no clock: the child's start-up takes what the machine
+        # needs, and the test's timeout guards a child that never gets there.
         while not glob.glob(str(tmp_path / ".ds.tmp-*" / "shards" / "shard-00003.tokens")):
             assert proc.poll() is None, "tokenize finished before it could be killed"
-            assert time.monotonic() < deadline
             time.sleep(0.01)
     finally:
         proc.send_signal(signal.SIGKILL)

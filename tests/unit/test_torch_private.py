@@ -22,7 +22,13 @@ from steadytrain.checkpoint.archive import tensor_layout
 from steadytrain.errors import CheckpointError
 
 SRC = Path(steadytrain.__file__).parent
-_CHECKS = (tp._unpickler_class, tp._typed_storage_class, tp._check_storage_info, tp._check_stager)
+_CHECKS = (
+    tp._unpickler_class,
+    tp._typed_storage_class,
+    tp._check_storage_info,
+    tp._check_stager,
+    tp._daemon_module,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +42,7 @@ def _fresh_checks():
 
 
 def test_every_fenced_api_is_present_in_this_torch():
-    assert len(tp.check_all()) == 4
+    assert len(tp.check_all()) == 5
 
 
 def _pickle_of(t: torch.Tensor) -> bytes:

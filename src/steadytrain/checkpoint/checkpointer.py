@@ -15,95 +15,46 @@ one is durable, the caller waits for the previous one to finish, and that wait i
 the returned blocked seconds (``block_s``). Skipping instead would need every rank to agree on
 "still busy", one more collective per step; waiting keeps all ranks in lockstep for free and
 makes a too-short interval visible as checkpoint stall in the goodput ledger.
+
+One writer per root: the first save takes the writer lease (``lease.py``) on the directory
+and on ``remote=``; a second live job is refused there with a ``CheckpointError`` that names
+the job holding it. A job that finds its lease taken by another stops saving the same way.
+A restore takes no lease: reading a root another job writes is fine.
+
+Process mode survives the death of DCP's checkpoint daemon: the next save starts a new one
+(``DAEMON_RESTARTS`` times), then falls back to thread mode; each is a ``checkpoint_daemon``
+event. Checkpoint events carry ``every_steps`` and ``interval_s`` so the alert engine can
+say when the recovery point is older than two intervals.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from steadytrain.checkpoint import state as S
+from steadytrain.checkpoint.config import CheckpointerConfig
+from steadytrain.checkpoint.identity import job_identity
+from steadytrain.checkpoint.lease import Lease, acquire
 from steadytrain.checkpoint.remote import Root, discover
 from steadytrain.checkpoint.restore import restore_latest as _restore
 from steadytrain.checkpoint.staging import Stager
-from steadytrain.checkpoint.writer import Group, SaveRequest, run_save
-from steadytrain.errors import ConfigError
-from steadytrain.settings import check, check_choices, merge
+from steadytrain.checkpoint.writer import FAILURES, Group, SaveRequest, run_save
+from steadytrain.errors import CheckpointError, ConfigError, SteadyError
+from steadytrain.settings import merge
 
-__all__ = ["Checkpointer", "CheckpointerConfig"]
+__all__ = ["Checkpointer", "CheckpointerConfig", "DAEMON_RESTARTS"]
 
 log = logging.getLogger("steadytrain.checkpoint")
 
-
-@dataclasses.dataclass(kw_only=True)
-class CheckpointerConfig:
-    """Everything a ``Checkpointer`` can be told, with the one copy of each default and
-    check. The ``[checkpoint]`` table of a training config is this plus ``dir``/``engine``."""
-
-    every_steps: int = 0  # save when step % every_steps == 0 (0: not by steps)
-    every_seconds: float = 0.0  # save after this much wall time (0: not by time)
-    # None: "seconds" when only every_seconds is set, else "steps" (0 steps: call save()).
-    # "auto": the planner's optimum from the measured save cost and mtbf_s.
-    interval: Literal["steps", "seconds", "auto"] | None = None
-    # At least 2, never 1: a checkpoint can be found damaged after its commit (a bad disk, a
-    # truncated copy), and restore then falls back to the next older committed one. With
-    # keep_last = 1 there is none, and one bad file sends the job back to step 0.
-    keep_last: int = 3
-    keep_every: int = 0  # also keep every step that is a multiple of this (0: none)
-    async_mode: Literal["sync", "thread", "process"] = "thread"
-    remote: str = ""  # an s3://... copy of every committed checkpoint ("": none)
-    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # for remote
-    mtbf_s: float = 0.0  # the job's mean time between failures, for interval = "auto"
-    restart_s: float = 0.0  # the job's restart cost, for interval = "auto"
-    # "full", the safe one: every checksum is checked before any live tensor is written, so
-    # a damaged checkpoint never touches the caller's state, whatever that state is (a
-    # restore into a live model too). "overlap" hashes while the bytes stream into place
-    # (one read, faster) and is only safe onto freshly built state: the packaged training
-    # configs choose it explicitly because the loop restores at start-up.
-    verify: Literal["full", "overlap"] = "full"
-
-    def __post_init__(self) -> None:
-        check_choices(self)
-        if self.interval is None:
-            only_time = self.every_seconds and not self.every_steps
-            self.interval = "seconds" if only_time else "steps"
-        check(self.every_steps >= 0, "every_steps", self.every_steps, "use 0 (off) or more")
-        check(self.every_seconds >= 0, "every_seconds", self.every_seconds, "use 0 (off) or more")
-        if self.interval == "seconds":
-            check(
-                self.every_seconds > 0,
-                "every_seconds",
-                self.every_seconds,
-                'set it (> 0) with interval = "seconds"',
-            )
-        if self.interval == "auto":
-            check(
-                self.mtbf_s > 0,
-                "mtbf_s",
-                self.mtbf_s,
-                'set the mean time between failures (seconds) with interval = "auto"',
-            )
-        check(self.mtbf_s >= 0, "mtbf_s", self.mtbf_s, "use 0 (unknown) or more")
-        check(self.restart_s >= 0, "restart_s", self.restart_s, "use 0 or more seconds")
-        check(
-            self.keep_last >= 2,
-            "keep_last",
-            self.keep_last,
-            "keep at least 2: restore falls back to the previous checkpoint when the newest "
-            "one turns out damaged",
-        )
-        check(self.keep_every >= 0, "keep_every", self.keep_every, "use 0 (off) or a step count")
-        check(
-            isinstance(self.storage_options, dict),
-            "storage_options",
-            self.storage_options,
-            "give a table (dict) of fsspec options, e.g. {endpoint_url = ...}",
-        )
+# New DCP checkpoint daemons a process-mode job starts after one died; when the replacement
+# dies too, something kills it (the OOM killer, a memory limit): thread mode needs no
+# second process, so the job keeps its checkpoints.
+DAEMON_RESTARTS = 1
 
 
 class Checkpointer:
@@ -126,6 +77,8 @@ class Checkpointer:
         restart_s: float | None = None,
         storage_options: dict[str, Any] | None = None,
         verify: str | None = None,
+        job_id: str | None = None,
+        lease_timeout_s: float | None = None,
         config: CheckpointerConfig | None = None,
     ) -> None:
         """``config=`` or keywords (a keyword given wins over ``config``); every default
@@ -171,7 +124,11 @@ class Checkpointer:
         self.verify = cfg.verify
         self._stager = Stager(shared_memory=async_mode == "process")
         self._thread: threading.Thread | None = None
-        self._result: dict[str, Any] | None = None
+        self._results: list[dict[str, Any]] = []  # events of the finished save, in order
+        self._leases: list[Lease] | None = None  # None: not taken yet (rank 0 holds them)
+        self._job = job_identity(cfg.job_id)
+        self._fatal: str | None = None  # this job lost its lease: saving stops, loudly
+        self._daemon_restarts_left = DAEMON_RESTARTS
         self._in_flight: list[str] = []
         # Directories whose save this process saw commit. On nodes other than rank 0's, the
         # node-local staging copy has no COMMIT (rank 0 writes it), so retention there needs
@@ -228,6 +185,10 @@ class Checkpointer:
         """Snapshot ``states`` now and write it (in the background unless ``sync``)."""
         t0 = time.perf_counter()
         self.wait()  # the in-flight policy: wait for the previous save, counted as blocking
+        if self._fatal is not None:
+            raise CheckpointError(self._fatal)
+        if self._leases is None and not self._take_leases(step, t0):
+            return time.perf_counter() - t0
         staged = self._stager.stage(S.dcp_state_dict(states))
         rank_json = {"step": step, "states": S.json_states(states), "rng": S.rng_state()}
         block_s = time.perf_counter() - t0
@@ -241,27 +202,103 @@ class Checkpointer:
             t_start=t0,
             state_names=sorted(states),
             nbytes=self._stager.bytes_staged,
+            daemon_restarts_left=self._daemon_restarts_left,
+            job=self._job,
         )
         self._last_step, self._last_save_t = step, time.monotonic()
         if self.async_mode == "sync":
-            self._result = self._run(req)
+            self._results = self._run(req)
             self._deliver()
             return time.perf_counter() - t0
         self._thread = threading.Thread(
-            target=lambda: setattr(self, "_result", self._run(req)),
+            target=lambda: setattr(self, "_results", self._run(req)),
             name=f"steadytrain-ckpt-{step}",
             daemon=True,
         )
         self._thread.start()
         return block_s
 
-    def _run(self, req: SaveRequest) -> dict[str, Any]:
-        event = run_save(req, self.group, self.local, self.remote, self._in_flight)
+    def _take_leases(self, step: int, t0: float) -> bool:
+        """Rank 0 takes the writer lease on every root this job writes; every rank learns the
+        outcome. A live holder: ``CheckpointError`` on every rank. A store that does not
+        answer: this save fails (an event), the next one tries again."""
+        verdict: tuple[str, str] = ("ok", "")
+        leases: list[Lease] = []
+        if self.group.rank == 0:
+            try:
+                for root in [self.local] + ([self.remote] if self.remote is not None else []):
+                    leases.append(
+                        acquire(root.store, job=self._job, timeout_s=self.config.lease_timeout_s)
+                    )
+            except CheckpointError as exc:
+                verdict = ("refused", str(exc))
+            except (SteadyError, OSError) as exc:
+                verdict = ("retry", f"{type(exc).__name__}: {exc}")
+            if verdict[0] != "ok":
+                for lease in leases:
+                    lease.release()
+                leases = []
+        try:
+            kind, message = self.group.broadcast(verdict)
+        except FAILURES as exc:  # noqa: BLE001 - a broken group fails this save, not training
+            kind, message = "retry", f"checkpoint group failed: {exc}"
+        if kind == "refused":
+            raise CheckpointError(message)
+        if kind == "ok":
+            self._leases = leases
+            return True
+        self._last_step, self._last_save_t = step, time.monotonic()
+        error = f"taking the checkpoint writer lease failed ({message}); the next save retries"
+        log.warning("checkpoint of step %d failed (training goes on): %s", step, error)
+        elapsed = time.perf_counter() - t0
+        self._results = [
+            {
+                "type": "checkpoint",
+                "step": step,
+                "block_s": elapsed,
+                "durable_s": elapsed,
+                "ok": False,
+                "path": "",
+                "error": error,
+                "bytes": 0,
+                **self._policy(),
+            }
+        ]
+        self._deliver()
+        return False
+
+    def _fence(self) -> None:
+        """Run by the writer on rank 0 before claiming a directory and before COMMIT: is the
+        root still this job's? (``LeaseLostError`` if another job took it.)"""
+        for lease in self._leases or []:
+            lease.check()
+
+    def _policy(self) -> dict[str, Any]:
+        """The interval in force, on every checkpoint event: the alert engine's yardstick
+        for "the recovery point is older than two intervals"."""
+        every = self.every_steps if self.interval == "steps" else 0
+        return {"every_steps": every, "interval_s": self.interval_s()}
+
+    def _run(self, req: SaveRequest) -> list[dict[str, Any]]:
+        event = run_save(
+            req, self.group, self.local, self.remote, self._in_flight, fence=self._fence
+        )
+        events = []
+        daemon = event.pop("daemon", None)
+        if daemon is not None:  # the same on every rank: all ranks switch together
+            if daemon["action"] == "restart":
+                self._daemon_restarts_left -= 1
+            else:
+                self.async_mode = "thread"
+            events.append({"type": "checkpoint_daemon", "step": req.step, **daemon})
+        if event.get("lease_lost"):
+            self._fatal = str(event["error"])
         if event["ok"]:
             self._committed_here.append(os.path.basename(str(event["path"]).rstrip("/")))
             self._retain()
         self._in_flight[:] = []
-        return event
+        event.update(self._policy())
+        return events + [event]
 
     def wait(self) -> float:
         """Block until the in-flight save (if any) is durable; returns the seconds waited."""
@@ -276,12 +313,11 @@ class Checkpointer:
         """Report a finished save from the caller's thread (sinks need not be thread-safe)."""
         if self._thread is not None and self._thread.is_alive():
             return
-        event, self._result = self._result, None
-        if event is None:
-            return
-        if event["ok"]:
-            self._cost_s, self._durable_s = event["block_s"], event["durable_s"]
-        self._emit(event)
+        events, self._results = self._results, []
+        for event in events:
+            if event["type"] == "checkpoint" and event["ok"]:
+                self._cost_s, self._durable_s = event["block_s"], event["durable_s"]
+            self._emit(event)
 
     def _emit(self, event: dict[str, Any]) -> None:
         self.last_event = event
@@ -332,8 +368,12 @@ class Checkpointer:
         return int(event["step"])
 
     def close(self) -> None:
-        """Wait for the in-flight save and release the staging buffers."""
+        """Wait for the in-flight save, release the writer lease (the next job on this root
+        need not wait for it to age) and the staging buffers."""
         self.wait()
+        leases, self._leases = self._leases or [], None
+        for lease in leases:
+            lease.release()
         self._stager.release()
 
     def __enter__(self) -> Checkpointer:

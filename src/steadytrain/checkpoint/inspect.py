@@ -15,7 +15,12 @@ __all__ = ["list_checkpoints"]
 
 
 def list_checkpoints(directory: str, checksums: bool = True) -> list[dict[str, Any]]:
-    """One row per checkpoint directory, newest first: step, state, size, age, verifies."""
+    """One row per checkpoint directory, newest first: step, state, size, age, verifies.
+
+    ``state`` is ``committed``, ``partial`` (no COMMIT: a save in flight or one that died) or
+    ``damaged`` (a COMMIT that fails its checks: malformed, or its checksum does not match;
+    restore skips it). A row never ends the listing, whatever its COMMIT holds.
+    """
     root = Root(directory)
     if root.is_local and not os.path.isdir(root.root):
         raise CheckpointError(f"{directory}: no such directory; pass the checkpoint directory")
@@ -33,19 +38,22 @@ def list_checkpoints(directory: str, checksums: bool = True) -> list[dict[str, A
                 error = str(exc)  # one bad checkpoint is a row, not the end of the listing
         elif error is None:
             error = "no COMMIT (partial)"
+        state = "committed" if info.committed else ("damaged" if info.error else "partial")
         size = info.size if info.committed else root.dir_size(info.name)
+        manifest = info.manifest or {}  # schema-checked by discover() when present
         rows.append(
             {
                 "name": info.name,
                 "path": root.path(info.name),
                 "step": info.step,
-                "state": "committed" if info.committed else "partial",
+                "state": state,
                 "size_bytes": size,
                 "age_s": max(0.0, now - info.mtime) if info.mtime else None,
                 "verifies": verifies,
                 "error": None if verifies else error,
-                "tokens_seen": (info.manifest or {}).get("tokens_seen"),
-                "world_size": ((info.manifest or {}).get("world") or {}).get("world_size"),
+                "tokens_seen": manifest.get("tokens_seen"),
+                "world_size": (manifest.get("world") or {}).get("world_size"),
+                "format_version": manifest.get("format_version"),
             }
         )
     return rows

@@ -2,11 +2,18 @@
 
 Rank 0 discovers candidates (only directories with a valid COMMIT) and broadcasts them. For
 each candidate, newest first: every rank checks names and sizes of every file and reads
-``.metadata`` and its JSON state once, checksummed (``_preverify``), and all ranks agree; then
-DCP loads and reshards the tensors through ``reader.VerifyingReader``, which (``verify="full"``)
-checksums every shard file before any live tensor is written and then copies tensor bytes
-straight into place; the JSON states and RNG are applied. A candidate that fails anywhere is
-reported in ``skipped`` and the next older one is tried.
+``.metadata`` and its JSON state once, checksummed (``_preverify``); each JSON state is checked
+against its object without loading it (the loader's ``check_state_dict``), and all ranks
+agree; then DCP loads and reshards the tensors through ``reader.VerifyingReader``, which
+(``verify="full"``) checksums every shard file before any live tensor is written and then
+copies tensor bytes straight into place; the JSON states and RNG are applied last.
+
+A candidate that fails verification (or cannot be read) is reported in ``skipped`` and the
+next older one is tried. One that verifies but does not fit the job (another seq_len, a
+missing state, other tensor shapes) stops the restore with a ``CheckpointError`` that says
+the checkpoint is intact: falling back would silently drop progress, or, with nothing older,
+silently start from scratch beside good checkpoints. Advice to remove checkpoints is given
+only for ones that failed verification.
 """
 
 from __future__ import annotations
@@ -71,10 +78,29 @@ def _preverify(path: str, manifest: dict, rank: int, part: tuple[int, int]) -> d
     C.verify_local(path, manifest, checksums=False)
     entries = {f["path"]: f for f in manifest["files"]}
     mine = {".metadata", _json_name(manifest, rank)}
+    missing = sorted(mine - set(entries))
+    if missing:
+        raise CheckpointError(
+            f"{path}/COMMIT does not list {missing}: the checkpoint is incomplete"
+        )
     blobs = {name: R.read_verified(path, entries[name]) for name in sorted(mine)}
     others = [n for n in sorted(entries) if not C.is_shard(n) and n not in mine]
     R.check_files(path, [entries[n] for n in others[part[0] :: part[1]]], threads=1)
     return blobs
+
+
+def _rank_state(path: str, manifest: dict, rank: int, blobs: dict[str, bytes]) -> dict:
+    """This rank's ``state-rankNNNNN.json`` (already checksummed), checked for shape."""
+    name = _json_name(manifest, rank)
+    try:
+        doc = json.loads(blobs[name])
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}/{name}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("states"), dict):
+        raise CheckpointError(f'{path}/{name}: has no "states" object')
+    if rank < int(manifest["world"]["world_size"]) and not isinstance(doc.get("rng"), dict):
+        raise CheckpointError(f'{path}/{name}: has no "rng" object')
+    return doc
 
 
 def _load(
@@ -83,6 +109,7 @@ def _load(
     manifest: dict,
     group: Group,
     blobs: dict[str, bytes],
+    rank_json: dict[str, Any],
     mode: str,
     flags: dict[str, Any],
 ) -> None:
@@ -105,7 +132,6 @@ def _load(
         flags["touched"] = True
         S.apply_dcp_state_dict(states, template)
     flags["touched"] = True
-    rank_json = json.loads(blobs[_json_name(manifest, group.rank)])
     S.apply_json_states(states, rank_json["states"])
     if group.rank < int(manifest["world"]["world_size"]):
         S.set_rng_state(rank_json["rng"])
@@ -126,6 +152,13 @@ def restore_latest(
     fails its checksum makes the load fail: the next older checkpoint is loaded over it,
     and if none is left a CheckpointError says so (the live state was overwritten). Shards
     are read with torch's weights-only unpickler before their checksum is known.
+
+    Either way the small JSON states are checked against their objects first (the loader
+    refuses another seq_len, seed, mixture or dataset, naming both values): a checkpoint
+    that verifies but does not fit this job raises ``CheckpointError`` at once, before any
+    tensor is written, and is never skipped for an older one (that would silently drop
+    progress) nor called damaged. The event's ``changes`` lists what the states accepted
+    as changed (a new global batch, from the saved sample position on).
     """
     t0 = time.perf_counter()
     root = remote if remote is not None else local
@@ -134,34 +167,44 @@ def restore_latest(
     found = _candidates(root) if group.rank == 0 else None
     cands, skipped = group.broadcast(found)
     dirty = False  # live states hold data from a checkpoint that failed verification
+    damaged: list[str] = []  # candidates that failed verification (never ones that verify)
     for cand in cands:
-        path, err, tmp, blobs = "", None, False, {}
+        path, tmp, blobs, rank_json = "", False, {}, {}
+        err: str | None = None
+        kind = "damaged"  # or "unreadable" (storage), "mismatch" (verifies, does not fit)
         try:
             if remote is not None:
                 path, tmp = _local_copy(cand, local, remote, group.rank, True)  # verified
             else:
                 path = os.path.join(local.root, cand["name"])
             blobs = _preverify(path, cand["manifest"], group.rank, part)
-        except _FAILURES as exc:  # noqa: BLE001 - any failure means: try an older one
+            rank_json = _rank_state(path, cand["manifest"], group.rank, blobs)
+        except CheckpointError as exc:
             err = f"rank {group.rank}: {exc}"
-        errs = [e for e in group.all_gather(err) if e]
-        if not errs:
+        except _FAILURES as exc:  # noqa: BLE001 - any failure means: try an older one
+            err, kind = f"rank {group.rank}: {exc}", "unreadable"
+        if err is None:
+            try:  # JSON first: a state that will not load is refused before any tensor is
+                S.check_json_states(states, rank_json["states"])
+            except _FAILURES as exc:  # noqa: BLE001
+                err, kind = f"rank {group.rank}: {exc}", "mismatch"
+        gathered = group.all_gather((err, kind, False))
+        if not any(e for e, _, _ in gathered):
             # full: every shard checked before any is served; overlap: hashed while read
             # straight into place; a remote checkpoint's local copy is already verified.
             mode = "none" if remote is not None else ("stream" if overlap else "before")
             flags: dict[str, Any] = {"touched": False}
             try:
-                _load(states, path, cand["manifest"], group, blobs, mode, flags)
+                _load(states, path, cand["manifest"], group, blobs, rank_json, mode, flags)
             except _FAILURES as exc:  # noqa: BLE001
-                err = flags.get("verify_error") or (
-                    f"rank {group.rank}: load failed: {type(exc).__name__}: {exc}"
-                )
-            gathered = group.all_gather((err, bool(flags["touched"])))
-            errs = list(dict.fromkeys(e for e, _ in gathered if e))  # verify errors repeat
-            # Only a failure after some rank wrote live tensors leaves the state dirty.
-            dirty = dirty or (bool(errs) and any(t for _, t in gathered))
+                err = flags.get("verify_error")
+                if not err:  # it verified: the job does not fit it (shapes, names)
+                    err = f"rank {group.rank}: load failed: {type(exc).__name__}: {exc}"
+                    kind = "mismatch"
+            gathered = group.all_gather((err, kind, bool(flags["touched"])))
         if tmp:
             shutil.rmtree(path, ignore_errors=True)
+        errs = list(dict.fromkeys(e for e, _, _ in gathered if e))  # verify errors repeat
         if not errs:
             return {
                 "type": "restore",
@@ -169,14 +212,23 @@ def restore_latest(
                 "restore_s": time.perf_counter() - t0,
                 "path": root.path(cand["name"]),
                 "skipped": skipped,
-                "tokens_seen": int(cand["manifest"].get("tokens_seen", 0)),
+                "tokens_seen": int(cand["manifest"]["tokens_seen"]),
+                "changes": S.json_state_changes(states),
             }
+        touched = any(t for _, _, t in gathered)
+        kinds = {k for e, k, _ in gathered if e}
+        if kinds == {"mismatch"}:
+            raise CheckpointError(_mismatch(root, cand["name"], errs, touched, skipped))
+        # Only a failure after some rank wrote live tensors leaves the state dirty.
+        dirty = dirty or touched
+        if "damaged" in kinds:
+            damaged.append(cand["name"])
         skipped.append({"path": cand["name"], "step": cand["step"], "reason": "; ".join(errs)})
     if dirty:
         raise CheckpointError(
             f"no checkpoint in {root.url} could be restored and a failed load already "
             f"overwrote part of the live state ({skipped[-1]['reason']}); restart the "
-            "process (and remove the damaged checkpoints listed by `steadytrain checkpoints`)"
+            f"process. {_damaged_advice(root, damaged)}"
         )
     return {
         "type": "restore",
@@ -185,4 +237,32 @@ def restore_latest(
         "path": "",
         "skipped": skipped,
         "tokens_seen": 0,
+        "changes": [],
     }
+
+
+def _mismatch(root: Root, name: str, errs: list[str], touched: bool, skipped: list) -> str:
+    """The message for a checkpoint that verifies but that this job cannot load."""
+    state = (
+        "Part of the live state was already overwritten: restart the process once the "
+        "settings are fixed."
+        if touched
+        else "Nothing was loaded: the live state is untouched."
+    )
+    newer = f" ({len(skipped)} newer entries were skipped first.)" if skipped else ""
+    return (
+        f"{root.path(name)} verifies, but this job cannot load it: {'; '.join(errs)}. {state} "
+        "The checkpoint is intact: keep it. Run with the settings it was saved with to "
+        f"resume, or point the checkpoint directory elsewhere to start a new run.{newer}"
+    )
+
+
+def _damaged_advice(root: Root, damaged: list[str]) -> str:
+    """What to do about checkpoints that failed verification (and only those)."""
+    if not damaged:
+        return f"`steadytrain checkpoints {root.url}` shows which checkpoints verify."
+    return (
+        f"These failed verification and cannot be restored: {', '.join(damaged)} "
+        f"(`steadytrain checkpoints {root.url}` shows why); copy intact ones back from a "
+        "remote or backup copy if you have one, or remove them to start afresh."
+    )

@@ -32,7 +32,9 @@ __all__ = [
     "dcp_state_dict",
     "apply_dcp_state_dict",
     "json_states",
+    "check_json_states",
     "apply_json_states",
+    "json_state_changes",
     "rng_state",
     "set_rng_state",
     "derive_seed",
@@ -131,19 +133,44 @@ def json_states(states: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def apply_json_states(states: dict[str, Any], saved: dict[str, Any]) -> None:
-    """Load each JSON state into its object; a missing name is a clear error."""
+def check_json_states(states: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Refuse, before anything is loaded, JSON states that would not load: a missing name
+    (``CheckpointError``) or a state its object's ``check_state_dict`` refuses (the loader's
+    ``LoaderStateError``: another seq_len, seed, mixture or dataset). Changes nothing."""
     from steadytrain.errors import CheckpointError
 
     _, _, others = split_states(states)
     for name, obj in others.items():
         if name in saved:
-            obj.load_state_dict(saved[name])
+            check = getattr(obj, "check_state_dict", None)
+            if callable(check):
+                check(saved[name])
         elif _is_jsonable(obj.state_dict()):
             raise CheckpointError(
                 f"the checkpoint has no state named {name!r} (it has {sorted(saved)}); "
                 "pass the same names to restore_latest() that were passed to save()"
             )
+
+
+def apply_json_states(states: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Load each JSON state into its object; a missing name is a clear error."""
+    check_json_states(states, saved)
+    _, _, others = split_states(states)
+    for name, obj in others.items():
+        if name in saved:
+            obj.load_state_dict(saved[name])
+
+
+def json_state_changes(states: dict[str, Any]) -> list[dict[str, Any]]:
+    """What loading changed, as the objects report it (``resume_changes``: the loader's new
+    global batch, with the step and sample position it takes effect at), each tagged with
+    its state's name: the restore event carries them into the ledger."""
+    _, _, others = split_states(states)
+    out = []
+    for name, obj in others.items():
+        for change in getattr(obj, "resume_changes", None) or []:
+            out.append({"state": name, **change})
+    return out
 
 
 def derive_seed(step: int, rank: int) -> int:

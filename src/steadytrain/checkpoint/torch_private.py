@@ -16,6 +16,11 @@ it, so that callers (``archive``, ``reader``, ``writer``) import them from this 
 - ``AsyncStager._synchronize_after_execute``: the attribute behind the stager protocol's
   ``should_synchronize_after_execute``; ``IdentityStager`` sets both so ``dcp.async_save``
   neither copies nor waits for a state dict we already staged (``writer.py``).
+- ``torch.distributed.checkpoint._async_process_executor._CHECKPOINT_PROCESS`` (and its
+  ``_save_process``): the one checkpoint daemon of ``async_save(PROCESS)``. DCP caches it for
+  the life of the process and never notices its death, so every later save fails with
+  ``BrokenPipeError``; ``writer.py`` reads whether it is alive and forgets a dead one so the
+  next save starts a new daemon.
 
 Each API is checked once, at first use, not at import: ``import steadytrain`` (and
 ``tokenize``, ``verify``, the loader) must keep working on any torch. A missing or reshaped
@@ -46,6 +51,8 @@ __all__ = [
     "typed_storage",
     "storage_infos",
     "identity_stager",
+    "checkpoint_daemon",
+    "forget_checkpoint_daemon",
     "check_all",
 ]
 
@@ -219,10 +226,54 @@ def identity_stager() -> IdentityStager:
     return IdentityStager()
 
 
+# -- DCP's checkpoint daemon (async_save with AsyncCheckpointerType.PROCESS) -------------
+_DAEMON_MODULE = "torch.distributed.checkpoint._async_process_executor"
+_DAEMON = f"{_DAEMON_MODULE}._CHECKPOINT_PROCESS"
+_DAEMON_WHY = "to notice that DCP's checkpoint daemon died and start a new one"
+
+
+@functools.cache
+def _daemon_module() -> Any:
+    _attr(_DAEMON_MODULE, "_CHECKPOINT_PROCESS", _DAEMON, _DAEMON_WHY)  # None until a save
+    return importlib.import_module(_DAEMON_MODULE)
+
+
+def _daemon_process(daemon: Any) -> Any:
+    proc = getattr(daemon, "_save_process", None)
+    if not all(hasattr(proc, a) for a in ("is_alive", "pid", "exitcode", "join", "kill")):
+        raise _fail(f"{_DAEMON}._save_process", _DAEMON_WHY, "changed (not a Process)")
+    return proc
+
+
+def checkpoint_daemon() -> tuple[int | None, int | None] | None:
+    """(pid, exit code) of DCP's checkpoint daemon in this process; the exit code is None
+    while it runs. None when no daemon was started (or it was forgotten)."""
+    daemon = _daemon_module()._CHECKPOINT_PROCESS
+    if daemon is None:
+        return None
+    proc = _daemon_process(daemon)
+    return proc.pid, (None if proc.is_alive() else proc.exitcode)
+
+
+def forget_checkpoint_daemon(timeout_s: float = 5.0) -> None:
+    """Forget DCP's daemon, killing it if it still runs (its gloo group may be broken by a
+    dead peer): the next ``async_save(PROCESS)`` starts a new one. Every rank must do this
+    together, since starting daemons is collective."""
+    module = _daemon_module()
+    daemon, module._CHECKPOINT_PROCESS = module._CHECKPOINT_PROCESS, None
+    if daemon is None:
+        return
+    proc = _daemon_process(daemon)
+    if proc.is_alive():
+        proc.kill()
+    proc.join(timeout_s)
+
+
 def check_all() -> list[str]:
     """Check every fenced API now; the names checked (TorchAPIError on the first failure)."""
     _unpickler_class()
     _typed_storage_class()
     _check_storage_info()
     _check_stager()
-    return [_UNPICKLER, _TYPED, _STORAGE, _STAGER]
+    _daemon_module()
+    return [_UNPICKLER, _TYPED, _STORAGE, _STAGER, _DAEMON]

@@ -6,23 +6,44 @@ waits for it and then does the commit. Every collective here goes over the check
 gloo group, never over the training group (a shared group deadlocks against DDP's gradient
 all-reduce, see NOTES-environment.md). All ranks run the same sequence of collectives whether
 their part succeeded or not, so a failure on one rank cannot leave another waiting.
+
+Two guards keep one job's checkpoints apart from another's: rank 0 first runs the caller's
+``fence`` (the writer lease must still be this job's, ``lease.py``), then claims a directory
+name no one has used (``claim.py``), so two writers never put files into one directory.
+
+In ``process`` mode DCP keeps one checkpoint daemon per process and never notices its death
+(every later save then fails with ``BrokenPipeError``). Each save therefore starts with one
+all-gather of "is my daemon alive"; if any rank's daemon died, every rank forgets its daemon
+together and the save starts new ones, or, once the restart budget is spent, writes from
+this thread instead (``thread`` mode). The returned event says which (``daemon``).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import time
+import uuid
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from steadytrain.checkpoint import commit as C
+from steadytrain.checkpoint.claim import claim_name
+from steadytrain.checkpoint.lease import LeaseLostError
 from steadytrain.checkpoint.remote import Root
-from steadytrain.checkpoint.torch_private import identity_stager
+from steadytrain.checkpoint.torch_private import (
+    checkpoint_daemon,
+    forget_checkpoint_daemon,
+    identity_stager,
+)
 
 __all__ = ["Group", "SaveRequest", "run_save", "rank_files", "FAILURES"]
+
+_SPACE_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", 122)}
 
 # DCP's CheckpointException derives from BaseException; a failed save is still just a failure.
 FAILURES: tuple[type[BaseException], ...] = (Exception,)
@@ -82,6 +103,8 @@ class SaveRequest:
     t_start: float  # perf_counter at the start of save()
     state_names: list[str]
     nbytes: int = 0  # staged tensor bytes (to diagnose a full disk)
+    daemon_restarts_left: int = 0  # process mode: new daemons allowed before thread mode
+    job: str = ""  # the job identity, written into remote CLAIMs for whoever reads them
 
 
 def rank_files(directory: str, rank: int) -> list[str]:
@@ -95,19 +118,35 @@ def rank_files(directory: str, rank: int) -> list[str]:
     return sorted(mine)
 
 
-def _choose_name(local: Root, remote: Root | None, step: int) -> str:
-    taken = set(local.listdir()) | (set(remote.listdir()) if remote is not None else set())
-    attempt = 0
-    while C.step_dirname(step, attempt) in taken:
-        attempt += 1  # a directory is never reused, not even a partial one
-    return C.step_dirname(step, attempt)
+def _recover_daemon(group: Group, req: SaveRequest) -> dict[str, Any] | None:
+    """Collective (process mode): if DCP's checkpoint daemon died on any rank, every rank
+    forgets (and kills) its daemon, so this save starts new ones together -- or writes from
+    this thread when ``req.daemon_restarts_left`` is 0. None when every daemon is alive."""
+    try:
+        state = checkpoint_daemon()
+        mine = None
+        if state is not None and state[1] is not None:
+            pid, code = state
+            mine = f"rank {group.rank}: DCP's checkpoint daemon (pid {pid}) exited with code {code}"
+        dead = [d for d in group.all_gather(mine) if d]
+        if not dead:
+            return None
+        forget_checkpoint_daemon()
+    except _FAILURES as exc:  # noqa: BLE001 - the save itself will report the broken group
+        log.warning("could not check DCP's checkpoint daemon: %s", exc)
+        return None
+    action = "restart" if req.daemon_restarts_left > 0 else "fallback_thread"
+    reason = "; ".join(dead)
+    then = "starting new daemons" if action == "restart" else "saving from a thread from now on"
+    log.warning("%s; %s (async_mode='process' recovery)", reason, then)
+    return {"action": action, "reason": reason}
 
 
-def _dcp_write(req: SaveRequest, path: str, group: Group) -> None:
+def _dcp_write(req: SaveRequest, path: str, group: Group, mode: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(path)
-    if req.async_mode == "process":
+    if mode == "process":
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         fut = dcp.async_save(
@@ -123,23 +162,45 @@ def _dcp_write(req: SaveRequest, path: str, group: Group) -> None:
 
 
 def run_save(
-    req: SaveRequest, group: Group, local: Root, remote: Root | None, in_flight: list[str]
+    req: SaveRequest,
+    group: Group,
+    local: Root,
+    remote: Root | None,
+    in_flight: list[str],
+    *,
+    fence: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Write, gather, upload, commit. Returns the ``checkpoint`` event (never raises)."""
-    name, err, manifest = "", None, None
-    try:
-        name = group.broadcast(_choose_name(local, remote, req.step) if group.rank == 0 else None)
+    """Write, gather, upload, commit. Returns the ``checkpoint`` event (never raises), with
+    ``lease_lost`` when ``fence`` (run on rank 0 before the claim and before COMMIT) said
+    another job took the root, and ``daemon`` when process mode replaced DCP's daemon."""
+    manifest, mode, daemon = None, req.async_mode, None
+    if mode == "process":
+        daemon = _recover_daemon(group, req)
+        if daemon is not None and daemon["action"] == "fallback_thread":
+            mode = "thread"
+    picked: tuple[str, str | None, bool] = ("", None, False)
+    if group.rank == 0:
+        try:
+            if fence is not None:
+                fence()
+            picked = (claim_name(local, remote, req.step, req.job), None, False)
+        except LeaseLostError as exc:
+            picked = ("", str(exc), True)
+        except _FAILURES as exc:  # noqa: BLE001 - reported; training goes on
+            picked = ("", f"choosing the directory failed: {type(exc).__name__}: {exc}", False)
+    try:  # rank 0's outcome, failure included: no rank may wait for a name that never comes
+        name, err, lease_lost = group.broadcast(picked)
     except _FAILURES as exc:  # noqa: BLE001 - a broken group: report, training goes on
-        err = f"choosing the directory failed: {exc}"
+        name, err, lease_lost = "", f"choosing the directory failed: {exc}", False
     in_flight[:] = [name]
     path = os.path.join(local.root, name) if name else ""
     entries: list[dict[str, Any]] = []
     if err is None:
         try:
-            os.makedirs(path, exist_ok=True)
+            os.makedirs(path, exist_ok=True)  # rank 0 created (claimed) it; other nodes make theirs
             with open(os.path.join(path, f"state-rank{group.rank:05d}.json"), "w") as f:
                 json.dump(req.rank_json, f)
-            _dcp_write(req, path, group)
+            _dcp_write(req, path, group, mode)
             entries = [C.file_entry(path, n, group.rank) for n in rank_files(path, group.rank)]
         except _FAILURES as exc:  # noqa: BLE001
             err = f"rank {group.rank}: {_explain(exc, path, req.nbytes)}"
@@ -154,6 +215,8 @@ def run_save(
         all_entries = group.all_gather(entries)
         if group.rank == 0:
             try:
+                if fence is not None:
+                    fence()  # a job that lost the root since its claim commits nothing
                 files = [e for per_rank in all_entries for e in per_rank]
                 manifest = C.make_manifest(
                     step=req.step,
@@ -169,15 +232,21 @@ def run_save(
                 if remote is not None:
                     remote.put_commit(name, data)  # the remote COMMIT is the one that counts
                 C.write_commit_local(path, manifest)
+            except LeaseLostError as exc:
+                err, lease_lost = str(exc), True
             except _FAILURES as exc:  # noqa: BLE001
                 err = f"commit failed: {type(exc).__name__}: {exc}"
-        err, manifest = group.broadcast((err, manifest)) if group.world > 1 else (err, manifest)
+        if group.world > 1:
+            err, manifest, lease_lost = group.broadcast((err, manifest, lease_lost))
     if err is not None and name:
         _discard(path, remote, name, group)
     durable_s = time.perf_counter() - req.t_start
     if err is not None:
         log.warning("checkpoint of step %d failed (training goes on): %s", req.step, err)
-    return {
+    extra: dict[str, Any] = {"daemon": daemon} if daemon is not None else {}
+    if lease_lost:
+        extra["lease_lost"] = True
+    return extra | {
         "type": "checkpoint",
         "step": req.step,
         "block_s": req.block_s,
@@ -189,23 +258,89 @@ def run_save(
     }
 
 
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, its causes and contexts, and the per-rank failures that DCP's
+    ``CheckpointException.failures`` wraps (``{rank: (exception, traceback)}``)."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, tuple) and e:
+            e = e[0]
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += list(failures.values())
+
+
+def _probe_space(directory: str, nbytes: int) -> int | None:
+    """Write and fsync up to 1 MiB where the checkpoint was going: None when the file system
+    takes it, else the errno it refused with."""
+    probe = os.path.join(directory, f".space-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    left = min(max(nbytes, 1), 1 << 20)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            while left > 0:  # a short write is followed by the write that raises
+                left -= os.write(fd, bytes(min(left, 1 << 16)))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return exc.errno or errno.EIO
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+    return None
+
+
 def _explain(exc: BaseException, path: str, nbytes: int) -> str:
-    """A short, actionable message (DCP reports a full disk as 'unexpected pos 704 vs 598')."""
+    """A short, actionable message. "No space left on device" (or "Disk quota exceeded") only
+    when the OS said ENOSPC (EDQUOT): found in the exception chain, or -- torch's zip writer
+    reports a short write as 'unexpected pos 704 vs 598' and drops the OS error -- reproduced
+    by a small probe write where the checkpoint was going. Low free space alone proves
+    nothing: an unrelated error keeps its own message."""
     import shutil
 
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     said = f"{type(exc).__name__}: {lines[-1] if lines else exc}"
-    try:
-        free = shutil.disk_usage(os.path.dirname(path) or ".").free
-    except OSError:
+    directory = os.path.dirname(path) or "."
+    code = next(
+        (e.errno for e in _chain(exc) if isinstance(e, OSError) and e.errno in _SPACE_ERRNOS),
+        None,
+    )
+    if code is None and any("unexpected pos" in str(e) for e in _chain(exc)):
+        probe = _probe_space(path if os.path.isdir(path) else directory, nbytes)
+        if probe is None:
+            return (
+                f"{said} (a short write; {directory} still accepts writes, so not a full "
+                "disk: check the device and the kernel log)"
+            )
+        if probe not in _SPACE_ERRNOS:
+            return (
+                f"{said} (a short write; a test write in {directory} failed too with "
+                f"{errno.errorcode.get(probe, probe)}: check the device and the kernel log)"
+            )
+        code = probe
+    if code is None:
         return said
-    if isinstance(exc, OSError) and exc.errno == 28 or free < max(nbytes, 1) + (1 << 20):
-        return (
-            f"No space left on device: {os.path.dirname(path)} has {free} bytes free and this "
-            f"checkpoint needs about {nbytes}; free space, lower keep_last, or point the "
-            f"checkpoint directory at a larger disk ({said})"
-        )
-    return said
+    try:
+        free = f"{shutil.disk_usage(directory).free} bytes free"
+    except OSError:
+        free = "unknown free space"
+    quota = code != errno.ENOSPC
+    return (
+        f"{'Disk quota exceeded' if quota else 'No space left on device'}: {directory} has "
+        f"{free} and this checkpoint needs about {nbytes}; free space, lower keep_last, "
+        f"{'raise the quota, ' if quota else ''}or point the checkpoint directory at a larger "
+        f"disk ({said})"
+    )
 
 
 def _agree(group: Group, err: str | None) -> str | None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "list committed and partial checkpoints, newest first"
+HELP = "list committed, partial and damaged checkpoints, newest first"
 DESCRIPTION = (
     "List checkpoints under DIR (a local path or a URL) with step, size, age "
-    "and whether each verifies against its COMMIT manifest (sizes and checksums)."
+    "and whether each verifies against its COMMIT manifest (sizes and checksums). "
+    "A COMMIT that fails its own checks (malformed, or its commit_checksum does not match) "
+    "is listed as 'damaged' with the reason; restore skips such checkpoints. Exit status: 0 "
+    "when every committed checkpoint is sound, 2 when any is damaged (after the full list)."
 )
 
 
@@ -27,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         from steadytrain.commands._util import print_json
 
         print_json({"directory": args.directory, "checkpoints": rows})
-        return 0
+        return _damaged_status(args.directory, rows)
     if not rows:
         print(f"no checkpoints in {args.directory}")
         return 0
@@ -37,7 +40,24 @@ def run(args: argparse.Namespace) -> int:
         age = _age(r["age_s"])
         ver = "yes" if r["verifies"] else f"no: {r['error']}"
         print(f"{r['name']:<22} {r['step']:>9} {r['state']:<10} {size:>10} {age:>8}  {ver}")
-    return 0
+    return _damaged_status(args.directory, rows)
+
+
+def _damaged_status(directory: str, rows: list[dict]) -> int:
+    """2 (and one line on stderr naming them) when any checkpoint's COMMIT is damaged: a
+    script that lists before resuming must not mistake a damaged root for a sound one."""
+    import sys
+
+    damaged = [r["name"] for r in rows if r["state"] == "damaged"]
+    if not damaged:
+        return 0
+    print(
+        f"steadytrain checkpoints: error: {len(damaged)} damaged checkpoint(s) in {directory}: "
+        f"{', '.join(damaged)}; restore skips them and uses the newest one that verifies; "
+        f"see the reasons above",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def _age(s: float) -> str:

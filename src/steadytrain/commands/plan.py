@@ -117,7 +117,15 @@ def _pct(x: float | None) -> str:
 
 
 def _min(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f} min"
+    """An interval in minutes with the precision it needs: tiny costs give intervals of
+    seconds, which one decimal would print as "0.0 min"."""
+    if x is None:
+        return "-"
+    if x >= 10 or x == 0:
+        return f"{x:.1f} min"
+    if x >= 1:
+        return f"{x:.2f} min"
+    return f"{x:.2g} min ({60 * x:.2g} s)"
 
 
 def _shares(badput: dict[str, float]) -> str:
@@ -187,8 +195,13 @@ def _print_human(r: dict[str, Any]) -> None:
     best = {round(i["optimal_interval_min"] or -1, 2): n for n, i in modes.items()}
     for mins, rows in by_interval.items():
         cells = [f"{_pct(rows[n]['goodput'])} / {_pct(rows[n]['goodput_exact'])}" for n in modes]
-        mark = f"  <- best {best[mins]}" if mins in best else ""
-        tab.add_row(f"{mins:g} min{mark}", *cells)
+        if mins in best:  # the table's interval is rounded: show the optimum itself
+            opt = modes[best[mins]]["optimal_interval_min"]
+            when = f"{60 * opt:.2g} s" if opt < 1 else _min(opt)
+            label = f"{when}  <- best {best[mins]}"
+        else:
+            label = f"{mins:g} min"
+        tab.add_row(label, *cells)
     con.print(tab)
     for note in r["notes"]:
         con.print(f"note: {note}")

@@ -22,6 +22,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="bytes",
         help="bytes (default, vocab 257, EOS 256) | PATH/tokenizer.json | train:VOCAB",
     )
+    p.add_argument(
+        "--tokenizer-sample-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --tokenizer train:VOCAB: train on a deterministic sample of at most N bytes "
+        "of text, drawn evenly from all inputs (long documents in 64 KiB pieces), which bounds "
+        "the trainer's memory; recorded in the manifest (default 67108864 = 64 MiB; min 1 MiB)",
+    )
     p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 64Mi)")
     p.add_argument("--workers", type=int, default=None, help="encoder processes (default: CPUs)")
     p.add_argument("--text-field", default="text", help="JSON Lines / Parquet text field")
@@ -69,6 +78,14 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("give at least one INPUT (file or directory), or --from-megatron")
         from steadytrain.data.ingest.tokenize import tokenize
 
+        sample_kw = {}
+        if args.tokenizer_sample_bytes is not None:
+            if not args.tokenizer.startswith("train:"):
+                raise ConfigError(
+                    f"--tokenizer-sample-bytes applies to --tokenizer train:VOCAB only (got "
+                    f"--tokenizer {args.tokenizer}); drop it or train a tokenizer"
+                )
+            sample_kw["tokenizer_sample_bytes"] = args.tokenizer_sample_bytes
         result = tokenize(
             args.inputs,
             args.out,
@@ -79,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             progress=make_progress(args.quiet),
             warn=warn,
             include=args.include,
+            **sample_kw,
         )
     info = result.to_json()
     if args.json:

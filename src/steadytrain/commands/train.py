@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from steadytrain.commands._util import add_set_argument
+
 HELP = "train the small GPT with checkpoints and automatic resume (alone or under torchrun)"
 DESCRIPTION = (
     "Train the reference model on a token dataset. Every start resumes from the newest "
@@ -18,16 +20,10 @@ DESCRIPTION = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="TOML config file, or a packaged config name: demo, small")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=(
-            "override a config value, e.g. --set optim.lr=3e-4 --set monitor.alerts.window=50 "
-            "--set 'data.dataset=[/data/web, /data/code]' (keys: docs/training.md)"
-        ),
+    add_set_argument(
+        p,
+        "override a config value, e.g. --set optim.lr=3e-4 --set monitor.alerts.window=50 "
+        "--set 'data.dataset=[/data/web, /data/code]' (keys: docs/training.md)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end (rank 0)")
 

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from steadytrain.monitor.diagnosis import NEXT_STEPS, Stats, diagnose
+from steadytrain.monitor.diagnosis import Stats, advice, band_text, device_of, diagnose
 from steadytrain.settings import check
 
 __all__ = ["AlertConfig", "AlertEngine"]
@@ -50,6 +50,10 @@ class AlertConfig:
     read_p99_factor: float = 3.0
     read_p99_min_s: float = 0.005
     max_recovery_age_s: float | None = 3600.0  # None or 0: no recovery_point_age alert
+    # Also alert when the newest commit is older than this many checkpoint intervals (the
+    # interval the checkpoint records carry: every_steps, or interval_s); 0: off. Two
+    # intervals means one save was missed entirely: a dead writer, not a slow one.
+    recovery_intervals: float = 2.0
     # Window alerts fire after their condition held this many consecutive steps; the
     # default (window + 1) is longer than one outlier step (a GC pause, a descheduled
     # process) can hold a window's mean down.
@@ -79,6 +83,12 @@ class AlertConfig:
             self.max_recovery_age_s = None  # TOML cannot say None: 0 turns it off
         age = self.max_recovery_age_s
         check(age is None or age > 0, "max_recovery_age_s", age, "use None or 0 (off), or > 0")
+        check(
+            self.recovery_intervals >= 0,
+            "recovery_intervals",
+            self.recovery_intervals,
+            "use 0 (off) or a number of checkpoint intervals, e.g. 2",
+        )
 
 
 def _band(expected: Any) -> tuple[float, float] | None:
@@ -124,7 +134,12 @@ class AlertEngine:
         self.cfg = config or AlertConfig()
         self.band = _band(expected_tokens_per_s)
         self.world_size = max(1, world_size)
+        # "cpu" or "cuda", from each attempt's job_start: advice must fit the hardware.
+        self.device: str | None = None
         self.last_ckpt_t: float | None = None
+        self.last_ckpt_step: int | None = None  # restored or newest committed step
+        self.ckpt_every_steps = 0  # the checkpointer's interval, from its records
+        self.ckpt_interval_s: float | None = None
         self._reset(None)
 
     def _reset(self, t: float | None) -> None:
@@ -185,7 +200,7 @@ class AlertEngine:
                 "kind": kind,
                 "message": message,
                 "diagnosis": diagnosis,
-                "next": NEXT_STEPS.get(diagnosis, ""),
+                "next": advice(diagnosis, self.device),
                 "evidence": evidence,
             }
         ]
@@ -195,12 +210,18 @@ class AlertEngine:
         kind = rec.get("type")
         if kind == "job_start":
             self._reset(rec.get("t"))
+            self.device = device_of(rec)
             if self.last_ckpt_t is None:
                 self.last_ckpt_t = rec.get("t")
+            self.last_ckpt_step = int(rec.get("restored_step") or 0)
             return []
         if kind == "checkpoint":
+            self.ckpt_every_steps = int(rec.get("every_steps") or 0)
+            self.ckpt_interval_s = rec.get("interval_s") or None
             if rec.get("ok", True):
                 self.last_ckpt_t = rec.get("t") or self.last_ckpt_t
+                if rec.get("step") is not None:
+                    self.last_ckpt_step = int(rec["step"])
                 return []
             # Every failed save is its own incident: no re-arming needed.
             return [
@@ -211,7 +232,7 @@ class AlertEngine:
                     "kind": "checkpoint_failed",
                     "message": f"checkpoint at step {rec.get('step')} failed: {rec.get('error')}",
                     "diagnosis": "checkpointing",
-                    "next": NEXT_STEPS["checkpointing"],
+                    "next": advice("checkpointing", self.device),
                     "evidence": {"path": rec.get("path"), "error": rec.get("error")},
                 }
             ]
@@ -271,8 +292,9 @@ class AlertEngine:
                     outside,
                     rec,
                     lambda: self._explain(
-                        f"tokens/s per GPU {tps:,.0f} outside the expected band "
-                        f"{band[0]:,.0f}-{band[1]:,.0f} over the last {c.window} steps",
+                        f"tokens/s per {'rank' if self.device == 'cpu' else 'GPU'} "
+                        f"{tps:,.0f} outside {band_text(band, learned=self.band is None)} "
+                        f"over the last {c.window} steps",
                         recent,
                         growing,
                         {"tokens_per_s_per_gpu": tps, "band": list(band)},
@@ -321,20 +343,48 @@ class AlertEngine:
                     ),
                     sustain=c.sustain,
                 )
-        if c.max_recovery_age_s is not None and self.last_ckpt_t is not None:
-            age = float(rec.get("t") or 0.0) - self.last_ckpt_t
-            out += self._fire(
-                "recovery_point_age",
-                age > c.max_recovery_age_s,
-                rec,
-                lambda: (
-                    f"newest committed checkpoint is {age:,.0f} s old (limit "
-                    f"{c.max_recovery_age_s:,.0f} s): a failure now loses that much work",
-                    "checkpointing",
-                    {"recovery_point_age_s": age},
-                ),
-            )
+        out += self._recovery_age(rec, step)
         return out
+
+    def _recovery_age(self, rec: dict[str, Any], step: int) -> list[dict[str, Any]]:
+        """The newest commit is older than ``max_recovery_age_s``, or than
+        ``recovery_intervals`` checkpoint intervals (in steps or in seconds)."""
+        c = self.cfg
+        last_t = self.last_ckpt_t
+        age = float(rec.get("t") or 0.0) - last_t if last_t is not None else None
+        limits: list[str] = []  # each limit the recovery point is past, for the message
+        if c.max_recovery_age_s is not None and age is not None and age > c.max_recovery_age_s:
+            limits.append(f"limit {c.max_recovery_age_s:,.0f} s")
+        if c.recovery_intervals and self.last_ckpt_step is not None and self.ckpt_every_steps:
+            steps = step - self.last_ckpt_step
+            if steps > c.recovery_intervals * self.ckpt_every_steps:
+                limits.append(
+                    f"{steps} steps since step {self.last_ckpt_step}, more than "
+                    f"{c.recovery_intervals:g} intervals of {self.ckpt_every_steps} steps"
+                )
+        if c.recovery_intervals and self.ckpt_interval_s and age is not None:
+            if age > c.recovery_intervals * self.ckpt_interval_s:
+                limits.append(
+                    f"more than {c.recovery_intervals:g} intervals of {self.ckpt_interval_s:,.0f} s"
+                )
+        return self._fire(
+            "recovery_point_age",
+            bool(limits),
+            rec,
+            lambda: (
+                f"newest committed checkpoint is {age or 0.0:,.0f} s old ({'; '.join(limits)}): "
+                "a failure now loses that much work; saves are failing or not happening",
+                "checkpointing",
+                {
+                    "recovery_point_age_s": age,
+                    "steps_since_checkpoint": (
+                        step - self.last_ckpt_step if self.last_ckpt_step is not None else None
+                    ),
+                    "every_steps": self.ckpt_every_steps or None,
+                    "interval_s": self.ckpt_interval_s,
+                },
+            ),
+        )
 
     def _explain(
         self,

@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from steadytrain.monitor.alerts import AlertConfig
 
-__all__ = ["NEXT_STEPS", "Stats", "diagnose"]
+__all__ = [
+    "NEXT_STEPS",
+    "NEXT_STEPS_CPU",
+    "Stats",
+    "advice",
+    "band_text",
+    "device_of",
+    "diagnose",
+]
 
 NEXT_STEPS = {
     "storage": (
@@ -49,6 +57,44 @@ NEXT_STEPS = {
         "evaluation, garbage collection and host-side synchronisation."
     ),
 }
+
+# Advice that differs on a CPU run (gloo, no accelerator): GPU clocks, nvidia-smi, Xid errors
+# and NCCL mean nothing there, and the usual cause is the machine's other work.
+NEXT_STEPS_CPU = {
+    "compute/hardware": (
+        "The step itself got slower with data wait flat, on CPU: look for other processes "
+        "competing for the cores (top; load average against the core count), more threads "
+        "than cores (ranks per node x train.threads or OMP_NUM_THREADS), CPU frequency "
+        "scaling or a throttled virtual machine, and a straggler rank (compare per-rank step "
+        "times). Small CPU runs are noisy: a few percent of jitter is not an incident."
+    ),
+}
+
+
+def advice(diagnosis: str, device: str | None = None) -> str:
+    """What to look at next for ``diagnosis`` on ``device`` ("cpu", "cuda"; ``None`` when
+    the ledger does not say: the accelerator advice, the common case)."""
+    if device == "cpu" and diagnosis in NEXT_STEPS_CPU:
+        return NEXT_STEPS_CPU[diagnosis]
+    return NEXT_STEPS.get(diagnosis, "")
+
+
+def band_text(band: tuple[float, float], learned: bool) -> str:
+    """The band as the report draws it: "this attempt's learned band (at least 6,899)" when
+    learned from the attempt's own baseline, "the expected band (5,000-9,000)" when configured."""
+    lo, hi = band
+    where = f"at least {lo:,.0f}" if hi == float("inf") else f"{lo:,.0f}-{hi:,.0f}"
+    return f"this attempt's learned band ({where})" if learned else f"the expected band ({where})"
+
+
+def device_of(job_start: dict[str, Any]) -> str | None:
+    """The attempt's device: the record's ``device`` (what the loop resolved), else an
+    explicit ``train.device`` in its config; ``None`` when unknown ("auto", a library run)."""
+    device = job_start.get("device")
+    if device is None:
+        train = (job_start.get("config") or {}).get("train") or {}
+        device = train.get("device") if isinstance(train, dict) else None
+    return device if device in ("cpu", "cuda") else None
 
 
 def _mean(steps: list[dict[str, Any]], key: str) -> float | None:

@@ -74,6 +74,30 @@ class MeterConfig:
         check(self.snapshot_every >= 1, "snapshot_every", self.snapshot_every, "use 1 or more")
 
 
+def step_record(
+    t: float,
+    step: int,
+    tokens: int,
+    step_s: float,
+    data_wait_s: float,
+    compute_s: float | None,
+    checkpoint_block_s: float,
+    loss: float | None,
+) -> dict[str, Any]:
+    """The ledger's ``step`` record (docs/format.md, part E): the one place it is built."""
+    return {
+        "type": "step",
+        "t": t,
+        "step": step,
+        "tokens": tokens,
+        "step_s": step_s,
+        "data_wait_s": data_wait_s,
+        "compute_s": compute_s,
+        "checkpoint_block_s": checkpoint_block_s,
+        "loss": loss,
+    }
+
+
 class GoodputMeter:
     """Records every step, checkpoint and restart of a job into ``RUN_DIR/ledger.jsonl``."""
 
@@ -190,8 +214,10 @@ class GoodputMeter:
         startup_s: float = 0.0,
         restore_s: float = 0.0,
         config: dict[str, Any] | None = None,
+        device: str | None = None,
     ) -> None:
-        """Mark the start of this attempt (after start-up and restore, before step 1)."""
+        """Mark the start of this attempt (after start-up and restore, before step 1).
+        ``device`` ("cpu", "cuda"): what the ranks run on, so advice fits the hardware."""
         if not self.enabled:
             return
         self._last_mono = time.monotonic()
@@ -207,6 +233,7 @@ class GoodputMeter:
                 "startup_s": float(startup_s),
                 "restore_s": float(restore_s),
                 "config": dict(config or {}),
+                "device": device,
                 # JSON has no infinity: an open upper bound is stored as null.
                 "expected_tokens_per_s": None
                 if band is None
@@ -235,17 +262,9 @@ class GoodputMeter:
             step_s = now - self._last_mono
         self._last_mono = now
         self._last_step = step
-        rec = {
-            "type": "step",
-            "t": time.time(),
-            "step": step,
-            "tokens": tokens,
-            "step_s": step_s,
-            "data_wait_s": data_wait_s,
-            "compute_s": compute_s,
-            "checkpoint_block_s": checkpoint_block_s,
-            "loss": loss,
-        }
+        rec = step_record(
+            time.time(), step, tokens, step_s, data_wait_s, compute_s, checkpoint_block_s, loss
+        )
         if extra:
             rec.update(extra)
         if self._n % self.memory_every == 0:

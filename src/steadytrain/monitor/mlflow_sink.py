@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from steadytrain.extras import require
 from steadytrain.storage.publish import publish_bytes
 
 __all__ = ["MlflowSink"]
@@ -55,6 +56,8 @@ class MlflowSink:
         flush_s: float = 5.0,
         **_: Any,
     ) -> None:
+        require("mlflow", "the MLflow sink")
+        require("sqlalchemy", "MLflow's SQLite store")
         from mlflow.entities import RunStatus
         from mlflow.tracking import MlflowClient
 

@@ -21,11 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.errors import SteadyError
+from steadytrain.extras import require
 from steadytrain.monitor.goodput import BUCKETS, GoodputAccumulator
 from steadytrain.monitor.ledger import iter_ledger, ledger_path
 from steadytrain.storage.publish import publish_bytes
 
-__all__ = ["build_report"]
+__all__ = ["build_report", "goodput_class", "GOODPUT_GOOD", "GOODPUT_FAIR"]
+
+# The page's goodput heading is green only when goodput is good: at or above 90 % (Llama 3
+# reached ~91 % with 30-minute checkpoints), amber from 70 %, red below.
+GOODPUT_GOOD = 0.90
+GOODPUT_FAIR = 0.70
 
 _MAX_POINTS = 4000  # plot points; longer runs are averaged into time bins
 _COLORS = {
@@ -62,6 +68,11 @@ def _read(run_dir: Path) -> dict[str, Any]:
     s = _Series()
     starts: list[dict[str, Any]] = []
     alerts: list[dict[str, Any]] = []
+    # One band per attempt, as the alert engine used it: the configured one from that
+    # attempt's job_start, else the one it learned from that attempt's own baseline (read
+    # back from its throughput alert). Shading one band across every attempt would
+    # contradict the incidents of the others.
+    bands: list[dict[str, Any] | None] = []
     checkpoints = 0
     world = 1
     band = None
@@ -81,14 +92,20 @@ def _read(run_dir: Path) -> dict[str, Any]:
         elif kind == "job_start":
             world = max(1, int(rec.get("world_size") or 1))
             starts.append(rec)
-            if rec.get("expected_tokens_per_s"):
-                band = rec["expected_tokens_per_s"]
+            expected = rec.get("expected_tokens_per_s")
+            bands.append({"band": list(expected), "kind": "expected"} if expected else None)
+            if expected:
+                band = expected
         elif kind == "alert":
             alerts.append(rec)
             ev = rec.get("evidence") or {}
-            if band is None and rec.get("kind") == "throughput_band" and ev.get("band"):
-                learned = ev["band"]  # no band configured: show the one learned in-run
-                band_learned = [learned[0], learned[1] if learned[1] != float("inf") else None]
+            if rec.get("kind") == "throughput_band" and ev.get("band") and bands:
+                learned = ev["band"]  # no band configured: the one learned in this attempt
+                learned = [learned[0], learned[1] if learned[1] != float("inf") else None]
+                if bands[-1] is None:
+                    bands[-1] = {"band": learned, "kind": "learned"}
+                if band is None and band_learned is None:
+                    band_learned = learned
         elif kind == "checkpoint" and rec.get("ok", True):
             checkpoints += 1
     if not starts:
@@ -101,6 +118,8 @@ def _read(run_dir: Path) -> dict[str, Any]:
         "alerts": alerts,
         "checkpoints": checkpoints,
         "band": band or band_learned,
+        "bands": bands,
+        "device": next((st.get("device") for st in reversed(starts) if st.get("device")), None),
         "band_kind": "expected" if band else ("learned" if band_learned else None),
     }
 
@@ -149,21 +168,56 @@ def _mark_events(ax: Any, data: dict[str, Any], label: bool, unit: float) -> Non
                 va="top",
                 ha="left",
             )
-    for j, a in enumerate(data["alerts"], 1):
-        x = (a["t"] - t0) / unit
+    # Incident labels sit at the bottom of the axes (the legend is outside them); labels
+    # of incidents closer than ~3 % of the width stack upwards instead of overprinting.
+    lo, hi = ax.get_xlim()
+    last_x, level = None, 0
+    marks = sorted(((a["t"] - t0) / unit, j) for j, a in enumerate(data["alerts"], 1))
+    for x, j in marks:
         ax.axvline(x, color="#c62828", lw=1, alpha=0.7)
-        if label:
-            ax.annotate(
-                f"#{j}",
-                (x, 0.02),
-                xycoords=("data", "axes fraction"),
-                color="#c62828",
-                fontsize=8,
-            )
+        if not label:
+            continue
+        close = last_x is not None and x - last_x < 0.03 * (hi - lo)
+        level = level + 1 if close else 0
+        last_x = x
+        ax.annotate(
+            f"#{j}",
+            (x, 0.02 + 0.07 * (level % 6)),
+            xycoords=("data", "axes fraction"),
+            xytext=(2, 0),
+            textcoords="offset points",
+            color="#c62828",
+            fontsize=8,
+        )
+
+
+def _shade_bands(ax: Any, data: dict[str, Any], top: float, unit: float) -> None:
+    """Each attempt's band over that attempt's steps only (see ``_read``)."""
+    t0, starts, s = data["t0"], data["starts"], data["series"]
+    last = {a: t for a, t in zip(s.attempt, s.t, strict=True)}  # each attempt's last step
+    labelled = set()
+    for i, entry in enumerate(data["bands"]):
+        if entry is None or i not in last:
+            continue
+        lo, hi = entry["band"]
+        x0, x1 = (starts[i]["t"] - t0) / unit, (last[i] - t0) / unit
+        kind = entry["kind"]
+        ax.fill_between(
+            [x0, x1],
+            lo,
+            hi if hi is not None else max(top, lo) * 1.05,
+            color="#2e7d32",
+            alpha=0.12,
+            lw=0,
+            label=None
+            if kind in labelled
+            else f"{kind} band" + (" (each attempt's own)" if kind == "learned" else ""),
+        )
+        labelled.add(kind)
 
 
 def _plots(data: dict[str, Any], out: Path) -> dict[str, str]:
-    import matplotlib
+    matplotlib = require("matplotlib", "the report's plots")
 
     matplotlib.use("Agg")  # no display; safe in threads and on servers
     import matplotlib.pyplot as plt
@@ -172,29 +226,23 @@ def _plots(data: dict[str, Any], out: Path) -> dict[str, str]:
     unit, unit_name = _unit(data)
     paths = {}
 
-    fig, ax = plt.subplots(figsize=(10, 4))
+    per = "tokens/s per rank" if data["device"] == "cpu" else "tokens/s per GPU"
+    fig, ax = plt.subplots(figsize=(11, 4))
     top = 0.0
     for i, (xs, ys) in enumerate(_segments(s, s.tps, t0, unit)):
-        ax.plot(xs, ys, lw=1.2, color="#1565c0", label="tokens/s per GPU" if i == 0 else None)
+        ax.plot(xs, ys, lw=1.2, color="#1565c0", label=per if i == 0 else None)
         top = max([top, *ys])
-    if data["band"]:
-        lo, hi = data["band"]
-        ax.axhspan(
-            lo,
-            hi if hi is not None else max(top, lo) * 1.05,
-            color="#2e7d32",
-            alpha=0.12,
-            label=f"{data['band_kind']} band",
-        )
+    _shade_bands(ax, data, top, unit)
     _mark_events(ax, data, label=True, unit=unit)
     ax.set_xlabel(f"{unit_name} since job start")
-    ax.set_ylabel("tokens/s per GPU")
+    ax.set_ylabel(per)
     ax.set_ylim(bottom=0)
     ax.set_title("Throughput (red lines: incidents #n, dashed: restarts)")
-    ax.legend(loc="lower right", fontsize=8)
+    # Outside the axes: inside, it covered the incident labels along the bottom.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)
     paths["throughput"] = out / "throughput.png"
     fig.tight_layout()
-    fig.savefig(paths["throughput"], dpi=100)
+    fig.savefig(paths["throughput"], dpi=100, bbox_inches="tight")
     plt.close(fig)
 
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
@@ -237,6 +285,14 @@ def _plots(data: dict[str, Any], out: Path) -> dict[str, str]:
     return {k: str(v) for k, v in paths.items()}
 
 
+def goodput_class(goodput: float) -> str:
+    """The heading's colour class: "good" (green) from GOODPUT_GOOD, "fair" (amber) from
+    GOODPUT_FAIR, else "poor" (red): 4.5 % is never shown in green."""
+    if goodput >= GOODPUT_GOOD:
+        return "good"
+    return "fair" if goodput >= GOODPUT_FAIR else "poor"
+
+
 def _html(summary: dict[str, Any], out: Path) -> Path:
     e = html.escape
 
@@ -263,9 +319,10 @@ def _html(summary: dict[str, Any], out: Path) -> Path:
 <title>steadytrain report: {e(summary["run_dir"])}</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}}
 table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;padding:4px 8px;
-vertical-align:top;font-size:14px}}img{{max-width:100%}}h1 span{{color:#2e7d32}}</style>
+vertical-align:top;font-size:14px}}img{{max-width:100%}}.good{{color:#2e7d32}}
+.fair{{color:#ef6c00}}.poor{{color:#c62828}}</style>
 </head><body>
-<h1>Goodput <span>{summary["goodput"]:.1%}</span></h1>
+<h1>Goodput <span class="{goodput_class(summary["goodput"])}">{summary["goodput"]:.1%}</span></h1>
 <p>{e(summary["run_dir"])}: {summary["total_s"] / 60:.1f} min of wall time,
 {summary["attempts"]} attempt(s), {summary["steps_kept"]} steps kept,
 {summary["steps_lost"]} redone after failures, {summary["checkpoints"]} checkpoints committed;
@@ -306,6 +363,9 @@ def build_report(
             "attempts_detail": b.attempt_summaries,
             "checkpoints": data["checkpoints"],
             "expected_tokens_per_s": data["band"],
+            # per attempt: {"band": [low, high or null], "kind": "expected" | "learned"} or
+            # null, as the throughput plot shades it
+            "bands_per_attempt": data["bands"],
             "incidents": [
                 {
                     "minutes": (a["t"] - t0) / 60,

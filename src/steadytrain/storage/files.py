@@ -16,8 +16,9 @@ from typing import IO, Any
 import fsspec
 
 from steadytrain.errors import DatasetError, StorageError
+from steadytrain.extras import missing_extra
+from steadytrain.storage.names import backend_module, is_remote_url
 from steadytrain.storage.s3 import storage_options_for, translate_error
-from steadytrain.storage.store import is_remote_url
 
 __all__ = ["InputFile", "list_input", "open_input"]
 
@@ -45,7 +46,9 @@ def _fs(url: str) -> tuple[Any, str, dict[str, Any]]:
     opts = storage_options_for(url, None)
     try:
         fs, root = fsspec.core.url_to_fs(url, **opts)
-    except (ImportError, ValueError, TypeError) as exc:
+    except ImportError as exc:
+        raise missing_extra(backend_module(url), f"reading {url!r}") from exc
+    except (ValueError, TypeError) as exc:
         raise StorageError(f"cannot open {url!r}: {exc}; check the URL scheme") from exc
     return fs, root, opts
 

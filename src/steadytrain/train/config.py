@@ -146,12 +146,35 @@ class TrainLoopConfig:
     deterministic: bool = True  # torch.use_deterministic_algorithms; needed for exact resume
     threads: int = 0  # torch.set_num_threads; 0 leaves the default
     trace: bool = True  # per-step losses and sample ids in RUN_DIR/trace-rank{R}.jsonl
+    # torchrun's --nnodes MIN:MAX, repeated here: torchrun does not tell its workers the
+    # range, and the loop checks at start that every world size in it splits the batch.
+    elastic_nnodes: str = ""
 
     def __post_init__(self) -> None:
         check_choices(self)
         check(self.max_steps >= 1, "max_steps", self.max_steps, "use at least 1")
         check(self.log_every >= 1, "log_every", self.log_every, "use at least 1")
         check(self.threads >= 0, "threads", self.threads, "use 0 (default) or more")
+        self.nnodes_range  # noqa: B018 - validates the text now, before any work
+
+    @property
+    def nnodes_range(self) -> tuple[int, int] | None:
+        """``elastic_nnodes`` as (MIN, MAX): ``"3:4"`` -> (3, 4), ``"4"`` -> (4, 4)."""
+        text = self.elastic_nnodes.strip()
+        if not text:
+            return None
+        lo, _, hi = text.partition(":")
+        try:
+            bounds = (int(lo), int(hi or lo))
+        except ValueError:
+            bounds = (0, 0)
+        check(
+            0 < bounds[0] <= bounds[1],
+            "elastic_nnodes",
+            self.elastic_nnodes,
+            'use torchrun\'s --nnodes value, "MIN:MAX" (e.g. "3:4") or "N"',
+        )
+        return bounds
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -17,12 +17,15 @@ One machine, 2 processes on CPU (gloo)::
     torchrun --standalone --nproc-per-node 2 --max-restarts 3 \\
         -m steadytrain.cli train small --set data.dataset=/data/ds
 
-Several machines (run on each; c10d rendezvous, elastic between 2 and 4 nodes)::
+Several machines (run on each; c10d rendezvous, elastic between 3 and 4 nodes: 24 or 32
+ranks, so the global batch is a multiple of both x micro_batch; the start-up check knows
+the range from ``train.elastic_nnodes``)::
 
-    torchrun --nnodes 2:4 --nproc-per-node 8 --max-restarts 10 --rdzv-backend c10d \\
+    torchrun --nnodes 3:4 --nproc-per-node 8 --max-restarts 10 --rdzv-backend c10d \\
         --rdzv-endpoint HOST0:29400 --rdzv-id job42 \\
         -m steadytrain.cli train small --set data.dataset=s3://bucket/ds \\
-        --set data.cache_dir=/nvme/steady-cache
+        --set data.cache_dir=/nvme/steady-cache \\
+        --set data.global_batch=768 --set train.elastic_nnodes=3:4
 
 Exact resume: with ``train.deterministic`` on CPU, a run that crashes and resumes produces
 bit-identical weights and per-step losses to an uninterrupted one, because everything that
@@ -57,6 +60,7 @@ from steadytrain.train.faults import FaultInjector, faults_from_env
 from steadytrain.train.model import GPT, GPTConfig
 from steadytrain.train.support import (
     StepTrace,
+    check_world_sizes,
     goodput_so_far,
     loader_metrics,
     preflight,
@@ -104,6 +108,17 @@ def run_training(cfg: Config) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    # Before any heavy work: this world size must split the global batch (ConfigError, exit
+    # 2), and every other one the elastic range allows is named now, not after a lost node.
+    elastic = check_world_sizes(
+        cfg.data.global_batch,
+        cfg.data.micro_batch,
+        world,
+        int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        cfg.train.nnodes_range,
+    )
+    if elastic and rank == 0:
+        say(elastic)
     use_cuda = cfg.train.device == "cuda" or (
         cfg.train.device == "auto" and torch.cuda.is_available()
     )
@@ -228,6 +243,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
             startup_s=time.time() - PROCESS_START - restore_s,  # interpreter start to now
             restore_s=restore_s,
             config=cfg.to_dict(),
+            device=device.type,  # "auto" resolved: the alerts' advice fits the hardware
         )
         for event in held:
             meter.event(event)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import sys
@@ -13,11 +14,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from steadytrain.errors import ConfigError
 from steadytrain.storage.prefetch import Prefetcher
 from steadytrain.storage.stage import preflight as cache_preflight
 from steadytrain.train.config import DataSection
 
 __all__ = [
+    "check_world_sizes",
     "process_start",
     "preflight",
     "start_prefetchers",
@@ -42,6 +45,66 @@ def process_start() -> float:
         return psutil.Process().create_time()  # includes interpreter start and imports
     except Exception:  # noqa: BLE001 - no psutil or no /proc: from this import on
         return time.time()
+
+
+def check_world_sizes(
+    global_batch: int,
+    micro_batch: int,
+    world: int,
+    per_node: int,
+    nnodes: tuple[int, int] | None = None,
+) -> str | None:
+    """Refuse a world size that cannot split the global batch; warn about the others.
+
+    Every rank reads ``global_batch / world`` samples per step in whole micro-batches, so a
+    world size ``W`` works only when ``W x micro_batch`` divides ``global_batch`` (DESIGN
+    invariant 1). An elastic launch (``torchrun --nnodes MIN:MAX``) may run at any
+    ``nodes x per_node`` in that range: a job that works at 4 nodes and cannot work at 3
+    fails only when a node is lost, hours in. torchrun does not tell a worker MIN:MAX, so
+    ``nnodes`` comes from ``train.elastic_nnodes``.
+
+    Raises ``ConfigError`` naming both numbers when ``world`` itself does not fit; returns
+    a warning listing the node counts in ``nnodes`` that would fail (``None`` if none do).
+    """
+
+    def fits(w: int) -> bool:
+        return global_batch % (w * micro_batch) == 0
+
+    per_node = max(1, per_node)
+    counts = range(nnodes[0], nnodes[1] + 1) if nnodes else range(0)
+    good = [n for n in counts if fits(n * per_node)]
+    bad = [n for n in counts if not fits(n * per_node)]
+    # The smallest global batch that this world size and every allowed one split evenly.
+    fix = math.lcm(world * micro_batch, *(n * per_node * micro_batch for n in counts))
+    if nnodes:
+        fix_text = f"{fix} (it fits every world size of --nnodes {nnodes[0]}:{nnodes[1]})"
+    else:
+        fix_text = str(fix)
+    if not fits(world):
+        nodes = f" ({world // per_node} node(s) x {per_node})" if world % per_node == 0 else ""
+        other = f", or launch on {_either(good)} node(s)" if good else ""
+        raise ConfigError(
+            f"world size {world}{nodes} cannot split data.global_batch={global_batch} into "
+            f"whole micro-batches of data.micro_batch={micro_batch}: {world} ranks x "
+            f"{micro_batch} = {world * micro_batch} does not divide {global_batch}. Set "
+            f"data.global_batch to a multiple of {fix_text}{other}"
+        )
+    if not bad:
+        return None
+    worlds = ", ".join(f"{n} node(s) = world size {n * per_node}" for n in bad)
+    return (
+        f"warning: train.elastic_nnodes = {nnodes[0]}:{nnodes[1]} allows world sizes that "
+        f"cannot split data.global_batch={global_batch} into micro-batches of "
+        f"data.micro_batch={micro_batch}: {worlds}. If the job shrinks or grows to one of "
+        f"them, every attempt there is refused. Set data.global_batch to a multiple of "
+        f"{fix_text}" + (f", or keep --nnodes to {_either(good)} node(s)" if good else "")
+    )
+
+
+def _either(counts: list[int]) -> str:
+    """``[2]`` -> "2"; ``[2, 4, 5]`` -> "2, 4 or 5"."""
+    words = [str(n) for n in counts]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
 def _node() -> str:

@@ -1,22 +1,26 @@
-"""Launch N ranks of a script on a free local port (no torchrun needed)."""
+"""Launch N ranks of a script on one machine (no torchrun needed).
+
+The rendezvous store is hosted here, on a port the kernel picks while the store binds it
+(port 0), and every rank connects to it as a client -- what torchrun's agent does
+(``TORCHELASTIC_USE_AGENT_STORE``). Choosing a "free" port and letting rank 0 bind it later
+would race with any other process on the machine that binds in between.
+"""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+from datetime import timedelta
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from torch.distributed import TCPStore
 
 
 def launch(script: str, args: list[str], world: int, timeout: float = 120) -> list[str]:
     """Run ``world`` ranks; raise with every rank's output if any rank fails."""
-    port = free_port()
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
+    )
     procs = []
     for rank in range(world):
         env = dict(
@@ -25,7 +29,8 @@ def launch(script: str, args: list[str], world: int, timeout: float = 120) -> li
             WORLD_SIZE=str(world),
             LOCAL_RANK=str(rank),
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            MASTER_PORT=str(store.port),
+            TORCHELASTIC_USE_AGENT_STORE="True",  # every rank is a client of `store`
             OMP_NUM_THREADS="1",
         )
         procs.append(
@@ -38,7 +43,7 @@ def launch(script: str, args: list[str], world: int, timeout: float = 120) -> li
             )
         )
     outs, failed = [], False
-    for p in procs:
+    for p in procs:  # `store` serves until the last rank is done (it lives until return)
         try:
             out, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,13 +17,17 @@ STEPS = 24
 
 
 @pytest.fixture(scope="session")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_dataset(str(tmp_path_factory.mktemp("train-ds") / "ds"))
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("train-ds")
+    yield make_dataset(str(root / "ds"))
+    shutil.rmtree(root, ignore_errors=True)  # session dirs outlive the retention policy
 
 
 @pytest.fixture(scope="session")
-def baseline(dataset: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+def baseline(dataset: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The uninterrupted reference run: 2 ranks, STEPS steps, no faults."""
-    run_dir = str(tmp_path_factory.mktemp("train-baseline") / "run")
+    root = tmp_path_factory.mktemp("train-baseline")
+    run_dir = str(root / "run")
     run_torchrun(2, [f"run_dir={run_dir}", f"data.dataset={dataset}", f"train.max_steps={STEPS}"])
-    return run_dir
+    yield run_dir
+    shutil.rmtree(root, ignore_errors=True)

@@ -11,12 +11,14 @@ import contextlib
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import sysconfig
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 PY = sys.executable
@@ -40,10 +42,23 @@ BASE_SETTINGS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store() -> TCPStore:
+    """A c10d rendezvous store for several torchrun agents, hosted by the test on a port
+    the kernel picks as it binds (port 0). Pass its ``.port`` to every agent with
+    ``is_host=false``: no agent binds a port chosen in advance, which another process could
+    take in between. Keep the object alive until the agents are done."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        timeout=timedelta(seconds=300),
+    )
 
 
 def make_dataset(dest: str, max_bytes: int = 400_000) -> str:
@@ -92,7 +107,9 @@ def torchrun_cmd(
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port or free_port()}",
+        # Port 0 (what --standalone uses): a single agent hosts the rendezvous store on a
+        # port the kernel picks while binding. Several agents share `rendezvous_store()`.
+        f"--rdzv-endpoint=127.0.0.1:{port or 0}",
         f"--rdzv-id={run_id}",
         "--monitor-interval=0.2",
     ]

@@ -1,8 +1,8 @@
 """Node loss with a spare: torchrun --nnodes 1:2, c10d rendezvous on 127.0.0.1, real S3.
 
 Three torchrun agents act as three nodes (1 process each) reading an ``s3://`` dataset from a
-real SeaweedFS server through a node-local cache each. Nodes A (rendezvous host) and B start
-the job; node C, whose cache was pre-warmed with ``steadytrain stage``, starts later and waits
+real SeaweedFS server through a node-local cache each; the rendezvous store is hosted by the
+test, outside the nodes. Nodes A and B start the job; node C, whose cache was pre-warmed with ``steadytrain stage``, starts later and waits
 as a spare (torchrun's redundancy list: the job is at its maximum of 2 nodes). Mid-run, node B
 is killed whole (agent and worker: a lost machine). Compares:
 - the job finishes all steps, and the last attempt ran on nodes A and C;
@@ -31,15 +31,16 @@ from harness import (  # noqa: E402
     effective,
     env,
     final,
-    free_port,
     kill_tree,
     read_trace,
+    rendezvous_store,
     torchrun_cmd,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.s3, pytest.mark.timeout(300)]
 
-RDZV = "is_host={host},last_call_timeout=4,keep_alive_interval=2,keep_alive_max_attempt=4"
+RUN_ID = "spare-test"
+RDZV = "is_host=false,last_call_timeout=4,keep_alive_interval=2,keep_alive_max_attempt=4"
 
 
 @pytest.fixture
@@ -57,16 +58,38 @@ def seaweed(tmp_path):
         server.stop()
 
 
-def _wait(pred, timeout: float, what: str, procs: dict) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
+def _wait(pred, what: str, procs: dict) -> None:
+    """Poll until ``pred()``; a node that fails meanwhile fails the test. No clock here:
+    start-up takes what the machine needs, and the test's timeout guards a hang."""
+    while not pred():
         for name, p in procs.items():
             if p.poll() is not None and p.returncode != 0:
                 raise AssertionError(f"node {name} exited {p.returncode} while waiting: {what}")
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _workers(agent: subprocess.Popen) -> list:
+    """The training processes a torchrun agent started."""
+    import psutil
+
+    return psutil.Process(agent.pid).children(recursive=True)
+
+
+def _is_spare(store, run_id: str, agent_pid: int) -> bool:
+    """Whether the torchrun agent ``agent_pid`` waits in the rendezvous' redundancy list (a
+    spare that joins the next round), read from the rendezvous state in the test's store.
+    The state is torch's private structure: if torch changes it, this fails loudly."""
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+
+    got = C10dRendezvousBackend(store, run_id).get_state()
+    if got is None:
+        return False
+    state = pickle.loads(got[0])
+    return any(node.pid == agent_pid for node in state.redundancy_list)
 
 
 def test_node_loss_spare_node_joins(dataset, baseline, seaweed, tmp_path) -> None:
@@ -89,7 +112,10 @@ def test_node_loss_spare_node_joins(dataset, baseline, seaweed, tmp_path) -> Non
     assert '"verified": true' in staged.stdout
 
     run_dir = str(tmp_path / "run")
-    port = free_port()
+    # The rendezvous store lives outside the nodes (as an etcd or a c10d service on a login
+    # node would), on a port bound as it is chosen: no node has to win a port race.
+    store = rendezvous_store()
+    port = store.port
     settings = BASE_SETTINGS + [
         f"run_dir={run_dir}",
         f"data.dataset={url}",
@@ -100,15 +126,15 @@ def test_node_loss_spare_node_joins(dataset, baseline, seaweed, tmp_path) -> Non
     faults = "slow_read_at_steps=" + ",".join(map(str, range(3, STEPS + 1))) + ";slow_read_s=0.4"
     logs, procs = {}, {}
 
-    def start(node: str, host: bool) -> None:
+    def start(node: str) -> None:
         cmd = torchrun_cmd(
             1,
             settings,
             max_restarts=3,
             port=port,
             nnodes="1:2",
-            rdzv_conf=RDZV.format(host=str(host).lower()),
-            run_id="spare-test",
+            rdzv_conf=RDZV,
+            run_id=RUN_ID,
         )
         logs[node] = open(tmp_path / f"node-{node}.log", "w")  # noqa: SIM115
         procs[node] = subprocess.Popen(
@@ -123,12 +149,21 @@ def test_node_loss_spare_node_joins(dataset, baseline, seaweed, tmp_path) -> Non
         return [r["step"] for r in read_trace(run_dir) if r["node"] == node]
 
     try:
-        start("A", host=True)
-        start("B", host=False)
-        _wait(lambda: steps_by("A") and steps_by("B"), 120, "A and B to train", procs)
-        start("C", host=False)  # the spare: the job already has its 2 nodes
-        # ~4 s later (0.4 s a step): C has reached the rendezvous and waits as a spare.
-        _wait(lambda: max(steps_by("B"), default=0) >= 11, 120, "step 11 on B", procs)
+        start("A")
+        start("B")
+        _wait(lambda: steps_by("A") and steps_by("B"), "A and B to train", procs)
+        # Hold the job while C starts, however long its start-up takes on this machine,
+        # so that C is a spare before B dies (the agents keep their heartbeats meanwhile).
+        held = _workers(procs["A"]) + _workers(procs["B"])
+        for w in held:
+            w.suspend()
+        try:
+            start("C")  # the spare: the job already has its 2 nodes
+            _wait(lambda: _is_spare(store, RUN_ID, procs["C"].pid), "C to be a spare", procs)
+        finally:
+            for w in held:
+                w.resume()
+        _wait(lambda: max(steps_by("B"), default=0) >= 11, "step 11 on B", procs)
         assert procs["C"].poll() is None
         kill_tree(procs["B"])  # node B is lost: its agent and its worker, SIGKILL
         assert max(steps_by("A")) < STEPS

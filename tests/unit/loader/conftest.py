@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
@@ -32,12 +35,16 @@ def write_dataset(
 
 
 @pytest.fixture(scope="session")
-def ds_a(tmp_path_factory) -> TokenDataset:
+def ds_a(tmp_path_factory) -> Iterator[TokenDataset]:
     """40 samples of seq 16 over 4 shards (one empty of samples): 5 steps of 8 per epoch."""
-    return write_dataset(str(tmp_path_factory.mktemp("ds_a")), [10, 14, 0, 16])
+    root = tmp_path_factory.mktemp("ds_a")
+    yield write_dataset(str(root), [10, 14, 0, 16])
+    shutil.rmtree(root, ignore_errors=True)  # session dirs outlive the retention policy
 
 
 @pytest.fixture(scope="session")
-def ds_b(tmp_path_factory) -> TokenDataset:
+def ds_b(tmp_path_factory) -> Iterator[TokenDataset]:
     """A second dataset for blending: 24 samples over 3 shards, other token ids."""
-    return write_dataset(str(tmp_path_factory.mktemp("ds_b")), [8, 8, 8], seed=1, vocab=300)
+    root = tmp_path_factory.mktemp("ds_b")
+    yield write_dataset(str(root), [8, 8, 8], seed=1, vocab=300)
+    shutil.rmtree(root, ignore_errors=True)

@@ -119,10 +119,10 @@ def saved(ds, **kw) -> dict:
     "saved_kw, loader_kw, match",
     [
         ({"seq_len": 8}, {}, "saved with seq_len=8, loader has seq_len=16"),
-        (
-            {"global_batch": 16, "micro_batch": 4},
+        (  # 4 of 6 micro-batches: mid-step (between steps another global batch loads)
+            {"global_batch": 24, "micro_batch": 4},
             {},
-            "saved with global_batch=16, loader has global_batch=8",
+            r"saved mid-step \(micro_in_step=4\) with global_batch=24, loader has global_batch=8",
         ),
         ({"seed": 2}, {}, "saved with seed=2, loader has seed=1"),
         (

@@ -26,6 +26,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 
 from steadytrain.errors import DatasetError
+from steadytrain.extras import require
 from steadytrain.storage.files import list_input, open_input
 
 __all__ = [
@@ -206,7 +207,7 @@ def _iter_jsonl(
 def _iter_parquet(
     src: SourceFile, text_field: str, stats: DecodeStats, warn: Warn | None
 ) -> Iterator[str]:
-    import pyarrow.parquet as pq
+    pq = require("pyarrow.parquet", f"reading the Parquet file {src.url}")
 
     with open_input(src.url) as f:
         try:

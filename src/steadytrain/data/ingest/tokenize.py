@@ -12,7 +12,8 @@ encoded on its own, so the token stream (and the shard boundaries the writer der
 and so the fingerprint) is the same whatever the number of workers. Memory is bounded by the
 in-flight chunks, one write buffer and a fixed heap slack per encoder (``_MemoryTrimmer``),
 whatever the corpus size (a single document is held whole: one huge text file is one huge
-document).
+document). ``train:VOCAB`` first reads the input once and trains on a bounded, deterministic
+sample of it (``tokenizer.train_on_sources``), so training memory does not grow with it.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from steadytrain.data.ingest.sources import (
     list_sources,
 )
 from steadytrain.data.ingest.tokenizer import (
+    DEFAULT_SAMPLE_BYTES,
     TOKENIZER_FILE,
     Encoder,
     TokenizerSpec,
+    check_sample_budget,
     resolve_tokenizer,
-    train_bpe,
+    train_on_sources,
 )
 from steadytrain.data.ingest.writer import DEFAULT_SHARD_TOKENS, DatasetWriter
 from steadytrain.data.read.format import Manifest
@@ -212,17 +215,22 @@ def _recipe_key(
     spec_hash: str | None,
     shard_tokens: int,
     text_field: str,
+    sample_bytes: int | None = None,
 ) -> str:
-    """Identity of the inputs and settings: equal keys mean re-running would change nothing."""
-    return canonical_digest(
-        {
-            "tokenizer": tokenizer,
-            "tokenizer_hash": spec_hash,
-            "shard_tokens": shard_tokens,
-            "text_field": text_field,
-            "files": [[s.url, s.size, s.mtime] for s in sources],
-        }
-    )
+    """Identity of the inputs and settings: equal keys mean re-running would change nothing.
+
+    ``sample_bytes`` (the ``train:VOCAB`` sample budget) is part of it only when a tokenizer
+    is trained, so recipes of datasets that train none are the same as before it existed."""
+    recipe: dict[str, Any] = {
+        "tokenizer": tokenizer,
+        "tokenizer_hash": spec_hash,
+        "shard_tokens": shard_tokens,
+        "text_field": text_field,
+        "files": [[s.url, s.size, s.mtime] for s in sources],
+    }
+    if sample_bytes is not None:
+        recipe["tokenizer_sample_bytes"] = sample_bytes
+    return canonical_digest(recipe)
 
 
 def tokenize(
@@ -236,11 +244,14 @@ def tokenize(
     progress: NullProgress | None = None,
     warn: Callable[[str], None] | None = None,
     include: Sequence[str] = (),
+    tokenizer_sample_bytes: int = DEFAULT_SAMPLE_BYTES,
 ) -> TokenizeResult:
     """Tokenize ``inputs`` into a new dataset at ``out`` (local path or fsspec URL).
 
     Directories are walked for known text suffixes plus the ``include`` globs; what a walk
-    leaves out is reported through ``warn`` (and counted in ``skipped_files``)."""
+    leaves out is reported through ``warn`` (and counted in ``skipped_files``).
+    ``tokenizer="train:VOCAB"`` trains on a deterministic sample of at most
+    ``tokenizer_sample_bytes`` bytes of text drawn from all inputs."""
     t0 = time.perf_counter()
     if shard_tokens < 1:
         raise ConfigError(f"--shard-tokens must be >= 1, got {shard_tokens}")
@@ -268,7 +279,11 @@ def tokenize(
         _warn(skipped.message())
     resolved = resolve_tokenizer(tokenizer)
     fixed_hash = resolved.file_hash if isinstance(resolved, TokenizerSpec) else None
-    recipe = _recipe_key(sources, tokenizer, fixed_hash, shard_tokens, text_field)
+    sample_bytes = None
+    if isinstance(resolved, int):
+        check_sample_budget(tokenizer_sample_bytes)
+        sample_bytes = tokenizer_sample_bytes
+    recipe = _recipe_key(sources, tokenizer, fixed_hash, shard_tokens, text_field, sample_bytes)
 
     output = Output(out)
     if output.existing is not None and output.existing.extra.get("recipe") == recipe:
@@ -286,8 +301,10 @@ def tokenize(
         # No rename on object stores: building next to it would mean overwriting it.
         raise output.different_dataset_error(None, "made from other inputs or settings")
 
+    training: dict[str, int] | None = None
     if isinstance(resolved, int):
-        spec = train_bpe(iter_documents(sources, text_field=text_field), resolved)
+        assert sample_bytes is not None
+        spec, training = train_on_sources(sources, resolved, text_field, sample_bytes, progress)
     else:
         spec = resolved
     if output.existing is not None:
@@ -312,6 +329,8 @@ def tokenize(
             shard_tokens=shard_tokens,
             extra={"recipe": recipe, "created_by": "steadytrain tokenize"},
         )
+        if training is not None:
+            writer.extra["tokenizer_training"] = training
         progress.start(total_bytes, "tokenize")
         docs = iter_documents(sources, text_field=text_field, stats=stats, warn=_warn)
         tokens = 0

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from steadytrain.data.read.blend import quantise_weights
-from steadytrain.data.read.loader_state import check_state, make_state
+from steadytrain.data.read.loader_state import check_state, log_changes, make_state
 from steadytrain.data.read.modes import MODES
 from steadytrain.data.read.producers import ProcessProducer, ThreadProducer
 from steadytrain.data.read.sampler import BatchPlan, Refs, Sampler
@@ -155,6 +155,8 @@ class TokenLoader:
         self._bytes_total, self._wait_total = 0, 0.0
         self._baseline = (0, 0, 0.0)  # (micro-batches, bytes, wait) at the last metrics()
         self._handed = 0  # micro-batches handed out by this object (not reset by a resume)
+        # What the last load_state_dict changed (e.g. the global batch), for the ledger.
+        self.resume_changes: list[dict[str, Any]] = []
 
     # -- position ----------------------------------------------------------------------
     @property
@@ -168,11 +170,13 @@ class TokenLoader:
 
     @property
     def position(self) -> int:
-        """Stream position of the start of the current step (``step * global_batch``)."""
-        return self.step * self.global_batch
+        """Stream position of the start of the current step (``step * global_batch``, or
+        from the saved position on after a resume with another global batch)."""
+        return self.plan.step_start(self.step)
 
     def shards_for_steps(self, start: int, stop: int, **kw: Any) -> list[tuple[int, int]]:
         """The sampler's look-ahead (``Sampler.shards_for_steps``), for a cache prefetcher."""
+        kw.setdefault("origin", (self.plan.origin_step, self.plan.origin_position))
         return self.sampler.shards_for_steps(start, stop, **kw)
 
     # -- iteration ---------------------------------------------------------------------
@@ -345,11 +349,21 @@ class TokenLoader:
         """JSON-serialisable: a cursor and the settings that define the order."""
         return make_state(self)
 
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise ``LoaderStateError`` if ``state_dict`` would not load; changes nothing (a
+        restore checks every small state this way before it writes any live tensor)."""
+        check_state(self, state_dict)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume at the saved cursor in O(1); refuses a state that defines another order."""
-        cursor = check_state(self, state_dict)
+        """Resume at the saved stream position in O(1), with this loader's global batch from
+        there on; refuses a state that defines another order."""
+        resume = check_state(self, state_dict)
         self.close()
-        self._cursor = cursor
+        self.plan = resume.plan  # anchored at the saved (step, sample position)
+        self._refs = Reader(self.datasets, self.sampler, self.plan)  # it caches positions
+        self._cursor = resume.cursor
+        self.resume_changes = resume.changes
+        log_changes(resume.changes)
 
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
@@ -359,6 +373,10 @@ class TokenLoader:
             self._producer = None
 
     def __del__(self) -> None:
+        # A loader dropped without close() (partly iterated, then abandoned, as a script or
+        # an exception often leaves it) stops its thread and workers here, as torch's
+        # DataLoader iterator does. The producer holds this loader only weakly, so being
+        # dropped is what happens; its own finalizer covers a loader caught in a cycle.
         try:
             self.close()
         except Exception:  # interpreter shutdown: nothing left to clean

@@ -1,30 +1,56 @@
-"""The loader's state dict: a cursor plus the settings that define the sample order.
+"""The loader's state dict: a stream position plus the settings that define the sample order.
 
-Format (JSON, version 1)::
+Format (JSON, version 2; ``docs/format.md`` part B)::
 
-    {"format": "steadytrain.loader", "version": 1,
-     "step": 1234, "micro_in_step": 0, "position": 1234 * global_batch,
+    {"format": "steadytrain.loader", "version": 2,
+     "step": 1234, "micro_in_step": 0, "position": 631808,
      "seq_len": 2048, "global_batch": 512, "micro_batch": 8, "seed": 0,
      "shuffle": "global", "mode_settings": {}, "blend_period": 1,
      "world_size": 8, "rank": 3, "fingerprint": "<combined>",
      "mixture": [{"fingerprint": "...", "weight": 1, "count": 1, "samples": 123}]}
 
+``position`` is the stream position (in samples) where ``step`` starts, and it is what a
+resume continues from: the order is a function of the position alone (DESIGN invariant 1),
+so a state saved between steps loads with another global batch too, and the steps after it
+take the new size from the saved sample on. Version 1 states (written before the global
+batch could change) load as well: their position is ``step * global_batch``.
+
 At a step boundary (``micro_in_step == 0``) the state is the same on every rank and loads on
-any world size, micro-batch size or worker count. Loading checks every field that changes
-the order and names both values when one differs.
+any world size, micro-batch size, global batch or worker count. Loading checks every field
+that changes the order and names both values when one differs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 import xxhash
 
+from steadytrain.data.read.sampler import BatchPlan
 from steadytrain.errors import LoaderStateError
 
+__all__ = ["FORMAT", "VERSION", "Resume", "make_state", "check_state", "mixture_fingerprint"]
+
 FORMAT = "steadytrain.loader"
-VERSION = 1
-_ORDER_KEYS = ("seq_len", "global_batch", "seed", "shuffle", "mode_settings", "blend_period")
+VERSION = 2
+_READS = (1, 2)  # version 1: no batch change possible, position == step * global_batch
+# What the order of positions depends on; the global batch only cuts it into steps.
+_ORDER_KEYS = ("seq_len", "seed", "shuffle", "mode_settings", "blend_period")
+
+log = logging.getLogger("steadytrain.data")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """Where a loader continues after ``load_state_dict``: its micro-batch cursor, the batch
+    plan anchored at the saved (step, position), and what changed since the save (each a
+    JSON object for the ledger; empty when nothing did)."""
+
+    cursor: int
+    plan: BatchPlan
+    changes: list[dict[str, Any]]
 
 
 def mixture_fingerprint(mixture: list[dict[str, Any]]) -> str:
@@ -36,13 +62,14 @@ def mixture_fingerprint(mixture: list[dict[str, Any]]) -> str:
 
 def make_state(loader: Any) -> dict[str, Any]:
     m = loader.plan.micro_per_step
+    step = loader._cursor // m
     mixture = loader.sampler.mixture()
     return {
         "format": FORMAT,
         "version": VERSION,
-        "step": loader._cursor // m,
+        "step": step,
         "micro_in_step": loader._cursor % m,
-        "position": (loader._cursor // m) * loader.global_batch,
+        "position": loader.plan.step_start(step),
         **loader.sampler.settings(),
         "micro_batch": loader.micro_batch,
         "world_size": loader.world_size,
@@ -52,17 +79,35 @@ def make_state(loader: Any) -> dict[str, Any]:
     }
 
 
-def check_state(loader: Any, sd: Any) -> int:
-    """Validate ``sd`` against ``loader``; return the cursor (micro-batch index) to resume at."""
-    if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+def _count(sd: dict[str, Any], key: str, low: int = 0) -> int:
+    """An integer field of the saved state (``low`` or more); the error names it."""
+    value = sd.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
         raise LoaderStateError(
-            f"not a steadytrain loader state (format={sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r}); "
-            f"was it saved by another loader?"
+            f"loader state has no valid {key} ({key}={value!r}, an integer is needed); "
+            "the state is damaged: resume from another checkpoint"
         )
-    if sd.get("version") != VERSION:
+    if value < low:
+        what = "a negative cursor" if low == 0 else f"{key} below {low}"
         raise LoaderStateError(
-            f"loader state version {sd.get('version')!r} is not supported (this steadytrain "
-            f"reads version {VERSION})"
+            f"loader state has {what} ({key}={value}); the state is damaged: resume from "
+            "another checkpoint"
+        )
+    return value
+
+
+def check_state(loader: Any, sd: Any) -> Resume:
+    """Validate ``sd`` against ``loader`` (changing nothing); return where to resume."""
+    if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+        found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
+        raise LoaderStateError(
+            f"not a steadytrain loader state (format={found!r}); was it saved by another loader?"
+        )
+    version = sd.get("version")
+    if version not in _READS:
+        raise LoaderStateError(
+            f"loader state version {version!r} is not supported (this steadytrain reads "
+            f"versions {', '.join(map(str, _READS))}); upgrade steadytrain"
         )
     mine = make_state(loader)
     for key in _ORDER_KEYS:
@@ -72,6 +117,8 @@ def check_state(loader: Any, sd: Any) -> int:
                 f"order would differ; construct the loader with {key}={sd.get(key)!r}"
             )
     saved_mix, my_mix = sd.get("mixture") or [], mine["mixture"]
+    if not isinstance(saved_mix, list) or not all(isinstance(m, dict) for m in saved_mix):
+        raise LoaderStateError(f"loader state has a malformed mixture {saved_mix!r}")
     if [(m.get("weight"), m.get("count")) for m in saved_mix] != [
         (m["weight"], m["count"]) for m in my_mix
     ]:
@@ -79,25 +126,55 @@ def check_state(loader: Any, sd: Any) -> int:
             f"saved with mixture weights {[m.get('weight') for m in saved_mix]}, loader has "
             f"{[m['weight'] for m in my_mix]}: the blend would differ"
         )
+    step, micro = _count(sd, "step"), _count(sd, "micro_in_step")
     if sd.get("fingerprint") != mine["fingerprint"] and not loader.allow_dataset_change:
         raise LoaderStateError(
             f"saved with dataset fingerprint {sd.get('fingerprint')}, loader has "
             f"{mine['fingerprint']}: the data changed since the checkpoint, so the saved "
             f"position means other samples. Pass allow_dataset_change=True to continue from "
-            f"step {sd.get('step')} on the new data anyway"
+            f"step {step} on the new data anyway"
         )
-    try:
-        step, micro = int(sd["step"]), int(sd["micro_in_step"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise LoaderStateError(f"loader state has no valid step/micro_in_step ({exc!r})") from exc
-    if step < 0 or micro < 0:
-        raise LoaderStateError(f"loader state has a negative cursor (step={step}, micro={micro})")
+    saved_batch = _count(sd, "global_batch", low=1)
+    position = _count(sd, "position") if version >= 2 else step * saved_batch
+    plan: BatchPlan = loader.plan
     if micro:
-        for key in ("world_size", "rank", "micro_batch"):
+        for key in ("global_batch", "world_size", "rank", "micro_batch"):
             if sd.get(key) != mine[key]:
                 raise LoaderStateError(
                     f"saved mid-step (micro_in_step={micro}) with {key}={sd.get(key)!r}, loader "
                     f"has {key}={mine[key]!r}: a state saved between steps loads on any "
                     f"{key}; one saved mid-step only on the same one"
                 )
-    return step * loader.plan.micro_per_step + micro
+        if micro >= plan.micro_per_step:
+            raise LoaderStateError(
+                f"loader state has micro_in_step={micro}, but a step has only "
+                f"{plan.micro_per_step} micro-batches; the state is damaged"
+            )
+    changes = []
+    if saved_batch != loader.global_batch:
+        changes.append(
+            {
+                "key": "global_batch",
+                "old": saved_batch,
+                "new": loader.global_batch,
+                "step": step,
+                "position": position,
+            }
+        )
+    anchored = dataclasses.replace(plan, origin_step=step, origin_position=position)
+    return Resume(step * plan.micro_per_step + micro, anchored, changes)
+
+
+def log_changes(changes: list[dict[str, Any]]) -> None:
+    """Say in the log what a resume changed (the ledger gets it through the restore event)."""
+    for c in changes:
+        log.warning(
+            "resuming with %s=%s (saved with %s) at step %d, sample position %d: the stream "
+            "continues at that sample, %s samples per step from here on",
+            c["key"],
+            c["new"],
+            c["old"],
+            c["step"],
+            c["position"],
+            c["new"],
+        )

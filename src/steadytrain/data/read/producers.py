@@ -3,17 +3,31 @@
 Both hand the loader ``(q, batch, read_s, bytes_read)`` tuples strictly in order of ``q``
 (or the exception that stopped them) through a bounded queue, and have an explicit
 lifecycle: ``close()`` stops the thread at its next micro-batch and kills the workers.
+
+A loader dropped without ``close()`` must not leave threads and processes behind (as
+torch's DataLoader does not). Two things make that hold:
+
+- nothing a background thread runs holds the loader or the producer strongly: the thread
+  runs a module-level function over the resources only, and the loader's ``read`` /
+  ``finish`` methods are held through ``weakref.WeakMethod``, so dropping the loader frees it
+  (and its ``__del__`` closes the producer) even while the thread is blocked;
+- the resources (stop flag, thread, worker processes, pipes) are shut down by a
+  ``weakref.finalize`` on the producer, which also runs at interpreter exit (a daemon thread
+  killed inside torch code aborts the process: "terminate called without an active
+  exception"), and whichever of ``close()``, the loader's ``__del__``, garbage collection
+  or exit comes first does it once.
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
+import inspect
 import multiprocessing
 import pickle
 import queue
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,21 +37,70 @@ import numpy as np
 from steadytrain.data.read.sampler import BatchPlan, Sampler
 from steadytrain.data.read.workers import HEADER, Reader, worker_main
 
-# Producers still running at interpreter exit are stopped first: a daemon thread killed
-# inside torch code aborts the process ("terminate called without an active exception").
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    for producer in list(_LIVE):
-        producer.close()
-
-
 # finish(q, raw windows, reader) -> batch: the loader's tensor assembly from worker bytes.
 Finish = Callable[[int, np.ndarray, Reader], Any]
 # read(q, reader) -> (batch, bytes read): the loader's read of a micro-batch from the maps.
 Read = Callable[[int, Reader], tuple[Any, int]]
+
+_THREAD_JOIN_S = 1.0  # a thread stuck inside a read is a daemon: it is not waited for longer
+_PROCESS_JOIN_S = 5.0  # after SIGKILL a worker exits at once; the bound guards a stuck kernel
+
+
+class _OwnerGone(Exception):
+    """The loader whose method a background thread calls was collected: stop quietly."""
+
+
+def _weak(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` without a strong reference to its object, when it is a bound method: a
+    thread calling the loader's ``_read`` must not be what keeps the loader alive."""
+    if not inspect.ismethod(fn):
+        return fn
+    ref = weakref.WeakMethod(fn)
+
+    def call(*args: Any) -> Any:
+        method = ref()
+        if method is None:
+            raise _OwnerGone
+        return method(*args)
+
+    return call
+
+
+def _detach(exc: BaseException) -> BaseException:
+    """Clear the local variables of the finished frames in ``exc``'s tracebacks (file, line
+    and function stay for the message). An exception handed to the training loop crosses
+    threads; its frames' locals include the loader (``self`` of ``_read``), and a loader
+    that is dropped instead of iterated must not be kept alive by its pending error."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # skips frames still running
+        stack += [e.__cause__, e.__context__]
+    return exc
+
+
+def _shutdown(
+    q: _Queue,
+    thread: threading.Thread | None,
+    procs: Sequence[Any] = (),
+    conns: Sequence[Any] = (),
+) -> None:
+    """Stop a producer's resources: the ``weakref.finalize`` callback, so it must not refer
+    to the producer. It may run on the producer's own thread (the loader's last reference
+    can be dropped there, or garbage collection can run there): a thread never joins itself."""
+    q.close()
+    for proc in procs:
+        proc.kill()  # holds nothing but maps; SIGKILL also ends a stopped process
+    for proc in procs:
+        proc.join(timeout=_PROCESS_JOIN_S)
+    for conn in conns:
+        conn.close()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=_THREAD_JOIN_S)
 
 
 class _Queue:
@@ -79,32 +142,18 @@ class ThreadProducer:
     """
 
     def __init__(self, reader: Reader, read: Read, q0: int, depth: int) -> None:
-        self._reader, self._read = reader, read
-        self._group = max(1, min(depth, 8))
-        self._q = _Queue(max(1, depth // self._group))
+        self._reader = reader
+        group = max(1, min(depth, 8))
+        self._q = _Queue(max(1, depth // group))
         self._ready: collections.deque = collections.deque()
         self._thread = threading.Thread(
-            target=self._run, args=(q0,), name="steadytrain-loader", daemon=True
+            target=_read_loop,
+            args=(self._q, reader, _weak(read), q0, group),
+            name="steadytrain-loader",
+            daemon=True,
         )
         self._thread.start()
-        _LIVE.add(self)
-
-    def _run(self, q: int) -> None:
-        group: list = []
-        try:
-            while not self._q.stop.is_set():
-                t0 = time.perf_counter()
-                batch, nbytes = self._read(q, self._reader)
-                group.append((q, batch, time.perf_counter() - t0, nbytes))
-                q += 1
-                if len(group) == self._group:
-                    if not self._q.put(group):
-                        return
-                    group = []
-        except BaseException as exc:  # handed to the training loop, raised there
-            if group:
-                self._q.put(group)
-            self._q.put(exc)
+        self._finalizer = weakref.finalize(self, _shutdown, self._q, self._thread)
 
     def get(self, timeout: float) -> Any:
         if not self._ready:
@@ -120,8 +169,28 @@ class ThreadProducer:
     def close(self) -> None:
         # A thread stuck inside a read cannot be interrupted; it is a daemon and will
         # exit at its next micro-batch boundary (or with the process).
-        self._q.close()
-        self._thread.join(timeout=1.0)
+        self._finalizer()
+
+
+def _read_loop(q: _Queue, reader: Reader, read: Read, q0: int, group_size: int) -> None:
+    """The thread of a ``ThreadProducer``: holds the queue, the reader and a weak ``read``."""
+    group: list = []
+    try:
+        while not q.stop.is_set():
+            t0 = time.perf_counter()
+            batch, nbytes = read(q0, reader)
+            group.append((q0, batch, time.perf_counter() - t0, nbytes))
+            q0 += 1
+            if len(group) == group_size:
+                if not q.put(group):
+                    return
+                group = []
+    except _OwnerGone:
+        return  # the loader was dropped: nobody is reading
+    except BaseException as exc:  # handed to the training loop, raised there
+        if group:
+            q.put(group)
+        q.put(_detach(exc))
 
 
 class ProcessProducer:
@@ -143,56 +212,34 @@ class ProcessProducer:
     ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._refs = Reader(datasets, sampler, plan)
-        self._finish = finish
         self._procs, self._conns = [], []
-        for worker in range(num_workers):
-            recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=worker_main,
-                args=(datasets, sampler, plan, worker, num_workers, q0, send),
-                name=f"steadytrain-loader-{worker}",
-                daemon=True,
-            )
-            proc.start()
-            send.close()  # the child holds the only write end: EOF when it dies
-            self._procs.append(proc)
-            self._conns.append(recv)
         self._q = _Queue(depth)
+        try:
+            for worker in range(num_workers):
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=worker_main,
+                    args=(datasets, sampler, plan, worker, num_workers, q0, send),
+                    name=f"steadytrain-loader-{worker}",
+                    daemon=True,
+                )
+                self._conns.append(recv)
+                proc.start()
+                send.close()  # the child holds the only write end: EOF when it dies
+                self._procs.append(proc)
+        except BaseException:  # e.g. an unpicklable dataset: end the workers already started
+            _shutdown(self._q, None, self._procs, self._conns)
+            raise
         self._thread = threading.Thread(
-            target=self._collect, args=(q0,), name="steadytrain-loader-collect", daemon=True
+            target=_collect,
+            args=(self._q, self._conns, self._procs, self._refs, _weak(finish), q0),
+            name="steadytrain-loader-collect",
+            daemon=True,
         )
         self._thread.start()
-        _LIVE.add(self)
-
-    def _collect(self, q: int) -> None:
-        shape = (self._refs.plan.micro_batch, self._refs.window)
-        n = len(self._conns)
-        try:
-            while not self._q.stop.is_set():
-                worker = q % n
-                try:
-                    msg = self._conns[worker].recv_bytes()
-                except (EOFError, OSError):
-                    if self._q.stop.is_set():
-                        return
-                    self._procs[worker].join(timeout=1.0)
-                    code = self._procs[worker].exitcode
-                    raise RuntimeError(
-                        f"loader worker {worker} exited unexpectedly (exit code {code}; "
-                        f"-9 usually means it was killed for memory; see its traceback above "
-                        f"on stderr: a script that starts a loader with num_workers > 0 needs "
-                        f"an `if __name__ == '__main__':` guard, as workers are spawned)"
-                    ) from None
-                got, read_s, nbytes, flag = HEADER.unpack_from(msg)
-                if flag:
-                    raise pickle.loads(memoryview(msg)[HEADER.size :])
-                raw = np.frombuffer(msg, dtype=self._refs.dtype, offset=HEADER.size)
-                batch = self._finish(got, raw.reshape(shape), self._refs)
-                if not self._q.put((got, batch, read_s, nbytes)):
-                    return
-                q += 1
-        except BaseException as exc:
-            self._q.put(exc)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._q, self._thread, self._procs, self._conns
+        )
 
     def get(self, timeout: float) -> Any:
         return self._q.get(timeout)
@@ -205,11 +252,46 @@ class ProcessProducer:
         return [p.pid for p in self._procs if p.pid is not None]
 
     def close(self) -> None:
-        self._q.close()
-        for proc in self._procs:
-            proc.kill()  # holds nothing but maps; SIGKILL also ends a stopped process
-        for proc in self._procs:
-            proc.join(timeout=5.0)
-        for conn in self._conns:
-            conn.close()
-        self._thread.join(timeout=1.0)
+        self._finalizer()
+
+
+def _collect(
+    q: _Queue,
+    conns: Sequence[Any],
+    procs: Sequence[Any],
+    refs: Reader,
+    finish: Finish,
+    at: int,
+) -> None:
+    """The collector thread of a ``ProcessProducer``: receives micro-batch ``at, at+1, ...``
+    from worker ``at % len(conns)`` and assembles it with a weak ``finish``."""
+    shape = (refs.plan.micro_batch, refs.window)
+    n = len(conns)
+    try:
+        while not q.stop.is_set():
+            worker = at % n
+            try:
+                msg = conns[worker].recv_bytes()
+            except (EOFError, OSError):
+                if q.stop.is_set():
+                    return
+                procs[worker].join(timeout=1.0)
+                code = procs[worker].exitcode
+                raise RuntimeError(
+                    f"loader worker {worker} exited unexpectedly (exit code {code}; "
+                    f"-9 usually means it was killed for memory; see its traceback above "
+                    f"on stderr: a script that starts a loader with num_workers > 0 needs "
+                    f"an `if __name__ == '__main__':` guard, as workers are spawned)"
+                ) from None
+            got, read_s, nbytes, flag = HEADER.unpack_from(msg)
+            if flag:
+                raise pickle.loads(memoryview(msg)[HEADER.size :])
+            raw = np.frombuffer(msg, dtype=refs.dtype, offset=HEADER.size)
+            batch = finish(got, raw.reshape(shape), refs)
+            if not q.put((got, batch, read_s, nbytes)):
+                return
+            at += 1
+    except _OwnerGone:
+        return  # the loader was dropped: the finalizer ends the workers
+    except BaseException as exc:
+        q.put(_detach(exc))

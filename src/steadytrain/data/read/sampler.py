@@ -9,8 +9,10 @@ id -> (shard, offset) is a binary search over the cumulative counts. Memory O(#s
 Stream: position ``k`` (0, 1, 2, ... forever) -> dataset ``d`` and its local position ``j``
 (closed-form blend, ``blend.py``) -> epoch ``j // N_d`` and in-epoch position ``j % N_d`` ->
 sample id through the dataset's order (``modes/``, re-keyed per epoch and per dataset).
-Step ``s`` consumes positions ``[s G, (s + 1) G)``; ``BatchPlan`` cuts that range into rank
-slices and micro-batches. Nothing here depends on the world size, worker count or history.
+Step ``s`` consumes positions ``[s G, (s + 1) G)`` (after a resume with another global batch,
+``G``-sized steps from the saved sample position on); ``BatchPlan`` cuts that range into rank
+slices and micro-batches. The sample at a position depends on none of the world size, the
+worker count, the global batch or history.
 """
 
 from __future__ import annotations
@@ -199,9 +201,14 @@ class Sampler:
         ranks: Iterable[int] | None = None,
         world_size: int = 1,
         dataset: int = 0,
+        origin: tuple[int, int] = (0, 0),
     ) -> list[tuple[int, int]]:
         """``(step, shard)`` for each shard of ``dataset`` that steps ``[start, stop)`` read,
         in order of first use (the step is the first one that needs it).
+
+        ``origin=(step, position)``: the step that starts at that stream position (a loader
+        resumed with another global batch; ``BatchPlan.step_start``); steps before it are
+        not looked at.
 
         ``ranks=None`` means every rank (the whole job, or a node that shares one cache);
         otherwise only the positions of those ranks of ``world_size`` count. ``sequential``
@@ -212,8 +219,15 @@ class Sampler:
             raise ConfigError(f"step range [{start}, {stop}) is not a valid range")
         intervals: list[tuple[int, int]]
         g = self.global_batch
+        step0, pos0 = origin
+        start = max(start, step0)
+        stop = max(stop, start)
+
+        def begin(step: int) -> int:
+            return pos0 + (step - step0) * g
+
         if ranks is None:
-            intervals = [(start * g, stop * g)]
+            intervals = [(begin(start), begin(stop))]
         else:
             if g % world_size:
                 raise ConfigError(f"world_size={world_size} does not divide global_batch={g}")
@@ -228,17 +242,21 @@ class Sampler:
                 else:
                     groups.append([r, r + 1])
             intervals = [
-                (s * g + a * per, s * g + b * per) for s in range(start, stop) for a, b in groups
+                (begin(s) + a * per, begin(s) + b * per)
+                for s in range(start, stop)
+                for a, b in groups
             ]
         seen: dict[int, int] = {}
         total = int(np.count_nonzero(np.diff(self.cum[dataset])))
         for p0, p1 in intervals:
-            self._first_uses(dataset, p0, p1, seen)
+            self._first_uses(dataset, p0, p1, seen, origin)
             if len(seen) == total:
                 break
         return sorted(((step, shard) for shard, step in seen.items()), key=lambda t: t[0])
 
-    def _first_uses(self, d: int, p0: int, p1: int, seen: dict[int, int]) -> None:
+    def _first_uses(
+        self, d: int, p0: int, p1: int, seen: dict[int, int], origin: tuple[int, int]
+    ) -> None:
         n, cum, total = (
             self.num_samples[d],
             self.cum[d],
@@ -263,7 +281,7 @@ class Sampler:
                 used = cum[shards + 1] > cum[shards]  # shards too short for a sample
                 shards, starts = shards[used], starts[used]
                 positions = self.blend.position_of(d, epoch * n + starts)
-                steps = positions // self.global_batch
+                steps = origin[0] + (positions - origin[1]) // self.global_batch
                 for shard, step in zip(shards.tolist(), steps.tolist(), strict=True):
                     if shard not in seen:
                         seen[shard] = step
@@ -276,7 +294,11 @@ class Sampler:
 class BatchPlan:
     """Rank slice and micro-batch split of every step: plain integers (DESIGN invariant 1).
 
-    Rank ``r`` of ``W`` reads positions ``[s G + r G/W, s G + (r+1) G/W)`` of step ``s`` as
+    Step ``s`` starts at stream position ``start(s) = P0 + (s - S0) G``, where the origin
+    ``(S0, P0)`` is ``(0, 0)`` for a fresh run and the saved (step, sample position) after a
+    resume: the stream is positional, so a job resumed with another global batch continues
+    at the saved sample and only the size of the steps after it changes. Rank ``r`` of ``W``
+    reads positions ``[start(s) + r G/W, start(s) + (r+1) G/W)`` of step ``s`` as
     ``G / W / micro_batch`` micro-batches; its ``q``-th micro-batch overall is micro-batch
     ``q % M`` of step ``q // M``. Loader worker ``q % num_workers`` produces it.
     """
@@ -285,9 +307,16 @@ class BatchPlan:
     micro_batch: int
     rank: int = 0
     world_size: int = 1
+    origin_step: int = 0  # the step that starts at origin_position (a resume point)
+    origin_position: int = 0
 
     def __post_init__(self) -> None:
         g, w, mb = self.global_batch, self.world_size, self.micro_batch
+        if self.origin_step < 0 or self.origin_position < 0:
+            raise ConfigError(
+                f"origin step {self.origin_step} / position {self.origin_position}: "
+                "a resume point is never negative"
+            )
         if w < 1 or not 0 <= self.rank < w:
             raise ConfigError(f"rank={self.rank} must lie in [0, world_size={w})")
         if g % w:
@@ -309,9 +338,23 @@ class BatchPlan:
     def micro_per_step(self) -> int:
         return self.per_rank // self.micro_batch
 
+    def step_start(self, step: int) -> int:
+        """Stream position of the first sample of ``step`` (all ranks)."""
+        return self.origin_position + (step - self.origin_step) * self.global_batch
+
     def positions(self, q_lo: int, q_hi: int) -> np.ndarray:
         """Stream positions of this rank's micro-batches ``[q_lo, q_hi)``, shape [q, mb]."""
         q = np.arange(q_lo, q_hi, dtype=np.int64)
         step, m = np.divmod(q, self.micro_per_step)
-        start = step * self.global_batch + self.rank * self.per_rank + m * self.micro_batch
+        start = (
+            self.origin_position
+            + (step - self.origin_step) * self.global_batch
+            + self.rank * self.per_rank
+            + m * self.micro_batch
+        )
+        if self.origin_step:
+            # Steps before a resume point are never served (the cursor starts at it), but a
+            # reader maps positions a chunk at a time from a round micro-batch index, so a
+            # chunk may begin before it: those rows are clamped to a valid position.
+            np.maximum(start, 0, out=start)
         return start[:, None] + np.arange(self.micro_batch, dtype=np.int64)[None, :]

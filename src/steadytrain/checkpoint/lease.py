@@ -1,0 +1,368 @@
+"""One live writer per checkpoint root: the writer lease.
+
+Two jobs saving into one root picked the same ``step-N`` names, wrote the same file names
+and deleted each other's saves in flight. Directory claims (``claim.py``) stop the mixing;
+this lease stops the second job, by name, at its first save.
+
+Layout: ``ROOT/.writer-lease/GGGGGGGG.json``, one record per *generation* (docs/format.md);
+the highest generation holds the root. A generation is only ever created if absent
+(``Store.write_bytes_if_absent``: a hard link locally, ``If-None-Match: *`` on S3), so of two
+jobs that both find generation ``g`` free exactly one creates ``g + 1``. A holder rewrites
+only its own generation (heartbeat, release); the next holder deletes older ones.
+
+A holder's lease is free (``_free_because``; docs/checkpoint.md, "One writer per root") when
+it was released or is this process's; when it names this job's identity (a restart); when
+its pid is gone from this host; or when its heartbeat, refreshed every ``timeout_s / 10`` by
+one thread per process, is older than ``timeout_s``. Anything else is a live job:
+``CheckpointError`` naming the root, the holder and the fix. A holder that finds a newer
+generation than its own has lost the root (``LeaseLostError``) and must stop saving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+from steadytrain.checkpoint.identity import host_identity, pid_gone, proc_start
+from steadytrain.errors import CheckpointError, StorageError
+from steadytrain.storage.store import Store, is_missing
+
+__all__ = ["Lease", "LeaseLostError", "acquire", "LEASE_DIR", "DEFAULT_TIMEOUT_S"]
+
+log = logging.getLogger("steadytrain.checkpoint")
+
+LEASE_DIR = ".writer-lease"
+FORMAT = "steadytrain-writer-lease"
+VERSION = 1
+DEFAULT_TIMEOUT_S = 300.0
+_TRIES = 8  # generations contested in a row before giving up (other jobs keep winning)
+
+
+class LeaseLostError(CheckpointError):
+    """Another job took this job's writer lease: this job must stop writing checkpoints."""
+
+
+def _me(job: str, timeout_s: float) -> dict[str, Any]:
+    pid = os.getpid()
+    started = proc_start(pid)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        **host_identity(),
+        "pid": pid,
+        "pid_start": started[1] if started else None,
+        "job": job,
+        "timeout_s": timeout_s,
+    }
+
+
+def _describe(rec: dict[str, Any]) -> str:
+    if not rec.get("host"):
+        return "another job (its lease record is unreadable or gone)"
+    job = rec.get("job") or "(no job id)"
+    return f"host {rec.get('host')} pid {rec.get('pid')} job {job}"
+
+
+def _free_because(
+    holder: dict[str, Any], me: dict[str, Any], now: float, timeout_s: float
+) -> str | None:
+    """Why ``holder``'s lease may be taken over, or None when it belongs to a live job."""
+    if holder.get("released"):
+        return "it was released"
+    if holder.get("unreadable"):
+        return "it was not a writer lease record"
+    if holder.get("job") and holder.get("job") == me["job"]:
+        return f"same job ({me['job']}): a restart"
+    same_host = all(holder.get(k) == me[k] for k in ("host", "boot_id", "pid_ns"))
+    if same_host and isinstance(holder.get("pid"), int):
+        if holder["pid"] == me["pid"] and holder.get("pid_start") == me["pid_start"]:
+            return "it is this process"
+        if pid_gone(holder["pid"], holder.get("pid_start")):
+            return f"its process {holder['pid']} on this host is gone"
+    limit = max(timeout_s, float(holder.get("timeout_s") or 0.0))
+    age = now - float(holder.get("heartbeat") or 0.0)
+    if age > limit:
+        return f"its heartbeat is {age:.0f} s old (limit {limit:.0f} s)"
+    return None
+
+
+class Lease:
+    """A held generation of the writer lease on one root (shared by the Checkpointers of one
+    process on that root: ``refs``)."""
+
+    def __init__(self, store: Store, generation: int, record: dict[str, Any]) -> None:
+        self.store = store
+        self.generation = generation
+        self.record = record
+        self.refs = 1
+        self.lost: str | None = None
+        self.period_s = float(record["timeout_s"]) / 10
+        self.next_beat = time.monotonic() + self.period_s
+        self._lock = threading.Lock()  # heartbeat thread vs. the saving thread
+
+    @property
+    def url(self) -> str:
+        return self.store.display(self._relname)
+
+    def _lose(self, top: int) -> LeaseLostError:
+        with _REGISTRY_LOCK:
+            if _HELD.get(_key(self.store)) is self:
+                del _HELD[_key(self.store)]  # the next acquire in this process starts afresh
+        holder = _read(self.store, top) or {}
+        self.lost = (
+            f"{self.store.url}: this job lost the checkpoint writer lease to {_describe(holder)} "
+            f"(generation {top}, ours was {self.generation}; it took over because "
+            f"{holder.get('took_over', 'our lease was gone')}). Two jobs are writing "
+            "checkpoints into one root, so this job stops saving: stop one of them, or give "
+            "each job its own checkpoint directory (and remote=)"
+        )
+        return LeaseLostError(self.lost)
+
+    def check(self) -> None:
+        """Raise ``LeaseLostError`` if a newer generation exists (the fence rank 0 runs before
+        claiming each checkpoint directory). A generation of ours that someone deleted, with
+        none newer, is written again: nobody else holds the root."""
+        if self.lost:
+            raise LeaseLostError(self.lost)
+        gens = _generations(self.store)
+        if gens and gens[-1] > self.generation:
+            raise self._lose(gens[-1])
+        if self.generation not in gens:
+            data = json.dumps(self.record, sort_keys=True).encode()
+            if not self.store.write_bytes_if_absent(self._relname, data):
+                mine = _read(self.store, self.generation) or {}
+                if mine.get("token") != self.record["token"]:
+                    raise self._lose(self.generation)
+
+    def beat(self) -> None:
+        """Refresh the heartbeat, after checking the lease is still ours. A generation that
+        is gone (its root deleted) is left gone: only a save writes into the root again."""
+        with self._lock:
+            if self.lost:
+                raise LeaseLostError(self.lost)
+            gens = _generations(self.store)
+            if gens and gens[-1] > self.generation:
+                raise self._lose(gens[-1])
+            if self.generation in gens:
+                self.record["heartbeat"] = time.time()
+                self._write()
+            self.next_beat = time.monotonic() + self.period_s
+
+    @property
+    def _relname(self) -> str:
+        return f"{LEASE_DIR}/{self.generation:08d}.json"
+
+    def _write(self) -> None:
+        data = json.dumps(self.record, sort_keys=True).encode()
+        self.store.write_bytes_atomic(self._relname, data)
+
+    def release(self) -> None:
+        """Drop one reference; the last one marks the generation released, so the next job
+        takes over at once (no waiting for a heartbeat to age)."""
+        with _REGISTRY_LOCK:
+            self.refs -= 1
+            if self.refs > 0:
+                return
+            if _HELD.get(_key(self.store)) is self:
+                del _HELD[_key(self.store)]
+        with self._lock:
+            if self.lost:
+                return
+            try:
+                gens = _generations(self.store)
+                if gens and gens[-1] == self.generation:  # still ours, and still there
+                    self.record["released"] = True
+                    self._write()
+            except (CheckpointError, StorageError, OSError) as exc:
+                log.warning("could not release the writer lease %s: %s", self.url, exc)
+
+
+def _generations(store: Store) -> list[int]:
+    out = []
+    for entry in store.listdir(LEASE_DIR):
+        base = entry.rsplit("/", 1)[-1]
+        stem, _, ext = base.partition(".")
+        if ext == "json" and stem.isdigit():
+            out.append(int(stem))
+    return sorted(out)
+
+
+def _read(store: Store, generation: int) -> dict[str, Any] | None:
+    """Generation ``generation``'s record; None when it vanished (a newer holder deleted it)
+    or is not a lease record (then it is reported and may be replaced)."""
+    name = f"{LEASE_DIR}/{generation:08d}.json"
+    try:
+        raw = store.read_bytes(name)
+    except StorageError as exc:
+        if is_missing(exc):
+            return None
+        raise
+    try:
+        rec = json.loads(raw)
+    except ValueError:
+        rec = None
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+        log.warning("%s is not a writer lease record", store.display(name))
+        return {"unreadable": True}
+    if rec.get("version") != VERSION:
+        raise CheckpointError(
+            f"{store.display(name)}: writer lease version {rec.get('version')!r}, this "
+            f"steadytrain reads version {VERSION}; upgrade steadytrain to write into this root"
+        )
+    return rec
+
+
+_HELD: dict[tuple[int, str], Lease] = {}
+_REGISTRY_LOCK = threading.Lock()  # held briefly: the heartbeat thread takes it too
+_ACQUIRE_LOCK = threading.Lock()  # one acquisition at a time (its I/O may retry for minutes)
+_BEATER: threading.Thread | None = None
+_WAKE = threading.Event()  # a new lease may need an earlier heartbeat than the one planned
+_WARNED_UNCONDITIONAL: set[str] = set()
+
+
+def _key(store: Store) -> tuple[int, str]:
+    return os.getpid(), store.root if store.is_local else store.url
+
+
+def acquire(store: Store, *, job: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> Lease:
+    """Take (or share, within this process) the writer lease on ``store``'s root, or raise
+    ``CheckpointError`` naming the live job that holds it. Storage errors propagate."""
+    with _ACQUIRE_LOCK:
+        with _REGISTRY_LOCK:
+            held = _HELD.get(_key(store))
+            if held is not None and held.lost is None:
+                held.refs += 1
+                return held
+        lease = _acquire(store, job, timeout_s)
+        with _REGISTRY_LOCK:
+            _HELD[_key(store)] = lease
+            _start_beater()
+        _WAKE.set()
+        return lease
+
+
+def _acquire(store: Store, job: str, timeout_s: float) -> Lease:
+    me = _me(job, timeout_s)
+    token = uuid.uuid4().hex
+    for _ in range(_TRIES):
+        gens = _generations(store)
+        why, previous = "there was no lease", None
+        if gens:
+            holder = _read(store, gens[-1])
+            if holder is None:
+                continue  # deleted under us by a new holder: look again
+            now = time.time()
+            why = _free_because(holder, me, now, timeout_s)
+            if why is None:
+                raise CheckpointError(_refusal(store, gens[-1], holder, now, timeout_s))
+            previous = {k: holder.get(k) for k in ("host", "pid", "job", "heartbeat")}
+        generation = (gens[-1] if gens else 0) + 1
+        now = time.time()
+        rec = dict(
+            me, generation=generation, token=token, acquired=now, heartbeat=now, released=False
+        )
+        rec.update(took_over=why, previous=previous)
+        data = json.dumps(rec, sort_keys=True).encode()
+        name = f"{LEASE_DIR}/{generation:08d}.json"
+        if not store.write_bytes_if_absent(name, data):
+            mine = _read(store, generation)
+            if not mine or mine.get("token") != token:
+                continue  # another job won this generation: judge it on the next round
+        _check_conditional(store, name, data)
+        for old in gens:  # only the holder's generation matters; older ones are history
+            try:
+                store.remove(f"{LEASE_DIR}/{old:08d}.json")
+            except StorageError as exc:
+                log.warning("could not delete an old writer lease on %s: %s", store.url, exc)
+        if previous is not None:
+            log.info("writer lease on %s taken over from %s: %s", store.url, previous, why)
+        return Lease(store, generation, rec)
+    raise CheckpointError(
+        f"{store.url}: could not take the checkpoint writer lease: {_TRIES} generations in a "
+        f"row went to other jobs ({store.display(LEASE_DIR)}); several jobs are starting on "
+        "one checkpoint root at once: start only one"
+    )
+
+
+def _check_conditional(store: Store, name: str, data: bytes) -> None:
+    """A second create of the same object must fail; on a store that ignores
+    ``If-None-Match`` it succeeds (rewriting the same bytes) and claims are not exclusive."""
+    if store.is_local or store.url in _WARNED_UNCONDITIONAL:
+        return
+    if store.write_bytes_if_absent(name, data):
+        _WARNED_UNCONDITIONAL.add(store.url)
+        log.warning(
+            "%s ignores conditional PUTs (If-None-Match): two jobs that start at the same "
+            "moment could both take the writer lease and claim the same checkpoint names; "
+            "a job that starts later is still refused. Use a store that supports them "
+            "(AWS S3, SeaweedFS, recent MinIO)",
+            store.url,
+        )
+
+
+def _refusal(
+    store: Store, generation: int, holder: dict[str, Any], now: float, timeout_s: float
+) -> str:
+    limit = max(timeout_s, float(holder.get("timeout_s") or 0.0))
+    age = now - float(holder.get("heartbeat") or 0.0)
+    lease = store.display(f"{LEASE_DIR}/{generation:08d}.json")
+    return (
+        f"{store.url} is the checkpoint root of another live job: {_describe(holder)} holds "
+        f"its writer lease ({lease}, heartbeat {age:.0f} s ago). Two jobs saving into one "
+        "checkpoint root would mix their checkpoints. Fix: stop that job, or give this job "
+        "its own checkpoint directory (and remote=). If that job is dead on another host, "
+        f"its lease expires when its heartbeat is {limit:.0f} s old (in about "
+        f"{max(0.0, limit - age):.0f} s); a restart of the same job is recognised at once by "
+        "its job identity (TORCHELASTIC_RUN_ID from torchrun --rdzv-id, SLURM_JOB_ID, or "
+        "checkpoint job_id)"
+    )
+
+
+def _start_beater() -> None:
+    """One daemon thread per process refreshes every held lease (called under the lock)."""
+    global _BEATER
+    if _BEATER is not None and _BEATER.is_alive():
+        return
+    _BEATER = threading.Thread(target=_beat_forever, name="steadytrain-lease", daemon=True)
+    _BEATER.start()
+
+
+def _beat_forever() -> None:
+    global _BEATER
+    while True:
+        _WAKE.clear()
+        with _REGISTRY_LOCK:
+            leases = [le for (pid, _), le in _HELD.items() if pid == os.getpid()]
+            if not leases:
+                _BEATER = None  # the next acquire starts a new one
+                return
+        now = time.monotonic()
+        for lease in leases:
+            if now < lease.next_beat:
+                continue
+            try:
+                lease.beat()
+            except LeaseLostError as exc:
+                log.error("%s", exc)
+            except Exception as exc:  # noqa: BLE001 - the store may be down: try again later
+                log.warning("writer lease heartbeat on %s failed: %s", lease.store.url, exc)
+                lease.next_beat = now + lease.period_s
+        _WAKE.wait(max(0.05, min(le.next_beat for le in leases) - time.monotonic()))
+
+
+def _after_fork_in_child() -> None:
+    """A forked child holds no lease (its pid differs) and must not inherit a lock that the
+    parent's heartbeat thread held at the moment of the fork."""
+    global _REGISTRY_LOCK, _ACQUIRE_LOCK, _BEATER
+    _REGISTRY_LOCK, _ACQUIRE_LOCK = threading.Lock(), threading.Lock()
+    _HELD.clear()
+    _BEATER = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

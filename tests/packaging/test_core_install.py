@@ -1,0 +1,155 @@
+"""Depend like a library: the core install works alone, and installing leaves torch alone.
+
+One fresh virtual environment (module scope) gets the core dependencies only, at the locked
+versions (``constraints.txt``; torch comes from the CPU wheel the lock names). In it:
+
+* ``import steadytrain``, a dataset, ``TokenLoader`` and a ``Checkpointer`` save/restore
+  work with no extra installed;
+* each optional part names the extra to install instead of a bare ``ModuleNotFoundError``;
+* ``pip install --dry-run --report`` of ``steadytrain[all]`` next to the installed torch
+  plans no torch install (the declared range accepts what the user has).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+pytestmark = [pytest.mark.packaging, pytest.mark.timeout(900)]
+
+
+def _pip(venv: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [os.path.join(venv, "bin", "python"), "-m", "pip", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def core_venv(tmp_path_factory):
+    venv = str(tmp_path_factory.mktemp("core") / "venv")
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
+    # Non-editable, no extras, exact versions from the lock: what `pip install steadytrain`
+    # gives a user, minus the network lottery.
+    res = _pip(venv, "install", "-q", "-c", os.path.join(REPO, "constraints.txt"), REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    yield venv
+    shutil.rmtree(os.path.dirname(venv), ignore_errors=True)  # ~1 GB: do not leave it
+
+
+def _run(venv: str, code: str, cwd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [os.path.join(venv, "bin", "python"), "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+
+
+def test_core_only_loader_and_checkpoint_round_trip(core_venv, tmp_path):
+    res = _run(
+        core_venv,
+        """
+        import importlib.util, json
+        import numpy as np, torch
+        import steadytrain
+        from steadytrain import Checkpointer, TokenDataset, TokenLoader
+        from steadytrain.data.ingest.writer import DatasetWriter
+
+        absent = [m for m in ("s3fs", "mlflow", "matplotlib", "pyarrow")
+                  if importlib.util.find_spec(m) is not None]
+        assert not absent, f"core install pulled optional packages: {absent}"
+        rng = np.random.default_rng(0)
+        with DatasetWriter("ds", vocab_size=257, eos_id=256,
+                           tokenizer={"type": "bytes"}, shard_tokens=4096) as w:
+            for _ in range(40):
+                doc = rng.integers(0, 256, 200)
+                w.add_document(np.append(doc, 256))
+        ds = TokenDataset.open("ds")
+        loader = TokenLoader(ds, seq_len=32, global_batch=8, micro_batch=4, seed=1)
+        it = iter(loader)
+        first = [next(it)["sample_ids"].tolist() for _ in range(3)]
+        model = torch.nn.Linear(4, 4)
+        ckpt = Checkpointer("ckpts", every_steps=1, keep_last=2, async_mode="sync")
+        ckpt.save(3, {"model": model, "loader": loader})
+        ckpt.close()
+        want = [next(it)["sample_ids"].tolist() for _ in range(2)]
+        loader.close()
+        fresh_model = torch.nn.Linear(4, 4)
+        fresh = TokenLoader(ds, seq_len=32, global_batch=8, micro_batch=4, seed=1)
+        ckpt2 = Checkpointer("ckpts", every_steps=1, keep_last=2, async_mode="sync")
+        step = ckpt2.restore_latest({"model": fresh_model, "loader": fresh})
+        it2 = iter(fresh)
+        got = [next(it2)["sample_ids"].tolist() for _ in range(2)]
+        assert step == 3, step
+        assert torch.equal(model.weight, fresh_model.weight)
+        print(json.dumps({"first": first, "want": want, "got": got}))
+        """,
+        str(tmp_path),
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["got"] == out["want"]  # the restored loader continues where it stood
+
+
+@pytest.mark.parametrize(
+    "code, extra",
+    [
+        (
+            "from steadytrain.storage.store import Store; Store('s3://bucket/x')",
+            "steadytrain[s3]",
+        ),
+        (
+            "from steadytrain.monitor.mlflow_sink import MlflowSink; MlflowSink('.')",
+            "steadytrain[mlflow]",
+        ),
+        (
+            "from steadytrain.monitor.report import _plots; _plots({}, None)",
+            "steadytrain[report]",
+        ),
+    ],
+)
+def test_missing_extra_names_the_install_line(core_venv, tmp_path, code, extra):
+    res = _run(core_venv, f"from steadytrain.errors import ConfigError\n{code}", str(tmp_path))
+    assert res.returncode != 0
+    assert f"pip install '{extra}'" in res.stderr, res.stderr[-2000:]
+    assert "ModuleNotFoundError" not in res.stderr.splitlines()[-1]
+
+
+def test_parquet_input_without_pyarrow_names_the_extra(core_venv, tmp_path):
+    (tmp_path / "x.parquet").write_bytes(b"PAR1 not really")
+    cli = os.path.join(core_venv, "bin", "steadytrain")
+    res = subprocess.run(
+        [cli, "tokenize", str(tmp_path / "x.parquet"), "--out", str(tmp_path / "ds"),
+         "--workers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "pip install 'steadytrain[parquet]'" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_install_next_to_an_installed_torch_leaves_it_alone(core_venv, tmp_path):
+    """A user's torch (here the one already in the venv) satisfies the declared range, so
+    resolving ``steadytrain[all]`` without the lock plans no torch download."""
+    report = tmp_path / "report.json"
+    res = _pip(
+        core_venv, "install", "--dry-run", "--quiet", "--report", str(report), f"{REPO}[all]"
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    planned = {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]}
+    assert "torch" not in planned, sorted(planned)
+    assert {"s3fs", "matplotlib", "mlflow-skinny"} <= planned  # the extras do resolve
