@@ -15,6 +15,7 @@ _EXPORTS = {
     "TokenDataset": "steadytrain.data.read.dataset",
     "DatasetWriter": "steadytrain.data.ingest.writer",
     "TokenLoader": "steadytrain.data.read.loader",
+    "TokenIterableDataset": "steadytrain.data.read.faces",
     "ShardCache": "steadytrain.storage.cache",
     "Store": "steadytrain.storage.store",
     "Checkpointer": "steadytrain.checkpoint.checkpointer",

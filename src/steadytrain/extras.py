@@ -2,8 +2,8 @@
 
 The core install (``pip install steadytrain``) is enough for the loader, the checkpointer,
 tokenize on text and JSON Lines, and the ledger. Heavier parts are extras: ``[s3]``
-(s3fs/boto3), ``[parquet]`` (pyarrow), ``[mlflow]`` (mlflow-skinny + SQLite store),
-``[report]`` (matplotlib), ``[all]``. Using a part whose extra is missing raises
+(s3fs/boto3), ``[parquet]`` (pyarrow), ``[zstd]`` (zstandard, for ``.jsonl.zst`` inputs),
+``[mlflow]`` (mlflow-skinny + SQLite store), ``[report]`` (matplotlib), ``[all]``. Using a part whose extra is missing raises
 ``ConfigError`` naming the ``pip install`` line, not a bare ``ModuleNotFoundError``.
 """
 
@@ -21,6 +21,7 @@ EXTRA_OF = {
     "s3fs": "s3",
     "boto3": "s3",
     "pyarrow": "parquet",
+    "zstandard": "zstd",
     "mlflow": "mlflow",
     "sqlalchemy": "mlflow",
     "alembic": "mlflow",

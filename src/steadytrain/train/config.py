@@ -54,6 +54,10 @@ class DataSection(LoaderConfig):
     preflight: bool = True  # check every shard is reachable before the first step
     prefetch_steps: int = 64  # remote data: fetch the shards of the next N steps ahead
     cache_budget_bytes: int = 0  # remote data: each dataset's node cache budget (0: no cap)
+    # The reference GPT (train/model.py) does not shift: its loss wants next-token labels, so
+    # the training config keeps "next" where the library's TokenLoader defaults to "same"
+    # (Hugging Face models shift inside). "same" works too: the loop shifts (loop.py).
+    labels: Literal["next", "same"] = "next"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -163,6 +164,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
         loader = TokenLoader(datasets, rank=rank, world_size=world, seed=cfg.seed, config=cfg.data)
         closing.enter_context(loader)
         accum = loader.micro_per_step  # micro-batches per step on this rank
+        shift_labels = cfg.data.labels == "same"  # the GPT does not shift (model.py)
         tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
 
         # -- 3. Model: weights are a function of the seed; DDP or FSDP2 -----------------------
@@ -275,6 +277,8 @@ def run_training(cfg: Config) -> dict[str, Any]:
                 data_wait += time.perf_counter() - t_data
                 x = batch["input_ids"].to(device, non_blocking=True)
                 y = batch["labels"].to(device, non_blocking=True)
+                if shift_labels:  # data.labels = "same": next-token targets, last one ignored
+                    y = F.pad(y[:, 1:], (0, 1), value=-100)  # cross_entropy's ignore_index
                 trace.add(batch)  # its sample ids, when tracing
                 # Gradients are all-reduced once per step, on the last micro-batch.
                 sync = micro == accum - 1 or cfg.train.parallel == "fsdp"

@@ -24,7 +24,7 @@ def loader(ds, **kw) -> TokenLoader:
 
 
 def test_batches_hold_the_samples_they_name(ds_a):
-    with loader(ds_a) as ld:
+    with loader(ds_a, labels="next") as ld:
         seen = []
         for _ in range(20):  # one epoch: 5 steps of 4 micro-batches
             b = next(ld)

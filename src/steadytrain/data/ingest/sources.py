@@ -38,7 +38,7 @@ __all__ = [
     "TEXT_SUFFIXES",
 ]
 
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.zst")
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.zst", ".ndjson.zst")
 PARQUET_SUFFIXES = (".parquet",)
 # Files picked up when walking a directory (an explicitly named file is read whatever its
 # suffix). Compiled or binary files (.pyc, images) are never documents.

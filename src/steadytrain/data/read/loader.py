@@ -7,6 +7,7 @@ memory maps and integers and send raw token bytes over pipes (``workers.py``). E
 the training loop is measured (``last_data_wait_s``), and a read that does not finish within
 ``read_timeout_s`` becomes a ``ReadDeadlineError`` naming the files it was reading. Every
 setting lives in ``LoaderConfig`` (the ``[data]`` table of a training config extends it).
+What the trainer sees (the labels convention, the ``IterableDataset`` face) is ``faces.py``.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from steadytrain.data.read.blend import quantise_weights
+from steadytrain.data.read.faces import LABELS, TokenIterableDataset, make_batch
 from steadytrain.data.read.loader_state import check_state, log_changes, make_state
 from steadytrain.data.read.modes import MODES
 from steadytrain.data.read.producers import ProcessProducer, ThreadProducer
-from steadytrain.data.read.sampler import BatchPlan, Refs, Sampler
+from steadytrain.data.read.sampler import BatchPlan, Sampler
 from steadytrain.data.read.workers import Reader
 from steadytrain.errors import ConfigError, ReadDeadlineError
 from steadytrain.settings import InvalidSetting, check, merge
@@ -42,6 +44,8 @@ class LoaderConfig:
     seq_len: int  # tokens per sample
     global_batch: int  # samples per optimizer step, all ranks together
     micro_batch: int  # samples per forward/backward on one rank
+    # "same": labels == input_ids (HF causal-LM models shift inside); "next": shifted by one
+    labels: Literal["next", "same"] = "same"
     shuffle: str = "global"  # an order of data/read/modes: global, block, sequential
     shuffle_settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # the mode's
     num_workers: int = 0  # worker processes (0: one background thread)
@@ -63,6 +67,13 @@ class LoaderConfig:
             "global_batch",
             self.global_batch,
             f"use a positive multiple of micro_batch ({self.micro_batch})",
+        )
+        check(
+            self.labels in LABELS,
+            "labels",
+            self.labels,
+            'use "same" (labels equal input_ids, for models that shift inside, e.g. Hugging '
+            'Face causal LMs) or "next" (labels already shifted, for models that do not)',
         )
         check(self.shuffle in MODES, "shuffle", self.shuffle, f"choose one of {sorted(MODES)}")
         check(self.num_workers >= 0, "num_workers", self.num_workers, "use 0 (a thread) or more")
@@ -91,6 +102,20 @@ class TokenLoader:
 
     ``ds`` is a ``TokenDataset`` or a list of them blended with ``weights``. Each rank reads
     ``global_batch // world_size`` samples per step in micro-batches of ``micro_batch``.
+
+    **Labels: by default ``labels`` EQUAL ``input_ids`` (``labels="same"``)**, the convention
+    of Hugging Face causal-LM models, which shift inside their loss. A model that does not
+    shift (predicts ``labels[t]`` from ``input_ids[:t+1]``, like ``train/model.py``) needs
+    ``labels="next"``: labels are the inputs shifted by one (the token after each). Mixing
+    them up trains silently on the wrong token (t+2, or a copy of the input).
+
+    **Gradient accumulation**: ``micro_per_step`` (``global_batch // world_size //
+    micro_batch``) micro-batches make one optimizer step on this rank; run forward/backward
+    on that many ``next()`` results, then step. ``step`` counts whole steps.
+
+    ``pin_memory=True`` pins batches (when CUDA is available); ``device=`` moves each batch
+    there on ``next()``, ``non_blocking`` when pinned. ``as_dataset()`` is the
+    ``IterableDataset`` face for ``DataLoader``/``StatefulDataLoader`` (``faces.py``).
     """
 
     def __init__(
@@ -115,6 +140,8 @@ class TokenLoader:
         return_doc_ids: bool | None = None,
         return_position_ids: bool | None = None,
         allow_dataset_change: bool | None = None,
+        labels: str | None = None,
+        device: str | torch.device | None = None,
         on_step: Callable[[int], None] | None = None,
         config: LoaderConfig | None = None,
     ) -> None:
@@ -139,6 +166,9 @@ class TokenLoader:
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.num_workers, self.prefetch = num_workers, prefetch
         self.pin_memory = cfg.pin_memory and torch.cuda.is_available()
+        self.labels = cfg.labels
+        # Not a LoaderConfig field: where batches go is the process's choice, not the run's.
+        self.device = torch.device(device) if device is not None else None
         self.read_timeout_s = cfg.read_timeout_s
         # The first micro-batch after (re)starting also waits for worker processes to
         # import and map their shards: it gets at least this long.
@@ -161,6 +191,7 @@ class TokenLoader:
     # -- position ----------------------------------------------------------------------
     @property
     def micro_per_step(self) -> int:
+        """Micro-batches per optimizer step on this rank: the gradient-accumulation count."""
         return self._micro_per_step
 
     @property
@@ -182,6 +213,11 @@ class TokenLoader:
     # -- iteration ---------------------------------------------------------------------
     def __iter__(self) -> TokenLoader:
         return self
+
+    def as_dataset(self) -> TokenIterableDataset:
+        """This loader as an ``IterableDataset`` for ``DataLoader(batch_size=None,
+        num_workers=0)`` or torchdata's ``StatefulDataLoader``; its state is this loader's."""
+        return TokenIterableDataset(self)
 
     def __next__(self) -> dict[str, torch.Tensor]:
         q = self._cursor
@@ -205,6 +241,8 @@ class TokenLoader:
         self._reads.append(read_s)
         self._bytes_total += nbytes
         self._wait_total += wait
+        if self.device is not None:  # on the caller's thread: its current CUDA stream
+            batch = {k: v.to(self.device, non_blocking=self.pin_memory) for k, v in batch.items()}
         return batch
 
     def _wait_for(self, q: int, t0: float) -> tuple[int, dict[str, torch.Tensor], float, int]:
@@ -263,54 +301,19 @@ class TokenLoader:
         it read."""
         both = self._new_pair()
         nbytes = reader.fill_pair(q, both[0], both[1])
-        return self._wrap(q, both, reader), nbytes
+        return make_batch(self, q, both, None, reader), nbytes
 
     def _finish(self, q: int, raw: np.ndarray, reader: Reader) -> dict[str, torch.Tensor]:
         """Micro-batch ``q`` from a worker's raw ``[micro, seq_len + 1]`` windows."""
         both = self._new_pair()
         both[0] = raw[:, :-1]
-        both[1] = raw[:, 1:]
-        return self._wrap(q, both, reader)
+        return make_batch(self, q, both, raw, reader)
 
     def _new_pair(self) -> np.ndarray:
         # One numpy allocation for inputs and labels, wrapped without copies: torch.empty
         # plus indexing costs ~5 us, a tenth of a 16k-token micro-batch (measured), this
         # ~1.8 us. Fresh per micro-batch: the trainer may keep (or modify) what it got.
         return np.empty((2, self.micro_batch, self.seq_len), dtype=np.int64)
-
-    def _wrap(self, q: int, both: np.ndarray, reader: Reader) -> dict[str, torch.Tensor]:
-        batch = {
-            "input_ids": torch.from_numpy(both[0]),
-            "labels": torch.from_numpy(both[1]),
-            # a view of the chunk's ids, never written again
-            "sample_ids": torch.from_numpy(reader.sample_ids(q)),
-        }
-        if self.return_doc_ids or self.return_position_ids:
-            doc_ids, pos_ids = self._doc_info(reader.refs(q))
-            if self.return_doc_ids:
-                batch["doc_ids"] = torch.from_numpy(doc_ids)
-            if self.return_position_ids:
-                batch["position_ids"] = torch.from_numpy(pos_ids)
-        if self.pin_memory:
-            batch = {k: v.pin_memory() for k, v in batch.items()}
-        return batch
-
-    def _doc_info(self, refs: Refs) -> tuple[np.ndarray, np.ndarray]:
-        """Per token: which document of the sample it belongs to, and its position in it."""
-        rows = refs.offset.size
-        doc_ids = np.empty((rows, self.seq_len), dtype=np.int64)
-        pos_ids = np.empty((rows, self.seq_len), dtype=np.int64)
-        span = np.arange(self.seq_len, dtype=np.int64)
-        for row, (d, s, o) in enumerate(
-            zip(refs.dataset.tolist(), refs.shard.tolist(), refs.offset.tolist(), strict=True)
-        ):
-            ends = self.datasets[d].doc_ends(s)
-            p = o + span
-            idx = np.searchsorted(ends, p.astype(np.uint64), side="right").astype(np.int64)
-            starts = np.where(idx > 0, np.asarray(ends[np.maximum(idx - 1, 0)], np.int64), 0)
-            doc_ids[row] = idx - idx[0]
-            pos_ids[row] = p - starts
-        return doc_ids, pos_ids
 
     # -- measurements ------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
