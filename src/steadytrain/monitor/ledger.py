@@ -30,6 +30,7 @@ from typing import Any
 from steadytrain.storage.publish import atomic_writer, fsync_dir
 
 __all__ = [
+    "step_record",
     "LEDGER_NAME",
     "SNAPSHOT_NAME",
     "Ledger",
@@ -217,3 +218,27 @@ def load_snapshot(run_dir: str | os.PathLike[str]) -> tuple[int, dict[str, Any]]
         log.debug("%s not used (%s): reading the whole ledger", path, why)
         return None
     return offset, doc
+
+
+def step_record(
+    t: float,
+    step: int,
+    tokens: int,
+    step_s: float,
+    data_wait_s: float,
+    compute_s: float | None,
+    checkpoint_block_s: float,
+    loss: float | None,
+) -> dict[str, Any]:
+    """The ledger's ``step`` record (docs/format.md, part E): the one place it is built."""
+    return {
+        "type": "step",
+        "t": t,
+        "step": step,
+        "tokens": tokens,
+        "step_s": step_s,
+        "data_wait_s": data_wait_s,
+        "compute_s": compute_s,
+        "checkpoint_block_s": checkpoint_block_s,
+        "loss": loss,
+    }

@@ -35,7 +35,13 @@ from typing import Any
 
 from steadytrain.monitor.alerts import AlertConfig, AlertEngine, _band
 from steadytrain.monitor.goodput import Breakdown, GoodputAccumulator
-from steadytrain.monitor.ledger import iter_ledger, ledger_path, load_snapshot, write_snapshot
+from steadytrain.monitor.ledger import (
+    iter_ledger,
+    ledger_path,
+    load_snapshot,
+    step_record,
+    write_snapshot,
+)
 from steadytrain.monitor.memory import RssReader, shm_used_bytes
 from steadytrain.monitor.sinks import SINKS, BackgroundWriter, JsonlSink, make_sink
 from steadytrain.settings import check, merge
@@ -72,30 +78,6 @@ class MeterConfig:
         check(self.memory_every >= 1, "memory_every", self.memory_every, "use 1 or more steps")
         check(self.flush_interval_s > 0, "flush_interval_s", self.flush_interval_s, "use > 0")
         check(self.snapshot_every >= 1, "snapshot_every", self.snapshot_every, "use 1 or more")
-
-
-def step_record(
-    t: float,
-    step: int,
-    tokens: int,
-    step_s: float,
-    data_wait_s: float,
-    compute_s: float | None,
-    checkpoint_block_s: float,
-    loss: float | None,
-) -> dict[str, Any]:
-    """The ledger's ``step`` record (docs/format.md, part E): the one place it is built."""
-    return {
-        "type": "step",
-        "t": t,
-        "step": step,
-        "tokens": tokens,
-        "step_s": step_s,
-        "data_wait_s": data_wait_s,
-        "compute_s": compute_s,
-        "checkpoint_block_s": checkpoint_block_s,
-        "loss": loss,
-    }
 
 
 class GoodputMeter:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from steadytrain.monitor.meter import step_record
+from steadytrain.monitor.ledger import step_record
 
 __all__ = ["Timeline", "feed"]
 
