@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
+import pathlib
 
 import pytest
 import torch
 from torch import nn
 
 from steadytrain.checkpoint import Checkpointer
+from steadytrain.testing.tmpfs import TmpfsUnavailable, tmpfs
 
 
 def _states(width: int, value: float) -> dict:
@@ -23,17 +24,11 @@ def _states(width: int, value: float) -> dict:
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 1 MiB tmpfs (we run as root in CI); skipped where mounting is not allowed."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        with tmpfs(tmp_path / "disk", "1M") as mnt:
+            yield pathlib.Path(mnt)
+    except TmpfsUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.mark.parametrize("mode", ["sync", "thread"])

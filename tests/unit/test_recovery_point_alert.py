@@ -9,7 +9,7 @@ GoodputMeter, the alert read back from the ledger.
 
 from __future__ import annotations
 
-import subprocess
+import pathlib
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ from steadytrain.checkpoint import Checkpointer
 from steadytrain.monitor.alerts import AlertConfig, AlertEngine
 from steadytrain.monitor.ledger import ledger_path, read_ledger
 from steadytrain.monitor.meter import GoodputMeter
+from steadytrain.testing.tmpfs import TmpfsUnavailable, tmpfs
 
 CFG = dict(max_recovery_age_s=None, window=3, baseline=3, warmup=0)
 
@@ -87,17 +88,11 @@ def test_a_restored_step_counts_as_the_recovery_point():
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 1 MiB tmpfs (we run as root in CI); skipped where mounting is not allowed."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        with tmpfs(tmp_path / "disk", "1M") as mnt:
+            yield pathlib.Path(mnt)
+    except TmpfsUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def test_failing_saves_reach_the_ledger_as_a_recovery_point_alert(tmp_path, tiny_disk):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import subprocess
 import threading
 import uuid
 
@@ -17,6 +16,7 @@ from steadytrain.data.read.format import read_manifest
 from steadytrain.errors import DatasetError, StorageError
 from steadytrain.storage.publish import file_checksum
 from steadytrain.storage.store import Store
+from steadytrain.testing.tmpfs import TmpfsUnavailable, tmpfs
 
 
 def make_dataset(dest: str, docs: int = 40, shard_tokens: int = 4000, seed: int = 0) -> Store:
@@ -168,17 +168,11 @@ def test_evict_shard_keeps_open_maps_valid(source, tmp_path):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    rc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
-    ).returncode
-    if rc != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root): full-disk test skipped")
     try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        with tmpfs(tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}", "64k") as mnt:
+            yield mnt
+    except TmpfsUnavailable:
+        pytest.skip("cannot mount a tmpfs here (needs root): full-disk test skipped")
 
 
 def test_full_disk_gives_clear_error_and_corrupts_nothing(tmp_path, small_tmpfs, monkeypatch):

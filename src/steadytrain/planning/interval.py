@@ -149,14 +149,11 @@ def goodput_first_order(
     durable_s: float = 0.0,
     stall_frac: float = 0.0,
 ) -> float:
-    """Young's first-order goodput (share of wall time that is kept compute), floored at 0."""
-    _check(ckpt_cost_s, mtbf_s, restart_s, durable_s)
-    c, l_eff, keep = _terms(interval_s, ckpt_cost_s, durable_s, stall_frac)
-    period = interval_s + c
-    if period == 0.0:  # free saves, taken continuously: the tau -> 0 limit
-        return max(0.0, keep * (1.0 - restart_s / mtbf_s))
-    lost = restart_s + period / 2.0 + l_eff - c
-    return max(0.0, interval_s / period * keep * (1.0 - lost / mtbf_s))
+    """Young's first-order goodput (share of wall time that is kept compute), floored at 0:
+    the ``goodput`` share of ``time_shares_first_order`` (one model, not two to drift)."""
+    return time_shares_first_order(
+        interval_s, ckpt_cost_s, mtbf_s, restart_s, durable_s, stall_frac
+    )["goodput"]
 
 
 def time_shares_first_order(
