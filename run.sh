@@ -14,6 +14,8 @@ if [ ! -f "$stamp" ]; then
   "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip >&2
   "$VENV/bin/pip" install -q -c constraints.txt -e '.[all,test]' >&2
+  # torchtitan's declared deps clash with the s3 lock; its loader/checkpoint need none more
+  "$VENV/bin/pip" install -q --no-deps -c constraints.txt torchtitan >&2
   rm -f "$VENV"/.installed-*
   touch "$stamp"
 fi

@@ -1,4 +1,5 @@
-"""``steadytrain tokenize INPUT... --out DEST``: raw text (or a Megatron .bin/.idx) → dataset."""
+"""``steadytrain tokenize INPUT... --out DEST``: raw text (or a Megatron .bin/.idx, or datatrove
+``.ds`` files) → dataset."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ DESCRIPTION = (
     "Tokenize inputs (JSON Lines, Parquet, text files, directories of them) into a "
     "token-shard dataset at DEST (a local path or an fsspec URL). EOS is appended to "
     "every document. Non-UTF-8 bytes are replaced with U+FFFD and reported per file. "
-    "Or import a Megatron-LM .bin/.idx pair with --from-megatron PREFIX."
+    "Or import a Megatron-LM .bin/.idx pair with --from-megatron PREFIX, or datatrove's "
+    "tokenized output (.ds/.ds.index files) with --from-datatrove PATH."
 )
 
 
@@ -43,8 +45,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "against the path below the directory and the file name), e.g. 'LICENSE*' or '*'",
     )
     p.add_argument("--from-megatron", metavar="PREFIX", help="import PREFIX.bin / PREFIX.idx")
-    p.add_argument("--vocab-size", type=int, default=None, help="(--from-megatron) vocabulary size")
-    p.add_argument("--eos-id", type=int, default=None, help="(--from-megatron) EOS id")
+    p.add_argument(
+        "--from-datatrove",
+        metavar="PATH",
+        help="import datatrove's DocumentTokenizer / merger output: a folder of .ds files (with "
+        ".ds.index and .ds.metadata beside each) or one .ds file",
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=None, help="(--from-megatron/-datatrove) vocabulary size"
+    )
+    p.add_argument("--eos-id", type=int, default=None, help="(--from-megatron/-datatrove) EOS id")
+    p.add_argument(
+        "--token-size",
+        type=int,
+        choices=(2, 4),
+        default=None,
+        help="(--from-datatrove) bytes per token id, needed only when .ds.metadata is missing",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -59,7 +76,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"steadytrain tokenize: warning: {msg}", file=sys.stderr)
 
     shard_tokens = args.shard_tokens or DEFAULT_SHARD_TOKENS
-    if args.from_megatron:
+    if args.from_megatron and args.from_datatrove:
+        raise ConfigError("give --from-megatron or --from-datatrove, not both")
+    if args.from_datatrove:
+        if args.inputs:
+            raise ConfigError("--from-datatrove takes no INPUT arguments (only the PATH)")
+        from steadytrain.data.ingest.datatrove import import_datatrove
+
+        result = import_datatrove(
+            args.from_datatrove,
+            args.out,
+            tokenizer=None if args.tokenizer == "bytes" else args.tokenizer,
+            vocab_size=args.vocab_size,
+            eos_id=args.eos_id,
+            token_size=args.token_size,
+            progress=make_progress(args.quiet),
+        )
+    elif args.from_megatron:
         if args.inputs:
             raise ConfigError("--from-megatron takes no INPUT arguments (only the PREFIX)")
         from steadytrain.data.ingest.megatron import import_megatron
@@ -75,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         if not args.inputs:
-            raise ConfigError("give at least one INPUT (file or directory), or --from-megatron")
+            raise ConfigError(
+                "give at least one INPUT (file or directory), or --from-megatron / --from-datatrove"
+            )
         from steadytrain.data.ingest.tokenize import tokenize
 
         sample_kw = {}

@@ -1,0 +1,18 @@
+"""examples/fabric_ddp.py: Lightning Fabric (strategy="ddp") with a tiny causal transformer
+under torchrun on 2 CPU ranks, with steadytrain's loader, async checkpoints and goodput ledger.
+
+A run killed mid-step and restarted by torchrun resumes from its newest committed
+checkpoint and ends with the per-step losses and final weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import pytest
+from example_runs import assert_bit_exact_resume, run_pair
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def test_fabric_crash_resume_is_bit_exact(dataset: str, tmp_path) -> None:
+    ref, crashed = run_pair("fabric_ddp.py", dataset, str(tmp_path))
+    assert_bit_exact_resume(ref, crashed)

@@ -1,0 +1,18 @@
+"""examples/hf_accelerate.py: Transformers (tiny random-init Llama) + Accelerate under
+torchrun on 2 CPU ranks, with steadytrain's loader, async checkpoints and goodput ledger.
+
+A run killed mid-step and restarted by torchrun resumes from its newest committed
+checkpoint and ends with the per-step losses and final weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import pytest
+from example_runs import assert_bit_exact_resume, run_pair
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def test_hf_accelerate_crash_resume_is_bit_exact(dataset: str, tmp_path) -> None:
+    ref, crashed = run_pair("hf_accelerate.py", dataset, str(tmp_path))
+    assert_bit_exact_resume(ref, crashed)
