@@ -45,8 +45,10 @@ class SlowLink:
         down_bps: float | None = None,
         up_bps: float | None = None,
         target_host: str = "127.0.0.1",
+        listen_host: str = "127.0.0.1",
     ) -> None:
         self.target = (target_host, target_port)
+        self.listen_host = listen_host  # the node harness listens on its bridge address
         self.down = _Wire(down_bps, latency_s)
         self.up = _Wire(up_bps, latency_s)
         self.connections = 0
@@ -61,12 +63,12 @@ class SlowLink:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.listen_host}:{self.port}"
 
     def _main(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
         self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", 0)
+            asyncio.start_server(self._handle, self.listen_host, 0)
         )
         ready.set()
         self._loop.run_forever()

