@@ -165,6 +165,7 @@ def run_demo(
         restored_steps=t.get("restored_steps"),
         breakdown=t.get("breakdown"),
         training_wall_s=t.get("wall_s"),
+        mlflow=t.get("mlflow"),
     )
     say("[demo] 3/4 goodput: where the wall time went (from the run's ledger)")
     b = t.get("breakdown") or {}
@@ -172,6 +173,10 @@ def run_demo(
     for name, share in sorted((b.get("badput") or {}).items(), key=lambda kv: -kv[1]):
         say(f"[demo]     {name:<18} {100 * share:5.1f} %  ({b['badput_s'][name]:.1f} s)")
     say(f"[demo]     report: {t['report']}")
+    if t.get("mlflow"):  # None: the MLflow extra is missing (training said so, once)
+        m = t["mlflow"]
+        say(f"[demo]     MLflow: {m['tracking_uri']}")
+        say(f"[demo]     open it: pip install {m['ui_package']} && {m['ui']}")
 
     say("[demo] 4/4 the planner's checkpoint interval from the costs this run measured")
     plan = demo_plan(run_dir)

@@ -5,6 +5,8 @@ The CLI prints these without a traceback and exits with status 2; anything else 
 
 from __future__ import annotations
 
+from steadytrain.redact import redact_text
+
 __all__ = [
     "SteadyError",
     "DatasetError",
@@ -17,7 +19,12 @@ __all__ = [
 
 
 class SteadyError(Exception):
-    """Base class: a problem the user can fix. The message says what and how."""
+    """Base class: a problem the user can fix. The message says what and how, and never
+    shows a credential in a URL (``user:password@``, a signature): every message goes
+    through ``steadytrain.redact`` here, so no raise site can forget it."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact_text(a) if isinstance(a, str) else a for a in args))
 
 
 class DatasetError(SteadyError):

@@ -187,3 +187,28 @@ def test_loader_with_prefetcher_over_s3(s3_server, s3_bucket, tmp_path):
         pf.close()
         loader.close()
         ref.close()
+
+
+def test_loader_counts_cache_misses_inside_its_worker_processes(s3_server, s3_bucket, tmp_path):
+    """With num_workers > 0 the shards are opened in the workers, each with its own cache
+    object: their misses reach the loader's metrics (and so every rank's ledger)."""
+    from steadytrain.data.read.loader import TokenLoader
+
+    write_docs(Store(s3_bucket, s3_server.storage_options), docs=200, shard_tokens=3000)
+    remote = TokenDataset.open(
+        s3_bucket, cache_dir=str(tmp_path / "cache"), storage_options=s3_server.storage_options
+    )
+    kw = dict(seq_len=64, global_batch=8, micro_batch=4, seed=1, shuffle="sequential")
+    loader = TokenLoader(remote, num_workers=1, **kw)
+    try:
+        misses = hits = 0
+        for _ in range(30):  # 15 steps of 2 micro-batches, a metrics() call per step
+            next(loader)
+            next(loader)
+            m = loader.metrics()
+            misses, hits = misses + m["cache_misses"], hits + m["cache_hits"]
+        used = {k for _, k in loader.shards_for_steps(0, 15)}
+        assert remote.cache is None or remote.cache.metrics()["cache_misses"] == 0  # not here
+        assert misses >= len(used)  # every shard first opened in the worker: one miss each
+    finally:
+        loader.close()

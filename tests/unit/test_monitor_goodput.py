@@ -12,7 +12,12 @@ import textwrap
 
 import pytest
 
-from steadytrain.monitor.goodput import BUCKETS, compute_goodput, productive_s
+from steadytrain.monitor.goodput import (
+    BUCKETS,
+    GoodputAccumulator,
+    compute_goodput,
+    productive_s,
+)
 from steadytrain.monitor.ledger import next_attempt, read_ledger
 from steadytrain.monitor.meter import GoodputMeter
 
@@ -228,3 +233,39 @@ def test_only_rank0_records_and_job_start_is_implicit(tmp_path):
     assert [r["type"] for r in recs] == ["job_start", "step", "step", "job_end"]
     assert recs[1]["step_s"] == pytest.approx(0.03) and recs[-1]["reason"] == "finished"
     assert recs[0]["world_size"] == 2
+
+
+def _sync_save_run(crash_after: list[int], total: int = 30, every: int = 5) -> tuple:
+    """Synchronous saves every ``every`` steps; a crash after each step in ``crash_after``
+    resumes from the newest save. Each save's record comes before its step's record, as the
+    reference loop writes a synchronous save (``Timeline.step(saved=True)``)."""
+    from steadytrain.testing.synthetic import Timeline
+
+    tl = Timeline()
+    tl.job_start(startup_s=1.0, attempt=0)
+    crashes, attempt, s = list(crash_after), 0, 1
+    while s <= total:
+        saved = s % every == 0
+        tl.step(s, tokens=10, compute_s=1.0, checkpoint_block_s=0.2 if saved else 0.0,
+                saved=saved)  # fmt: skip
+        if crashes and s == crashes[0]:
+            crashes.pop(0)
+            attempt += 1
+            tl.advance(3.0)
+            s = (s // every) * every  # the newest committed save
+            tl.job_start(restored_step=s, startup_s=1.0, attempt=attempt)
+        s += 1
+    acc = GoodputAccumulator()
+    for r in tl.records:
+        acc.add(r)
+    b = acc.breakdown()
+    return b.badput_s["lost_to_failures"], b.steps_lost
+
+
+def test_a_synchronous_save_recorded_before_its_step_keeps_that_step():
+    """Two crashes before the next save both resume from step 10: each loses only the steps
+    after 10 (2, then 3, then 3 more after 20), never the steps the save of step 10 kept,
+    although that save's record came before step 10's own record."""
+    lost_s, steps_lost = _sync_save_run([12, 13, 23])
+    assert steps_lost == 2 + 3 + 3
+    assert lost_s == pytest.approx(8.0)  # 1 s of compute a step

@@ -200,13 +200,15 @@ class LedgerRun:
 def make_run(run_dir: Path, data_wait: float = 0.2) -> tuple[LedgerRun, float]:
     run = LedgerRun(run_dir, data_wait=data_wait)
     run.start(restore=False)
-    run.steps(25)  # crash after step 25: checkpoint 20 is durable
+    # Failures come a few minutes of up-time apart, longer than a restart (90 s): the
+    # regime the first-order model is meant for.
+    run.steps(125)  # crash after step 125: checkpoint 120 is durable
     run.crash(gap=40.0)
     run.start(restore=True)
-    run.steps(43)
+    run.steps(243)
     run.crash(gap=100.0)
     run.start(restore=True)
-    run.steps(60)
+    run.steps(260)
     run.finish()
     return run, run.begin
 
@@ -223,8 +225,13 @@ def test_from_run_measures_costs(tmp_path):
     assert m.data_stall_frac == pytest.approx(0.1)
     wall_days = (run.t - begin) / 86400
     assert m.wall_days == pytest.approx(wall_days)
-    assert m.interruptions_per_day == pytest.approx(2 / wall_days)
-    # redone work: steps 21-25 and 41-43 (8 steps of 1.8 s compute), over 2 interruptions
+    # The rate is over the time attempts were up (restore start to failure): the wall time
+    # less the first start-up and, per restart, its gap and start-up (dead time).
+    up_s = (run.t - begin) - LedgerRun.STARTUP - (40 + 15) - (100 + 15)
+    assert m.exposure_days * 86400 == pytest.approx(up_s) and up_s == pytest.approx(559.0)
+    assert m.interruptions_per_day == pytest.approx(2 / (up_s / 86400))
+    assert m.restart_exposed_s == pytest.approx(LedgerRun.RESTORE)  # U: restore, no warm-up
+    # redone work: steps 121-125 and 241-243 (8 steps of 1.8 s compute), 2 interruptions
     assert m.steps_lost == 8
     assert m.lost_per_interruption_s == pytest.approx(8 * 1.8 / 2)
 

@@ -150,11 +150,14 @@ def test_toml_tables_are_the_components_configs_with_their_defaults(tmp_path) ->
     cfg = config_from_dict(MINIMAL)
     # The tables are the component configs (subclasses add where/which), not copies.
     assert isinstance(cfg.checkpoint, CheckpointerConfig) and isinstance(cfg.data, LoaderConfig)
-    assert type(cfg.monitor) is MeterConfig and type(cfg.monitor.alerts) is AlertConfig
+    assert isinstance(cfg.monitor, MeterConfig) and type(cfg.monitor.alerts) is AlertConfig
     assert _values(cfg.checkpoint, CheckpointerConfig) == _values(
         CheckpointerConfig(), CheckpointerConfig
     )
-    assert cfg.monitor == MeterConfig()
+    # One deliberate difference: training logs to MLflow by default, the library opts in.
+    assert (cfg.monitor.sinks, MeterConfig().sinks) == (["jsonl", "mlflow"], ["jsonl"])
+    monitor_values = {**_values(cfg.monitor, MeterConfig), "sinks": ["jsonl"]}
+    assert monitor_values == _values(MeterConfig(), MeterConfig)
     loader_defaults = LoaderConfig(seq_len=16, global_batch=4, micro_batch=2)
     # One deliberate difference: the reference GPT does not shift, so [data] keeps "next"
     # labels where the library defaults to "same" (Hugging Face models shift inside).
@@ -168,7 +171,7 @@ def test_toml_tables_are_the_components_configs_with_their_defaults(tmp_path) ->
     assert ckpt.config == CheckpointerConfig()
     assert (ckpt.verify, ckpt.keep_last) == (cfg.checkpoint.verify, cfg.checkpoint.keep_last)
     meter = GoodputMeter(tmp_path / "run")
-    assert meter.config == cfg.monitor and meter.snapshot_every == cfg.monitor.snapshot_every
+    assert meter.config == MeterConfig() and meter.snapshot_every == cfg.monitor.snapshot_every
     meter.close()
     ds = TokenDataset.open(make_dataset(str(tmp_path / "ds"), max_bytes=20_000))
     with TokenLoader(ds, seq_len=16, global_batch=4, micro_batch=2) as loader:

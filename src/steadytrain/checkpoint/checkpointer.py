@@ -25,6 +25,10 @@ Process mode survives the death of DCP's checkpoint daemon: the next save starts
 (``DAEMON_RESTARTS`` times), then falls back to thread mode; each is a ``checkpoint_daemon``
 event. Checkpoint events carry ``every_steps`` and ``interval_s`` so the alert engine can
 say when the recovery point is older than two intervals.
+
+A committed step is a recorded step: ``before_commit(step)`` (the meter's
+``record_through``) runs on rank 0 just before COMMIT and returns once the ledger holds the
+step records up to ``step`` (``step - 1`` for a sync save: docs/monitoring.md).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class Checkpointer:
         remote: str | None = None,
         process_group: Any = None,
         on_event: Callable[[dict], None] | None = None,
+        before_commit: Callable[[int], Any] | None = None,
         *,
         mtbf_s: float | None = None,
         restart_s: float | None = None,
@@ -82,8 +87,8 @@ class Checkpointer:
         config: CheckpointerConfig | None = None,
     ) -> None:
         """``config=`` or keywords (a keyword given wins over ``config``); every default
-        lives in ``CheckpointerConfig``. ``process_group`` and ``on_event`` are runtime
-        objects, not settings."""
+        lives in ``CheckpointerConfig``. ``process_group``, ``on_event`` and
+        ``before_commit`` are runtime objects, not settings."""
         cfg = merge(CheckpointerConfig, config, locals())
         self.config = cfg
         async_mode, interval = cfg.async_mode, cfg.interval
@@ -121,6 +126,7 @@ class Checkpointer:
         self.keep_last, self.keep_every, self.async_mode = cfg.keep_last, cfg.keep_every, async_mode
         self.mtbf_s, self.restart_s = cfg.mtbf_s, cfg.restart_s
         self.on_event = on_event
+        self.before_commit = before_commit
         self.verify = cfg.verify
         self._stager = Stager(shared_memory=async_mode == "process")
         self._thread: threading.Thread | None = None
@@ -280,8 +286,17 @@ class Checkpointer:
         return {"every_steps": every, "interval_s": self.interval_s()}
 
     def _run(self, req: SaveRequest) -> list[dict[str, Any]]:
+        hook = self.before_commit
+        # A synchronous save runs inside maybe_save(step), before the loop records ``step``.
+        through = req.step - 1 if req.async_mode == "sync" else req.step
         event = run_save(
-            req, self.group, self.local, self.remote, self._in_flight, fence=self._fence
+            req,
+            self.group,
+            self.local,
+            self.remote,
+            self._in_flight,
+            fence=self._fence,
+            before_commit=None if hook is None else (lambda: hook(through)),
         )
         events = []
         daemon = event.pop("daemon", None)

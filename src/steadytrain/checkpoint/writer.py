@@ -169,10 +169,13 @@ def run_save(
     in_flight: list[str],
     *,
     fence: Callable[[], None] | None = None,
+    before_commit: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
     """Write, gather, upload, commit. Returns the ``checkpoint`` event (never raises), with
     ``lease_lost`` when ``fence`` (run on rank 0 before the claim and before COMMIT) said
-    another job took the root, and ``daemon`` when process mode replaced DCP's daemon."""
+    another job took the root, and ``daemon`` when process mode replaced DCP's daemon.
+    ``before_commit`` runs on rank 0 just before COMMIT (the ledger catches up to the step:
+    ``Checkpointer``); if it fails, the checkpoint still commits."""
     manifest, mode, daemon = None, req.async_mode, None
     if mode == "process":
         daemon = _recover_daemon(group, req)
@@ -217,6 +220,7 @@ def run_save(
             try:
                 if fence is not None:
                     fence()  # a job that lost the root since its claim commits nothing
+                _before_commit(before_commit, req.step)
                 files = [e for per_rank in all_entries for e in per_rank]
                 manifest = C.make_manifest(
                     step=req.step,
@@ -256,6 +260,18 @@ def run_save(
         "error": err,
         "bytes": manifest["total_bytes"] if manifest else 0,
     }
+
+
+def _before_commit(hook: Callable[[], Any] | None, step: int) -> None:
+    """Run the pre-COMMIT hook; a failing one is logged, never a lost checkpoint (the ledger
+    then recovers the steps at the next start-up: ``monitor.recovered``)."""
+    if hook is None:
+        return
+    try:
+        if hook() is False:
+            log.warning("checkpoint of step %d: the ledger did not catch up before COMMIT", step)
+    except Exception:  # noqa: BLE001 - a recovery point outweighs a ledger line
+        log.exception("checkpoint of step %d: the pre-COMMIT hook failed", step)
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:

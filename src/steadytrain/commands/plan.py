@@ -128,6 +128,14 @@ def _min(x: float | None) -> str:
     return f"{x:.2g} min ({60 * x:.2g} s)"
 
 
+def _exposed(r: dict) -> str:
+    """``, failures hit 9.6 s of it`` when only part of the restart is exposed."""
+    u = r.get("restart_exposed_s")
+    if u is None or u >= r["restart_cost_s"]:
+        return ""
+    return f", failures hit {u:.3g} s of it"
+
+
 def _shares(badput: dict[str, float]) -> str:
     """``data_wait 9.1%, restart 2.0%, ...``, largest first; the plan's and the run's
     badput use the same names (docs/planning.md)."""
@@ -152,7 +160,7 @@ def _print_human(r: dict[str, Any]) -> None:
     t.add_row(
         f"costs ({r['mode']} save)",
         f"C={r['ckpt_cost_s']:.3g} s ({s['ckpt_cost_s']}), L={r['durable_s']:.3g} s, "
-        f"R={r['restart_cost_s']:.3g} s ({s['restart_cost_s']}), "
+        f"R={r['restart_cost_s']:.3g} s ({s['restart_cost_s']}{_exposed(r)}), "
         f"data stall {_pct(r['data_stall_frac'])}",
     )
     t.add_row("Young / Daly / exact", " / ".join(
@@ -161,6 +169,20 @@ def _print_human(r: dict[str, Any]) -> None:
     t.add_row("optimal interval", _min(r["optimal_interval_min"]))
     t.add_row(f"goodput at {_min(r['interval_min'])} ({r['interval_source']})",
               f"{_pct(r['goodput'])} first order, {_pct(r['goodput_exact'])} exact")  # fmt: skip
+    ci = r.get("failure_rate_ci")
+    if ci:
+        lo, hi = ci["interruptions_per_day"]
+        t.add_row(
+            "observed rate, 95% interval",
+            f"{lo:.3g} to {hi:.3g} interruptions/day ({ci['interruptions']} seen): goodput "
+            f"{_pct(ci['goodput_exact'][0])} to {_pct(ci['goodput_exact'][1])} exact",
+        )
+    if r.get("first_startup_s"):
+        t.add_row(
+            f"with the first start-up ({r['first_startup_s']:.3g} s once)",
+            f"{_pct(r['goodput_run'])} first order, {_pct(r['goodput_exact_run'])} exact "
+            f"over {r['days']:g} days",
+        )
     t.add_row("badput at that interval (model)", _shares(r["badput"]))
     m = r.get("measured")
     if m:

@@ -6,8 +6,9 @@ import argparse
 
 HELP = "goodput breakdown, incidents with diagnoses, and plots of a run"
 DESCRIPTION = (
-    "Read RUN_DIR/ledger.jsonl (every attempt of the run) and write throughput, "
-    "wait and goodput plots (PNG), one HTML page and report.json."
+    "Read RUN_DIR/ledger.jsonl (every attempt of the run) and every rank's file under "
+    "RUN_DIR/ranks/, and write throughput, wait, goodput and per-rank heatmap plots (PNG), "
+    "one HTML page and report.json; incidents name the rank and node, stragglers included."
 )
 
 
@@ -20,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from steadytrain.commands._util import print_json
     from steadytrain.monitor.report import build_report
+    from steadytrain.monitor.report_ranks import who
 
     s = build_report(args.run_dir, args.out)
     if args.json:
@@ -30,6 +32,21 @@ def run(args: argparse.Namespace) -> int:
         if v > 0:
             print(f"  {k:<18} {v:6.1%}  ({s['badput_s'][k]:.1f} s)")
     for i, a in enumerate(s["incidents"], 1):
-        print(f"incident {i} at step {a['step']}: {a['kind']} -> {a['diagnosis']}: {a['message']}")
+        where = f" on {who(a)}" if who(a) else ""
+        print(
+            f"incident {i} at step {a['step']}{where}: {a['kind']} -> {a['diagnosis']}: "
+            f"{a['message']}"
+        )
+    if s["ranks"]:
+        worst = max(s["ranks"], key=lambda r: r["data_wait_share"])
+        print(
+            f"ranks: {len(s['ranks'])} on {len({r['node'] for r in s['ranks']})} node(s); "
+            f"most data wait: rank {worst['rank']} ({worst['node']}) "
+            f"{worst['data_wait_share']:.1%} of its step time"
+        )
+    for m in s["missing_ranks"]:
+        print(f"missing: rank {m['rank']} of attempt {m['attempt']} ({m['reason']})")
+    if s["torn_lines"]:
+        print(f"rank files: {s['torn_lines']} torn line(s) skipped (a rank killed mid-write)")
     print(f"report: {s['html']}")
     return 0

@@ -58,11 +58,20 @@ class AlertConfig:
     # default (window + 1) is longer than one outlier step (a GC pause, a descheduled
     # process) can hold a window's mean down.
     sustain: int | None = None
+    # Stragglers (monitor/straggler.py): ranks compared with each other over windows of
+    # steps aligned by step index, on their own data wait and forward time (not wall time,
+    # which DDP's all-reduce equalises).
+    straggler_window: int = 20  # aligned steps per comparison
+    straggler_share: float = 0.1  # excess data wait, as a share of the median step time
+    straggler_min_s: float = 0.005  # ... and at least this much per step (jitter floor)
+    straggler_compute_factor: float = 1.5  # forward time x the other ranks' median
+    straggler_memory_bytes: int = 64 * MiB  # RSS + /dev/shm growth beyond the others'
+    shared_slowdown: float = 0.25  # every rank's step time up this much: a shared cause
 
     def __post_init__(self) -> None:
         if self.sustain is None:
             self.sustain = self.window + 1
-        for name in ("window", "baseline", "memory_window"):
+        for name in ("window", "baseline", "memory_window", "straggler_window"):
             check(getattr(self, name) >= 3, name, getattr(self, name), "use at least 3")
         check(self.warmup >= 0, "warmup", self.warmup, "use 0 or more steps")
         check(self.sustain >= 1, "sustain", self.sustain, "use 1 or more steps")
@@ -76,9 +85,14 @@ class AlertConfig:
             value = getattr(self, name)
             check(0 < value <= 1, name, value, "use a fraction of step time in (0, 1]")
         check(0 <= self.memory_min_r2 <= 1, "memory_min_r2", self.memory_min_r2, "use [0, 1]")
-        for name in ("memory_growth_bytes", "read_p99_factor"):
+        for name in ("memory_growth_bytes", "read_p99_factor", "straggler_memory_bytes"):
             check(getattr(self, name) > 0, name, getattr(self, name), "use a positive number")
         check(self.read_p99_min_s >= 0, "read_p99_min_s", self.read_p99_min_s, "use 0 or more")
+        for name in ("straggler_share", "shared_slowdown"):
+            check(getattr(self, name) > 0, name, getattr(self, name), "use a fraction > 0")
+        check(self.straggler_min_s >= 0, "straggler_min_s", self.straggler_min_s, "use 0 or more")
+        factor = self.straggler_compute_factor
+        check(factor > 1, "straggler_compute_factor", factor, "use a ratio above 1, e.g. 1.5")
         if self.max_recovery_age_s == 0:
             self.max_recovery_age_s = None  # TOML cannot say None: 0 turns it off
         age = self.max_recovery_age_s
@@ -292,7 +306,7 @@ class AlertEngine:
                     outside,
                     rec,
                     lambda: self._explain(
-                        f"tokens/s per {'rank' if self.device == 'cpu' else 'GPU'} "
+                        f"tokens/s per {'GPU' if self.device == 'cuda' else 'rank'} "
                         f"{tps:,.0f} outside {band_text(band, learned=self.band is None)} "
                         f"over the last {c.window} steps",
                         recent,

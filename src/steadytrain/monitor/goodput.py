@@ -21,11 +21,19 @@ Over the whole job (every attempt in the ledger):
   - ``restore``: ``job_start.restore_s`` (loading the checkpoint);
   - ``data_wait``: ``data_wait_s`` of every step record (time blocked in ``next()``);
   - ``checkpoint_block``: ``checkpoint_block_s`` of every step record (the part of a save
-    the loop waited for; the background part of an async save costs nothing here);
+    the loop waited for; the background part of an async save is charged under ``slowdown``
+    when it slows the steps that run beside it);
+  - ``slowdown``: productive time a background checkpoint write cost the steps wholly
+    beside it (the records between the save's step and its ``checkpoint`` record):
+    ``max(0, their productive sum - n x baseline)`` per write, baseline = median productive
+    time of the attempt's latest ``_BASELINE_STEPS`` steps outside writes. It leaves
+    productive time: slowed compute is not booked as work (docs/monitoring.md, issue 13);
   - ``lost_to_failures``: productive time of superseded steps (the work redone after a
     resume: steps after the checkpoint that the next attempt restored);
   - ``restart_gap``: wall time from the last record of an attempt to the process start of
-    the next one (failure detection, rescheduling, queueing);
+    the next one (failure detection, rescheduling, queueing); a ``hang`` record is not a
+    "last record": a hung attempt's gap starts at its last step, so the time the watchdog
+    took to detect the hang is charged here too;
   - ``other``: the rest (loop overhead between ``next()`` and the step, logging, eval, the
     tail after the last step).
 
@@ -60,6 +68,7 @@ BUCKETS = (
     "restore",
     "data_wait",
     "checkpoint_block",
+    "slowdown",
     "lost_to_failures",
     "restart_gap",
     "other",
@@ -72,7 +81,10 @@ BUCKETS = (
 # ``lost_to_failures``. The live meter, its restart snapshot and the offline report all use
 # the same K, so they always agree.
 _MAX_CHECKPOINTS = 64
-STATE_VERSION = 1
+# Steps outside writes whose median is an attempt's baseline productive step time: enough
+# for a stable median, few enough to follow a run whose step time drifts.
+_BASELINE_STEPS = 33
+STATE_VERSION = 2  # 2: the slowdown bucket and its write/baseline state
 
 
 def productive_s(rec: dict[str, Any]) -> float:
@@ -143,14 +155,26 @@ class GoodputAccumulator:
         self.steps_lost = 0
         self._recent: list[tuple[int, tuple[float, int, int]]] = []  # since last checkpoint
         self._ckpt: OrderedDict[int, tuple[float, int, int]] = OrderedDict()
+        # A synchronous save's record comes before its own step's record (the loop saves,
+        # then records the step): its kept total is taken when that step arrives.
+        self._pending: list[int] = []
         self.last_ckpt_t: float | None = None
         self._attempt: dict[str, Any] | None = None
         self.attempt_summaries: list[dict[str, Any]] = []
+        # The slowdown bucket: the open background write [step, productive sum, steps]
+        # (None: none open), the attempt's latest steps outside writes, and whether the next
+        # step record is the one that found a write finished (it overlapped it partly).
+        self._write: list[Any] | None = None
+        self._baseline: list[float] = []
+        self._partial = False
+        self._last_ckpt_record = -1  # step of the newest checkpoint record, ok or not
 
     # -- records ---------------------------------------------------------------------------
     def add(self, rec: dict[str, Any]) -> None:
         kind = rec.get("type")
         t = float(rec.get("t") or 0.0)
+        if kind == "checkpoint":  # ok or not: its background write is over
+            self._write_ended(int(rec.get("step", 0)))
         if kind == "job_start":
             self._job_start(rec, t)
         elif kind == "step":
@@ -159,6 +183,15 @@ class GoodputAccumulator:
             self._checkpoint(int(rec.get("step", 0)), t)
         elif kind == "job_end" and self._attempt is not None:
             self._attempt["reason"] = rec.get("reason", "finished")
+        elif kind == "hang":
+            # Its attempt ended at the hang's onset (its last step), so the time from there to
+            # the next process start is restart_gap: its t (detection) must not move the end.
+            # A recovered record arrives in the next attempt: match by attempt number.
+            for a in reversed(self.attempt_summaries):
+                if a.get("attempt") == rec.get("attempt"):
+                    a["reason"] = "hang"
+                    break
+            return
         if t and self.start is not None:
             self.last_t = t if self.last_t is None else max(self.last_t, t)
             if self._attempt is not None:
@@ -175,6 +208,8 @@ class GoodputAccumulator:
         self.sums["startup"] += startup
         self.sums["restore"] += restore
         self.attempts += 1
+        self._write_ended(None)  # the attempt died mid-write: charge what its steps showed
+        self._baseline, self._partial = [], False  # each attempt has its own baseline
         self._rollback(int(rec.get("restored_step") or 0))
         self._attempt = {
             "attempt": rec.get("attempt", self.attempts - 1),
@@ -208,12 +243,26 @@ class GoodputAccumulator:
         self.cum = new
         self.last_step = restored
         self._recent = []
+        self._pending = []  # a save of the abandoned timeline whose step never came
         for s in [s for s in self._ckpt if s > restored]:
             del self._ckpt[s]  # checkpoints of the abandoned timeline
 
     def _step(self, rec: dict[str, Any]) -> None:
         step = int(rec.get("step", self.last_step + 1))
         p = productive_s(rec)
+        if self._write is not None:  # ran wholly beside a background write
+            self._write[1] += p
+            self._write[2] += 1
+        elif self._partial:
+            self._partial = False
+        else:
+            self._baseline = (self._baseline + [p])[-_BASELINE_STEPS:]
+        if (
+            self._write is None
+            and float(rec.get("checkpoint_block_s") or 0.0) > 0
+            and step != self._last_ckpt_record
+        ):
+            self._write = [step, 0.0, 0]  # its save started here; its record comes later
         self.productive_all += p
         self.sums["data_wait"] += float(rec.get("data_wait_s") or 0.0)
         self.sums["checkpoint_block"] += float(rec.get("checkpoint_block_s") or 0.0)
@@ -222,6 +271,10 @@ class GoodputAccumulator:
         self.cum = (c[0] + p, c[1] + int(rec.get("tokens") or 0), c[2] + 1)
         self.last_step = step
         self._recent.append((step, self.cum))
+        if self._pending:
+            if step in self._pending:
+                self._commit(step)
+            self._pending = [s for s in self._pending if s > step]
         a = self._attempt
         if a is not None:
             a["steps"] += 1
@@ -229,10 +282,42 @@ class GoodputAccumulator:
             if a["first_step"] is None:
                 a["first_step"] = step
 
+    def _excess(self) -> float:
+        """The open write's slowdown so far (see module docstring); 0 without a baseline."""
+        if self._write is None or not self._baseline:
+            return 0.0
+        base = sorted(self._baseline)
+        mid = len(base) // 2
+        median = base[mid] if len(base) % 2 else (base[mid - 1] + base[mid]) / 2
+        return max(0.0, self._write[1] - self._write[2] * median)
+
+    def _write_ended(self, step: int | None) -> None:
+        """A ``checkpoint`` record of ``step`` (or, ``None``, the end of the attempt) closes
+        the open write: its excess moves from productive time to ``slowdown``. Its steps are
+        the newest of the timeline, so the kept cumulative time drops by the same amount."""
+        if step is not None:
+            self._last_ckpt_record = step
+        # One save is in flight at a time: a record of a later step ends this write too.
+        if self._write is None or (step is not None and step < self._write[0]):
+            return
+        excess = self._excess()
+        self._write = None
+        self._partial = step is not None
+        self.sums["slowdown"] += excess
+        self.productive_all -= excess
+        c = self.cum
+        self.cum = (c[0] - excess, c[1], c[2])
+
     def _checkpoint(self, step: int, t: float) -> None:
         self.last_ckpt_t = t if self.last_ckpt_t is None else max(self.last_ckpt_t, t)
         if step == 0:
             return
+        if step > self.last_step:
+            self._pending.append(step)
+            return
+        self._commit(step)
+
+    def _commit(self, step: int) -> None:
         self._ckpt[step] = self._lookup(step)
         self._ckpt.move_to_end(step)
         while len(self._ckpt) > _MAX_CHECKPOINTS:
@@ -257,11 +342,16 @@ class GoodputAccumulator:
             "last_step": self.last_step,
             "steps_lost": self.steps_lost,
             "recent": [[s, *c] for s, c in self._recent],
+            "pending": list(self._pending),
             "ckpt": [[s, *c] for s, c in self._ckpt.items()],
             "last_ckpt_t": self.last_ckpt_t,
             # The open attempt is the last summary (the same dict object while live).
             "attempt_open": self._attempt is not None,
             "attempt_summaries": [dict(a) for a in self.attempt_summaries],
+            "write": None if self._write is None else list(self._write),
+            "baseline": list(self._baseline),
+            "partial": self._partial,
+            "last_ckpt_record": self._last_ckpt_record,
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -281,12 +371,18 @@ class GoodputAccumulator:
         self.last_step = int(sd["last_step"])
         self.steps_lost = int(sd["steps_lost"])
         self._recent = [(int(r[0]), cum(r[1:])) for r in sd["recent"]]
+        self._pending = [int(x) for x in sd.get("pending", [])]
         self._ckpt = OrderedDict((int(r[0]), cum(r[1:])) for r in sd["ckpt"])
         self.last_ckpt_t = sd["last_ckpt_t"]
         self.attempt_summaries = [dict(a) for a in sd["attempt_summaries"]]
         self._attempt = (
             self.attempt_summaries[-1] if sd["attempt_open"] and self.attempt_summaries else None
         )
+        w = sd["write"]
+        self._write = None if w is None else [int(w[0]), float(w[1]), int(w[2])]
+        self._baseline = [float(v) for v in sd["baseline"]]
+        self._partial = bool(sd["partial"])
+        self._last_ckpt_record = int(sd["last_ckpt_record"])
 
     # -- totals ----------------------------------------------------------------------------
     def breakdown(self, now: float | None = None) -> Breakdown:
@@ -294,8 +390,10 @@ class GoodputAccumulator:
             return Breakdown(0.0, 0.0, dict.fromkeys(BUCKETS, 0.0), 0, 0, 0, 0, 0, 0, None)
         end = max(now if now is not None else 0.0, self.last_t or self.start)
         total = max(0.0, end - self.start)
-        goodput_s = self.productive_all - self.sums["lost_to_failures"]
+        pending = self._excess()  # a write still in flight: its slowdown so far
+        goodput_s = self.productive_all - pending - self.sums["lost_to_failures"]
         bad = dict(self.sums)
+        bad["slowdown"] += pending
         bad["other"] = max(0.0, total - goodput_s - sum(v for k, v in bad.items() if k != "other"))
         age_from = self.last_ckpt_t if self.last_ckpt_t is not None else self.start
         return Breakdown(
@@ -322,14 +420,16 @@ def compute_goodput(records: Iterable[dict[str, Any]], now: float | None = None)
 
 
 def data_stall_share(b: Breakdown) -> float:
-    """Share of the loop's time in steps, outside checkpoint blocks, spent waiting for data:
-    ``data_wait / (data_wait + productive time of every recorded step)``, kept or redone
-    (``goodput_s + lost_to_failures``: redone steps waited too).
+    """Share of the loop's time in steps, outside checkpoint blocks, that did no work:
+    ``(data_wait + slowdown) / (data_wait + slowdown + productive time of every recorded
+    step)``, kept or redone (``goodput_s + lost_to_failures``: redone steps waited too). A
+    step slowed by a background write is stalled like one waiting for data: the planner's
+    model has one term for both.
 
     This is the planner's ``s`` (docs/planning.md): its model charges checkpoint blocks,
     restarts and lost work separately, so they stay out of the denominator. 0 when no step
     was recorded.
     """
-    wait = b.badput_s.get("data_wait", 0.0)
+    wait = b.badput_s.get("data_wait", 0.0) + b.badput_s.get("slowdown", 0.0)
     busy = wait + b.goodput_s + b.badput_s.get("lost_to_failures", 0.0)
     return wait / busy if busy > 0 else 0.0

@@ -41,13 +41,15 @@ __all__ = [
     "snapshot_path",
     "write_snapshot",
     "load_snapshot",
+    "write_snapshot_of",
+    "load_snapshot_of",
 ]
 
 LEDGER_NAME = "ledger.jsonl"
 SNAPSHOT_NAME = "ledger.snapshot.json"
 SNAPSHOT_VERSION = 1
 _TAIL_BYTES = 64  # bytes before the offset kept in the snapshot to recognise the ledger
-RECORD_TYPES = ("job_start", "step", "checkpoint", "restore", "alert", "job_end")
+RECORD_TYPES = ("job_start", "step", "checkpoint", "restore", "alert", "hang", "job_end")
 
 log = logging.getLogger("steadytrain.monitor")
 
@@ -68,8 +70,11 @@ def _default(obj: Any) -> Any:
 class Ledger:
     """Appends records to ``RUN_DIR/ledger.jsonl``; only the background writer calls it."""
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
-        self.path = ledger_path(run_dir)
+    def __init__(
+        self, run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None = None
+    ) -> None:
+        # ``path``: another append-only file of the run (a rank's own ledger, monitor/ranks.py)
+        self.path = Path(path) if path is not None else ledger_path(run_dir)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fix_torn_tail()
         # Append mode: restarts add to the history, never rewrite it.
@@ -122,11 +127,14 @@ class Ledger:
             self._f.close()
 
 
-def iter_ledger(path: str | os.PathLike[str], offset: int = 0) -> Iterator[dict[str, Any]]:
+def iter_ledger(
+    path: str | os.PathLike[str], offset: int = 0, skipped: list[int] | None = None
+) -> Iterator[dict[str, Any]]:
     """Yield the records of a ledger file (or of ``RUN_DIR/ledger.jsonl``), in order,
     starting at byte ``offset`` (a line boundary).
 
-    Lines that do not parse (the torn tail of a crashed writer) are skipped with a warning.
+    Lines that do not parse (the torn tail of a crashed writer) are skipped with a warning
+    (and their line numbers appended to ``skipped``, when given).
     """
     p = Path(path)
     if p.is_dir():
@@ -143,6 +151,8 @@ def iter_ledger(path: str | os.PathLike[str], offset: int = 0) -> Iterator[dict[
             except ValueError:  # JSONDecodeError, or a torn multi-byte character
                 where = f"{p}:{n}" if not offset else f"{p}:+{offset}:{n}"
                 log.warning("%s: skipping a torn ledger line (a crash mid-write)", where)
+                if skipped is not None:
+                    skipped.append(n)
                 continue
             if isinstance(rec, dict) and "type" in rec:
                 yield rec
@@ -174,7 +184,13 @@ def snapshot_path(run_dir: str | os.PathLike[str]) -> Path:
 def write_snapshot(run_dir: str | os.PathLike[str], offset: int, state: dict[str, Any]) -> None:
     """Publish ``state`` as of ledger byte ``offset`` atomically and durably
     (``storage.publish``). The caller has made the ledger durable up to ``offset`` first."""
-    lp = ledger_path(run_dir)
+    write_snapshot_of(ledger_path(run_dir), snapshot_path(run_dir), offset, state)
+
+
+def write_snapshot_of(
+    lp: str | os.PathLike[str], sp: str | os.PathLike[str], offset: int, state: dict[str, Any]
+) -> None:
+    """``write_snapshot`` for any append-only file ``lp`` and its snapshot ``sp``."""
     st = os.stat(lp)
     with open(lp, "rb") as f:
         f.seek(max(0, offset - _TAIL_BYTES))
@@ -184,7 +200,7 @@ def write_snapshot(run_dir: str | os.PathLike[str], offset: int, state: dict[str
         "ledger": {"offset": offset, "inode": st.st_ino, "dev": st.st_dev, "tail": tail.hex()},
         **state,
     }
-    with atomic_writer(str(snapshot_path(run_dir)), "w") as f:
+    with atomic_writer(str(sp), "w") as f:
         json.dump(doc, f, separators=(",", ":"))
 
 
@@ -192,7 +208,14 @@ def load_snapshot(run_dir: str | os.PathLike[str]) -> tuple[int, dict[str, Any]]
     """``(offset, snapshot)`` when ``RUN_DIR/ledger.snapshot.json`` exists, parses and still
     describes ``RUN_DIR/ledger.jsonl`` (same inode, at least ``offset`` bytes, the same bytes
     just before ``offset``); else ``None`` (the reason at debug level): read the whole file."""
-    path, lp = snapshot_path(run_dir), ledger_path(run_dir)
+    return load_snapshot_of(ledger_path(run_dir), snapshot_path(run_dir))
+
+
+def load_snapshot_of(
+    lp: str | os.PathLike[str], sp: str | os.PathLike[str]
+) -> tuple[int, dict[str, Any]] | None:
+    """``load_snapshot`` for any append-only file ``lp`` and its snapshot ``sp``."""
+    path, lp = Path(sp), Path(lp)
     why = None
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))

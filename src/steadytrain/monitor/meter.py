@@ -15,15 +15,16 @@
 The hot path (``step``) builds one dict, samples process RSS and /dev/shm use every
 ``memory_every`` steps, and puts the dict on a queue: a few microseconds. Everything else
 -- goodput arithmetic, alerts, JSON encoding, MLflow, the console -- runs in one background
-thread (``sinks.BackgroundWriter``). Only rank 0 records; other ranks' meters do nothing.
-Pass ``loss`` as a tensor: it is converted in the background thread, so the loop never
+thread (``sinks.BackgroundWriter``). Rank 0 keeps the job's ledger (``ledger.jsonl``:
+goodput, alerts); every rank, rank 0 included, also appends its own compact step records to
+``RUN_DIR/ranks/rank-RRRRR.jsonl`` (``monitor/ranks.py``; ``per_rank = false`` turns that
+off), so a slow rank on another node is seen as itself. Pass ``loss`` as a tensor: it is converted in the background thread, so the loop never
 waits for the device to produce it.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import time
@@ -43,45 +44,21 @@ from steadytrain.monitor.ledger import (
     write_snapshot,
 )
 from steadytrain.monitor.memory import RssReader, shm_used_bytes
-from steadytrain.monitor.sinks import SINKS, BackgroundWriter, JsonlSink, make_sink
-from steadytrain.settings import check, merge
+from steadytrain.monitor.meter_config import MeterConfig
+from steadytrain.monitor.rank_recorder import RankPoller, RankRecorder, rank_windows
+from steadytrain.monitor.recovered import recovered_steps
+from steadytrain.monitor.sinks import BackgroundWriter, JsonlSink, make_sink
+from steadytrain.monitor.straggler_live import StragglerCheck
+from steadytrain.settings import merge
 
 __all__ = ["GoodputMeter", "MeterConfig", "shm_used_bytes"]
 
 log = logging.getLogger("steadytrain.monitor")
 
 
-@dataclasses.dataclass(kw_only=True)
-class MeterConfig:
-    """A ``GoodputMeter``'s settings and their one check (``[monitor]`` in a training config);
-    the run directory, rank and run length are the run's, passed apart."""
-
-    # Per GPU: (low, high), or x meaning "at least 0.9 x"; None or 0: learn it (alerts).
-    expected_tokens_per_s: float | tuple[float, float] | None = None
-    sinks: list[Any] = dataclasses.field(default_factory=lambda: ["jsonl"])  # names or objects
-    tracking_uri: str | None = None  # MLflow (None: sqlite in RUN_DIR)
-    experiment: str = "steadytrain"  # MLflow experiment
-    memory_every: int = 1  # sample RSS and /dev/shm every N steps
-    flush_interval_s: float = 0.25  # the background writer's batching period
-    sink_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. window_s
-    snapshot_every: int = 1000  # ledger records between restart snapshots
-    alerts: AlertConfig = dataclasses.field(default_factory=AlertConfig)
-
-    def __post_init__(self) -> None:
-        if self.expected_tokens_per_s == 0:
-            self.expected_tokens_per_s = None  # TOML cannot say None: 0 means "learn it"
-        _band(self.expected_tokens_per_s)  # the alerts' own check
-        self.sinks = list(self.sinks)  # any iterable given: it is read again when opening
-        for spec in self.sinks:
-            ok = spec in SINKS if isinstance(spec, str) else hasattr(spec, "write")
-            check(ok, "sinks", spec, f"use {sorted(SINKS)} or an object with write() and close()")
-        check(self.memory_every >= 1, "memory_every", self.memory_every, "use 1 or more steps")
-        check(self.flush_interval_s > 0, "flush_interval_s", self.flush_interval_s, "use > 0")
-        check(self.snapshot_every >= 1, "snapshot_every", self.snapshot_every, "use 1 or more")
-
-
 class GoodputMeter:
-    """Records every step, checkpoint and restart of a job into ``RUN_DIR/ledger.jsonl``."""
+    """Records every step, checkpoint and restart of a job into ``RUN_DIR/ledger.jsonl``
+    (rank 0) and each rank's own steps into ``RUN_DIR/ranks/`` (every rank)."""
 
     def __init__(
         self,
@@ -105,19 +82,39 @@ class GoodputMeter:
         cfg = merge(MeterConfig, config, {**locals(), "alerts": alert_config})
         self.config = cfg
         self.run_dir = Path(run_dir)
+        # enabled: this meter keeps the job's ledger (rank 0); recording: it writes at all.
         self.rank, self.world_size, self.enabled = rank, world_size, rank == 0
+        self.recording = self.enabled or cfg.per_rank
         self.alerts: deque[dict[str, Any]] = deque(maxlen=1000)
         self.live: dict[str, Any] = {}
         self._closed = False
-        if not self.enabled:
+        self.attempt = 0  # during start-up: the next attempt number seen in the ledger
+        self._last_mono: float | None = None
+        self._last_step = 0
+        self._n = 0
+        self.memory_every = cfg.memory_every
+        self._ranks = RankRecorder(self.run_dir, rank, world_size, cfg.snapshot_every)
+        self.node = self._ranks.node
+        if not self.recording:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._rss = RssReader()
+        ref = weakref.ref(self)
+        self._atexit = lambda: (m := ref()) is not None and m.close("interpreter_exit")
+        atexit.register(self._atexit)
+        if not self.enabled:  # another rank: only its own file, from a background thread
+            self._writer = BackgroundWriter(
+                self._ranks.write,  # only its own file (the loss is rank 0's business)
+                lambda: None,
+                on_start=self._ranks.open,
+                on_stop=self._ranks.close,
+                interval_s=cfg.flush_interval_s,
+            )
+            return
         self._band = _band(cfg.expected_tokens_per_s)
-        self.memory_every = cfg.memory_every
         self.total_steps = total_steps
         self._acc = GoodputAccumulator()  # earlier attempts: goodput, attempts, last commit
         self._engine = AlertEngine(cfg.alerts, cfg.expected_tokens_per_s, world_size)
-        self.attempt = 0  # during start-up: the next attempt number seen in the ledger
         self._last_ok_ckpt_t: float | None = None
         self.snapshot_every = cfg.snapshot_every
         self.snapshot_used = False  # start-up resumed from RUN_DIR/ledger.snapshot.json
@@ -137,12 +134,17 @@ class GoodputMeter:
             **cfg.sink_options,  # e.g. window_s / flush_s for MLflow, refresh_s for console
         }
         self._sinks: list[Any] = []
+        # Every straggler_every_s, rank 0's thread reads every rank's new records (the rank
+        # files) for the per-rank MLflow windows and the live straggler check.
+        self._poller: RankPoller | None = None
+        if cfg.per_rank and cfg.straggler_every_s:
+            self._poller = RankPoller(self.run_dir, cfg.straggler_every_s)
+            self._poller.consumers.append(self._log_rank_windows)
+            if world_size > 1:
+                check = StragglerCheck(self.run_dir, cfg.alerts, raised=self.alerts)
+                self._poller.consumers.append(check.consume)
         self._window: deque[tuple[int, float, float]] = deque(maxlen=20)
-        self._last_mono: float | None = None
-        self._last_step = 0
-        self._n = 0
         self._close_reason = "finished"
-        self._rss = RssReader()
         self._writer = BackgroundWriter(
             self._process,
             self._tick,
@@ -150,9 +152,6 @@ class GoodputMeter:
             on_stop=self._close_sinks,
             interval_s=cfg.flush_interval_s,
         )
-        ref = weakref.ref(self)
-        self._atexit = lambda: (m := ref()) is not None and m.close("interpreter_exit")
-        atexit.register(self._atexit)
 
     def _load_history(self) -> None:
         """Carry earlier attempts: from the snapshot plus the records after it, or (no
@@ -197,13 +196,25 @@ class GoodputMeter:
         restore_s: float = 0.0,
         config: dict[str, Any] | None = None,
         device: str | None = None,
+        attempt: int | None = None,
     ) -> None:
         """Mark the start of this attempt (after start-up and restore, before step 1).
-        ``device`` ("cpu", "cuda"): what the ranks run on, so advice fits the hardware."""
-        if not self.enabled:
+        ``device`` ("cpu", "cuda"): what the ranks run on, so advice fits the hardware.
+        ``attempt``: rank 0's ``meter.attempt`` broadcast to the other ranks (rank 0 counts
+        attempts from the ledger; without it another rank uses torchrun's restart count)."""
+        if not self.recording:
             return
         self._last_mono = time.monotonic()
         self._last_step = int(restored_step)
+        if not self.enabled:
+            if attempt is None:
+                attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+            self.attempt = self._ranks.attempt = int(attempt)
+            self._writer.put(self._ranks.start_record(time.time(), device))
+            return
+        self._ranks.attempt = self.attempt
+        for rec in recovered_steps(self._acc, int(restored_step)):  # what a SIGKILL took
+            self._writer.put(rec)
         band = self._band
         self._writer.put(
             {
@@ -234,7 +245,7 @@ class GoodputMeter:
         **extra: Any,
     ) -> None:
         """Record one finished global step (``tokens``: tokens of the step over all ranks)."""
-        if not self.enabled:
+        if not self.recording:
             return
         now = time.monotonic()
         if self._last_mono is None:  # job_start() was not called: start the clock here
@@ -257,8 +268,9 @@ class GoodputMeter:
 
     def event(self, ev: dict[str, Any]) -> None:
         """Record a checkpoint / restore event (the Checkpointer's ``on_event``) or any
-        other record with a ``type``. Safe to call from the checkpointer's threads."""
-        if not self.enabled:
+        other record with a ``type``. Safe to call from the checkpointer's threads. On a
+        rank other than 0 only ``hang`` records are kept (in its rank file)."""
+        if not self.recording:
             return
         rec = dict(ev)
         rec.setdefault("t", time.time())
@@ -266,12 +278,27 @@ class GoodputMeter:
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every record so far is in the sinks and alerts are evaluated."""
-        if self.enabled and not self._closed:
+        if self.recording and not self._closed:
             self._writer.flush(timeout)
+
+    def record_through(self, step: int, timeout_s: float = 10.0) -> bool:
+        """The Checkpointer's ``before_commit``: return once the ledger file holds (handed to
+        the OS) every step record up to ``step`` -- a committed step is a recorded step
+        (monitor/recovered.py). False when ``step`` was not recorded within ``timeout_s``."""
+        if not self.enabled or self._closed:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._writer.flush(max(0.0, deadline - time.monotonic()))
+            if self._acc.last_step >= step:  # processed, so written by the ledger sink
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)  # the loop records the step right after maybe_save returns
 
     def close(self, reason: str = "finished") -> None:
         """Write ``job_end``, drain the queue, fsync the ledger, close every sink."""
-        if not self.enabled or self._closed:
+        if not self.recording or self._closed:
             return
         self._closed = True
         atexit.unregister(self._atexit)
@@ -294,6 +321,8 @@ class GoodputMeter:
 
     # -- the background thread -------------------------------------------------------------
     def _open_sinks(self) -> None:
+        if self.config.per_rank:
+            self._ranks.open()
         for spec in self.config.sinks:
             try:
                 sink = make_sink(spec, **self._sink_context)
@@ -304,6 +333,8 @@ class GoodputMeter:
                 log.exception("meter sink %r could not start; continuing without it", spec)
 
     def _close_sinks(self) -> None:
+        self._poll_ranks(force=True)  # the other ranks' last window, while the sinks are open
+        self._ranks.close()
         for sink in self._sinks:
             try:
                 sink.close(self._close_reason)
@@ -330,6 +361,7 @@ class GoodputMeter:
                 self.live["last_alert"] = f"{alert['kind']}: {alert['diagnosis']}"
                 log.warning("steadytrain alert %s: %s", alert["kind"], alert["message"])
         self._update_live()
+        self._ranks.write(out)
         for sink in list(self._sinks):
             try:
                 sink.write(out, self.live)
@@ -379,7 +411,24 @@ class GoodputMeter:
                 left = max(0, self.total_steps - self._window[-1][0])
                 self.live["eta_s"] = left * wall / len(self._window)
 
+    def _poll_ranks(self, force: bool = False) -> None:
+        if self._poller is not None:
+            out = self._poller.poll(force)
+            if out:
+                self._process(out)
+
+    def _log_rank_windows(self, by_rank: dict[int, list[dict[str, Any]]]) -> list[dict]:
+        """The other ranks' window means under the Databricks DataLoader names (MLflow);
+        rank 0's own come from its step records, on the sink's own ``window_s``."""
+        rows = rank_windows({r: recs for r, recs in by_rank.items() if r != self.rank})
+        for sink in self._sinks:
+            log_rows = getattr(sink, "log_rank_windows", None)
+            if rows and log_rows is not None:
+                log_rows(rows)
+        return []
+
     def _tick(self) -> None:
+        self._poll_ranks()
         for sink in list(self._sinks):
             tick = getattr(sink, "tick", None)
             if tick is not None:

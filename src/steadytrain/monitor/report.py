@@ -6,6 +6,7 @@
 * ``throughput.png``: tokens/s per GPU over time, the expected band, restarts, incidents;
 * ``waits.png``: data wait and checkpoint blocking per step over time;
 * ``goodput.png``: one bar, goodput and every badput bucket as a share of wall time;
+* ``ranks.png``: rank x step heatmaps of data wait and step time (``report_ranks.py``);
 * ``report.html``: one self-contained page (plots embedded, and linked to the PNG files);
 * ``report.json``: the summary returned by ``build_report``.
 """
@@ -24,6 +25,17 @@ from steadytrain.errors import SteadyError
 from steadytrain.extras import require
 from steadytrain.monitor.goodput import BUCKETS, GoodputAccumulator
 from steadytrain.monitor.ledger import iter_ledger, ledger_path
+from steadytrain.monitor.report_ranks import (
+    INCIDENT_KEYS,
+    attach_ranks,
+    crashes,
+    per_unit,
+    plot_heatmaps,
+    rank_section,
+    ranks_html,
+    who,
+)
+from steadytrain.redact import redact
 from steadytrain.storage.publish import publish_bytes
 
 __all__ = ["build_report", "goodput_class", "GOODPUT_GOOD", "GOODPUT_FAIR"]
@@ -40,6 +52,7 @@ _COLORS = {
     "restore": "#607d8b",
     "data_wait": "#ef6c00",
     "checkpoint_block": "#6a1b9a",
+    "slowdown": "#ab47bc",
     "lost_to_failures": "#c62828",
     "restart_gap": "#424242",
     "other": "#bdbdbd",
@@ -55,6 +68,7 @@ class _Series:
         self.data = array("d")
         self.ckpt = array("d")
         self.attempt = array("i")
+        self.step = array("q")
 
 
 def _read(run_dir: Path) -> dict[str, Any]:
@@ -74,6 +88,7 @@ def _read(run_dir: Path) -> dict[str, Any]:
     # contradict the incidents of the others.
     bands: list[dict[str, Any] | None] = []
     checkpoints = 0
+    ends: dict[int, dict[str, Any]] = {}  # attempt index -> its job_end
     world = 1
     band = None
     band_learned = None
@@ -89,6 +104,9 @@ def _read(run_dir: Path) -> dict[str, Any]:
             s.data.append(float(rec.get("data_wait_s") or 0.0))
             s.ckpt.append(float(rec.get("checkpoint_block_s") or 0.0))
             s.attempt.append(len(starts) - 1)
+            s.step.append(int(rec.get("step") or 0))
+        elif kind == "job_end" and starts:
+            ends[len(starts) - 1] = rec
         elif kind == "job_start":
             world = max(1, int(rec.get("world_size") or 1))
             starts.append(rec)
@@ -120,6 +138,7 @@ def _read(run_dir: Path) -> dict[str, Any]:
         "band": band or band_learned,
         "bands": bands,
         "device": next((st.get("device") for st in reversed(starts) if st.get("device")), None),
+        "crashes": crashes(starts, ends, s),
         "band_kind": "expected" if band else ("learned" if band_learned else None),
     }
 
@@ -168,11 +187,28 @@ def _mark_events(ax: Any, data: dict[str, Any], label: bool, unit: float) -> Non
                 va="top",
                 ha="left",
             )
+    for c in data.get("crashes", []):
+        if c.get("t") is None:
+            continue
+        x = (c["t"] - t0) / unit
+        ax.axvline(x, color="#212121", ls=":", lw=1.5)
+        if label:
+            ax.annotate(
+                f"crash\n(step {c['step']})",
+                (x, 0.75),
+                xycoords=("data", "axes fraction"),
+                fontsize=7,
+                ha="right",
+            )
     # Incident labels sit at the bottom of the axes (the legend is outside them); labels
     # of incidents closer than ~3 % of the width stack upwards instead of overprinting.
     lo, hi = ax.get_xlim()
     last_x, level = None, 0
-    marks = sorted(((a["t"] - t0) / unit, j) for j, a in enumerate(data["alerts"], 1))
+    marks = sorted(
+        ((a["t"] - t0) / unit, j)
+        for j, a in enumerate(data["alerts"], 1)
+        if a.get("t") is not None  # a post-hoc finding past the ledger's last step
+    )
     for x, j in marks:
         ax.axvline(x, color="#c62828", lw=1, alpha=0.7)
         if not label:
@@ -226,7 +262,7 @@ def _plots(data: dict[str, Any], out: Path) -> dict[str, str]:
     unit, unit_name = _unit(data)
     paths = {}
 
-    per = "tokens/s per rank" if data["device"] == "cpu" else "tokens/s per GPU"
+    per = f"tokens/s per {per_unit(data['device'])}"  # "per GPU" only on a CUDA run
     fig, ax = plt.subplots(figsize=(11, 4))
     top = 0.0
     for i, (xs, ys) in enumerate(_segments(s, s.tps, t0, unit)):
@@ -237,7 +273,7 @@ def _plots(data: dict[str, Any], out: Path) -> dict[str, str]:
     ax.set_xlabel(f"{unit_name} since job start")
     ax.set_ylabel(per)
     ax.set_ylim(bottom=0)
-    ax.set_title("Throughput (red lines: incidents #n, dashed: restarts)")
+    ax.set_title("Throughput (red lines: incidents #n, dashed: restarts, dotted: crashes)")
     # Outside the axes: inside, it covered the incident labels along the bottom.
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)
     paths["throughput"] = out / "throughput.png"
@@ -282,6 +318,13 @@ def _plots(data: dict[str, Any], out: Path) -> dict[str, str]:
     paths["goodput"] = out / "goodput.png"
     fig.savefig(paths["goodput"], dpi=100, bbox_inches="tight")
     plt.close(fig)
+    marks = {
+        "restarts": [int(st.get("restored_step") or 0) for st in data["starts"][1:]],
+        "crashes": [c["step"] for c in data.get("crashes", [])],
+    }
+    heat = plot_heatmaps(data["ranks"], marks, data["device"], out, plt)
+    if heat is not None:
+        paths["ranks"] = Path(heat)
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -310,7 +353,8 @@ def _html(summary: dict[str, Any], out: Path) -> Path:
         for k in BUCKETS
     )
     inc = "".join(
-        f"<tr><td>{i}</td><td>{a['minutes']:.1f}</td><td>{a.get('step')}</td>"
+        f"<tr><td>{i}</td><td>{'' if a['minutes'] is None else format(a['minutes'], '.1f')}</td><td>{a.get('step')}</td>"
+        f"<td>{e(who(a))}</td>"
         f"<td>{e(str(a['kind']))}</td><td><b>{e(str(a['diagnosis']))}</b></td>"
         f"<td>{e(str(a['message']))}</td><td>{e(str(a.get('next', '')))}</td></tr>"
         for i, a in enumerate(summary["incidents"], 1)
@@ -334,9 +378,12 @@ recovery point age at the end {summary["recovery_point_age_s"] or 0:.0f} s.</p>
 {rows}</table>
 <h2>Incidents</h2>
 {"<p>None.</p>" if not inc else ""}
-{"<table><tr><th>#</th><th>min</th><th>step</th><th>alert</th><th>diagnosis</th><th>what</th><th>look at next</th></tr>" + inc + "</table>" if inc else ""}
+{"<table><tr><th>#</th><th>min</th><th>step</th><th>where</th><th>alert</th><th>diagnosis</th><th>what</th><th>look at next</th></tr>" + inc + "</table>" if inc else ""}
+{ranks_html(summary, img)}
 <h2>Throughput</h2>{img("throughput")}
 <h2>Data wait and checkpoint blocking</h2>{img("waits")}
+<details><summary>Config (newest attempt; credentials redacted)</summary>
+<pre>{e(json.dumps(summary.get("config"), indent=1, default=str))}</pre></details>
 <p><small>Definitions: docs/monitoring.md (buckets of Google's ml-goodput-measurement).
 </small></p></body></html>
 """
@@ -355,6 +402,10 @@ def build_report(
     data = _read(run)
     b = data["breakdown"]
     t0 = data["t0"]
+    section = data["ranks"] = rank_section(run, data["starts"])
+    s = data["series"]
+    step_t = dict(zip(s.step, s.t, strict=True))  # a redone step: its newest attempt's time
+    data["alerts"] = attach_ranks(data["alerts"], section["stragglers"], section["ranks"], step_t)
     summary = b.to_dict()
     summary.pop("attempt_summaries")
     summary.update(
@@ -366,15 +417,24 @@ def build_report(
             # per attempt: {"band": [low, high or null], "kind": "expected" | "learned"} or
             # null, as the throughput plot shades it
             "bands_per_attempt": data["bands"],
+            "device": data["device"],
+            "crashes": data["crashes"],
+            "config": data["starts"][-1].get("config"),  # the newest attempt's, redacted below
+            # one row per rank (monitor/ranks.py), and what could not be read: never fatal
+            "ranks": section["ranks"],
+            "missing_ranks": section["missing_ranks"],
+            "torn_lines": section["torn_lines"],
             "incidents": [
                 {
-                    "minutes": (a["t"] - t0) / 60,
-                    **{k: a.get(k) for k in ("t", "step", "kind", "diagnosis", "message", "next")},
+                    "minutes": None if a.get("t") is None else (a["t"] - t0) / 60,
+                    **{k: a.get(k) for k in INCIDENT_KEYS},
                 }
                 for a in data["alerts"]
             ],
         }
     )
+    # Nothing shown may hold a credential: an older ledger's config, a URL in a message.
+    summary = redact(summary)
     summary["plots"] = _plots(data, out)
     summary["html"] = str(_html(summary, out))
     summary["json"] = str(out / "report.json")

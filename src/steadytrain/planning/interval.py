@@ -25,6 +25,11 @@ Two goodput models, both derived in docs/planning.md:
   which is Daly's ``tau / (M e^{R/M} (e^{(tau+C)/M} - 1))`` when ``L = C``. ``G1`` is its
   first-order expansion and a lower bound on it; the two part when ``tau`` nears ``M``.
 
+Where failures can hit only part ``U`` of a restart (the rest, ``D = R - U``, is dead
+time: the job is down and a failure has nothing to interrupt), a gap between failures is
+``D`` plus an exposed time with mean ``M``, and ``exp(-(R + tau + L) / M) / M`` becomes
+``exp(-(U + tau + L) / M) / (D + M)``; ``U = R`` (the default) is the form above.
+
 ``R`` and ``L`` scale the exact goodput by ``exp(-(R + L)/M)`` and so do not move its
 maximum; only ``C`` and ``M`` do, and an asynchronous save adds the constraint ``tau >= L``
 (at most one save in flight, so the previous checkpoint is always durable).
@@ -204,16 +209,40 @@ def goodput_exact(
     restart_s: float = 0.0,
     durable_s: float = 0.0,
     stall_frac: float = 0.0,
+    restart_exposed_s: float | None = None,
 ) -> float:
-    """Long-run goodput with Poisson failures (failures may also hit saves and restarts)."""
+    """Long-run goodput with Poisson failures (failures may also hit saves).
+
+    ``restart_exposed_s`` (``U``, at most ``restart_s``): the part of a restart that
+    failures can hit; ``None`` means all of it (a cluster, where hardware fails whenever it
+    likes: Daly's model). The rest, ``D = R - U``, is dead time no failure can interrupt
+    (the job is already down: detection, rescheduling, a process that has not yet joined),
+    and ``mtbf_s`` is then the mean time between failures of the time a job is up (the
+    rate ``measure_run`` observes). With ``U = R`` this is the classic form.
+    """
     _check(ckpt_cost_s, mtbf_s, restart_s, durable_s)
+    exposed = _exposed(restart_s, restart_exposed_s)
+    dead = restart_s - exposed
     c, l_eff, keep = _terms(interval_s, ckpt_cost_s, durable_s, stall_frac)
     period = interval_s + c
     if math.isinf(mtbf_s):
         return interval_s / period * keep if period > 0 else keep
-    if period == 0.0:  # free saves, taken continuously: the tau -> 0 limit
-        return keep * math.exp(-restart_s / mtbf_s)
     lam = 1.0 / mtbf_s
-    # E[checkpoints secured between two failures] * tau / M; see module docstring.
-    secured = math.exp(-lam * (restart_s + interval_s + l_eff)) / -math.expm1(-lam * period)
-    return interval_s * keep * lam * secured
+    if period == 0.0:  # free saves, taken continuously: the tau -> 0 limit
+        return keep * math.exp(-lam * exposed) / (1.0 + lam * dead)
+    # E[checkpoints secured between two failures] * tau / (D + M); see module docstring.
+    secured = math.exp(-lam * (exposed + interval_s + l_eff)) / -math.expm1(-lam * period)
+    return interval_s * keep * lam * secured / (1.0 + lam * dead)
+
+
+def _exposed(restart_s: float, restart_exposed_s: float | None) -> float:
+    """``U``: the part of the restart failures can hit (all of it when not given)."""
+    if restart_exposed_s is None:
+        return float(restart_s)
+    u = _num("restart_exposed_s", restart_exposed_s)
+    if not 0.0 <= u <= restart_s * (1 + 1e-12):
+        raise ConfigError(
+            f"restart_exposed_s={restart_exposed_s!r} must be between 0 and restart_s="
+            f"{restart_s!r}: it is the part of a restart that failures can hit"
+        )
+    return min(u, float(restart_s))

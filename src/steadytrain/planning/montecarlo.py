@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from steadytrain.errors import ConfigError
-from steadytrain.planning.interval import _terms, goodput_exact, goodput_first_order
+from steadytrain.planning.interval import _exposed, _terms, goodput_exact, goodput_first_order
 
 __all__ = ["SimResult", "simulate"]
 
@@ -109,8 +109,13 @@ def simulate(
     runs: int = 2000,
     seed: int = 0,
     failure_shape: float = 1.0,
+    restart_exposed_s: float | None = None,
 ) -> SimResult:
-    """Simulate ``runs`` runs of ``days`` days; see the module docstring for the model."""
+    """Simulate ``runs`` runs of ``days`` days; see the module docstring for the model.
+
+    ``restart_exposed_s``: the part ``U`` of each restart that failures can hit (default:
+    all of it); the rest is dead time added to each gap between failures, which are then
+    drawn over the time the job is up (``interval.goodput_exact``)."""
     if not (interval_s > 0 and math.isfinite(interval_s)):
         raise ConfigError(f"interval {interval_s!r} s must be > 0 to simulate")
     if not (mtbf_s > 0 and math.isfinite(mtbf_s)):
@@ -121,6 +126,8 @@ def simulate(
             f"failure_shape > 0 (got {failure_shape}) and stall_cv >= 0 (got {stall_cv})"
         )
     c, l_eff, keep = _terms(interval_s, ckpt_cost_s, durable_s, stall_frac)
+    exposed = _exposed(restart_s, restart_exposed_s)
+    dead = restart_s - exposed  # wall time of a restart that no failure can hit
     seg_work = interval_s * keep  # useful seconds per compute phase
     horizon = days * 86400.0
     rng = np.random.default_rng(seed)
@@ -135,25 +142,25 @@ def simulate(
             return rng.exponential(mtbf_s, shape)
         return mtbf_s / math.gamma(1 + 1 / failure_shape) * rng.weibull(failure_shape, shape)
 
-    x = draw((runs, cycles))
-    ends = np.cumsum(x, axis=1)
+    x = draw((runs, cycles))  # exposed time of each gap; its wall time is dead + x
+    ends = np.cumsum(x + dead, axis=1)
     while (short := ends[:, -1] < horizon).any():  # rare: extend every run equally
         more = draw((runs, cycles // 2 + 1))
         x = np.concatenate([x, more], axis=1)
-        ends = np.cumsum(x, axis=1)
+        ends = np.cumsum(x + dead, axis=1)
         if x.size > 4 * MAX_CELLS:
             raise ConfigError(f"{int(short.sum())} simulated runs need too many cycles")
 
     z_mean = stall_frac / (1.0 - stall_frac)  # stall seconds per useful second
 
     def work(window):
-        y = window - restart_s + c - l_eff
+        y = window - exposed + c - l_eff
         return _secured(y, seg_work, c, z_mean, stall_cv, rng) * seg_work
 
     def work_at_end(window):
         # The run ends as planned at the horizon and saves: every finished compute phase
         # counts, and so does the part of the one under way (at its mean pace).
-        w = window - restart_s
+        w = np.maximum(window - dead, 0.0) - exposed
         n = _secured(w + c, seg_work, c, z_mean, stall_cv, rng)
         rest = (w - n * (seg_work * (1 + z_mean) + c)) / (1 + z_mean)
         return n * seg_work + np.clip(rest, 0.0, seg_work)
@@ -161,7 +168,7 @@ def simulate(
     done = work(x.ravel()).reshape(x.shape)  # useful seconds kept by each cycle
 
     # Long-run: pooled ratio over all cycles of all runs, CI by the delta method over runs.
-    a, b = done.sum(axis=1), x.sum(axis=1)
+    a, b = done.sum(axis=1), (x + dead).sum(axis=1)
     g = float(a.sum() / b.sum())
     se = float(np.sqrt(((a - g * b) ** 2).sum() / (runs * (runs - 1))) / b.mean())
     ci = (g - 1.96 * se, g + 1.96 * se)
@@ -174,7 +181,9 @@ def simulate(
     last = work_at_end(horizon - started)
     per_run = (before + last) / horizon
 
-    exact = goodput_exact(interval_s, ckpt_cost_s, mtbf_s, restart_s, durable_s, stall_frac)
+    exact = goodput_exact(
+        interval_s, ckpt_cost_s, mtbf_s, restart_s, durable_s, stall_frac, exposed
+    )
     first = goodput_first_order(interval_s, ckpt_cost_s, mtbf_s, restart_s, durable_s, stall_frac)
     applies = failure_shape == 1.0 and (stall_frac == 0.0 or stall_cv == 0.0)
     q = np.quantile(per_run, [0.05, 0.5, 0.95])

@@ -10,18 +10,33 @@ is tied to a bucket:
   of the ``checkpoint_block`` bucket;
 * ``L`` = mean ``durable_s`` of the same records (the writer measures it from the start of
   the save, so it includes ``block_s``);
-* ``R`` = mean cost of a restart: wall time from the last record of one attempt to the start
-  of the first step of the next (``t - step_s`` of that step). Summed over restarts it is the
-  ``restart_gap`` bucket plus the ``startup`` and ``restore`` of every attempt after the
-  first, plus any wait between ``job_start`` and the first step (which the report counts as
-  ``other``). A ledger without restarts gives ``startup_s + restore_s`` of its attempts (plus
-  any wait before their first step);
+* an attempt is *up* (exposed to failures) from the start of its restore (``job_start.t -
+  restore_s``: its processes have started and joined, the point where the fault injector of
+  ``train/faults.py`` starts too) until it fails. Its last record marks that end when it
+  recorded a step; an attempt that died before its first step (in its warm-up) recorded
+  nothing after ``job_start``, and is taken to have failed halfway through the warm-up
+  that the other attempts show (at most until the next process started);
+* ``R`` = mean cost of a restart = ``D + U``: the dead time ``D`` from the end of one
+  attempt (above) to the restore start of the next (detection, rescheduling, process
+  start-up: no failure can hit it, the job is down), plus the exposed warm-up ``U`` from the
+  restore start to the start of the first step's work (restore, waiting for the other
+  ranks: the first step's ``step_s`` beyond its compute, data wait and block is warm-up,
+  not loop overhead). For a ledger whose attempts all recorded steps, ``R`` summed over
+  restarts is the ``restart_gap`` bucket plus the ``startup`` and ``restore`` of every
+  attempt after the first, plus that warm-up. A ledger without restarts gives each
+  attempt's start-up, restore and warm-up;
 * data stall share ``s`` = ``monitor.goodput.data_stall_share``: the ``data_wait`` bucket
   over the loop's time in steps outside checkpoint blocks;
 * lost work per interruption = the ``lost_to_failures`` bucket / interruptions (what the
   model charges as half a period plus ``L - C`` per failure);
-* interruptions per day = (attempts - 1) / wall days of the whole job (``total_s`` of the
-  breakdown: first process start to the last record).
+* interruptions per day = (attempts - 1) / days the attempts were up (``exposure_days``,
+  above): failures strike running jobs, so time spent down does not dilute the rate (it
+  did: with restarts as long as the time between failures, a rate over wall time came out
+  at half the real one). With its exact 95 % Poisson interval (``interruptions_per_day_ci``;
+  a handful of failures pins the rate down only loosely);
+* the first start-up ``S0`` = process start to the first step's work of the first attempt:
+  paid once per run, outside the model's steady state (``plan`` charges it to a run of
+  ``--days``).
 
 Why not the meter's snapshot (``ledger.snapshot.json``): it holds only the accumulator's
 state, while ``C``, ``L`` and ``R`` need the checkpoint and restart records themselves; the
@@ -36,8 +51,9 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.errors import ConfigError
-from steadytrain.monitor.goodput import GoodputAccumulator, data_stall_share
+from steadytrain.monitor.goodput import GoodputAccumulator, data_stall_share, productive_s
 from steadytrain.monitor.ledger import LEDGER_NAME, iter_ledger
+from steadytrain.planning.failures import rate_interval
 
 __all__ = ["RunCosts", "measure_run", "model_badput"]
 
@@ -56,7 +72,7 @@ class RunCosts:
     checkpoints: int
     ckpt_cost_s: float | None  # C
     durable_s: float | None  # L
-    restart_cost_s: float | None  # R
+    restart_cost_s: float | None  # R = D + U
     restart_gap_s: float | None  # the part of R outside any process (detection, queueing)
     startup_s: float
     restore_s: float
@@ -70,6 +86,11 @@ class RunCosts:
     badput: dict[str, float]  # shares of total_s in the plan's terms (``model_badput``)
     steps_lost: int
     lost_per_interruption_s: float | None  # lost_to_failures / interruptions
+    # The rate's exact 95 % interval (0 interruptions: [0, upper]); None for an empty run.
+    interruptions_per_day_ci: list[float] | None = None
+    first_startup_s: float = 0.0  # S0: the first attempt's start-up and warm-up
+    restart_exposed_s: float | None = None  # U: the part of R failures can hit
+    exposure_days: float = 0.0  # days the attempts were up: the rate's denominator
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +107,9 @@ def model_badput(badput_s: dict[str, float], total_s: float) -> dict[str, float]
         "data_wait": badput_s.get("data_wait", 0.0),
         "checkpoint_block": badput_s.get("checkpoint_block", 0.0),
         "restart": sum(badput_s.get(k, 0.0) for k in ("startup", "restore", "restart_gap")),
+        # Steps slowed beside a background write: the model charges it with the data wait
+        # in its stall share ``s`` (monitor.goodput.data_stall_share).
+        "slowdown": badput_s.get("slowdown", 0.0),
         "lost_to_failures": badput_s.get("lost_to_failures", 0.0),
         "other": badput_s.get("other", 0.0),
     }
@@ -118,7 +142,10 @@ class _Attempts:
         elif not self.starts:
             return  # records before the first job_start belong to no attempt
         elif kind == "step" and self.starts[-1]["first_step"] is None:
-            self.starts[-1]["first_step"] = t - float(rec.get("step_s") or 0.0)
+            # Where the first step's work began: what its step_s holds beyond compute, data
+            # wait and block is the attempt's warm-up (the other ranks still starting).
+            work = productive_s(rec) + float(rec.get("data_wait_s") or 0.0)
+            self.starts[-1]["first_step"] = t - work - float(rec.get("checkpoint_block_s") or 0)
         elif kind == "checkpoint" and rec.get("ok", True):
             self.blocks.append(float(rec.get("block_s") or 0.0))
             self.durables.append(float(rec.get("durable_s") or 0.0))
@@ -128,20 +155,63 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def _restart_costs(att: _Attempts, summaries: list[dict[str, Any]]) -> list[float]:
-    """R of every restart (see module docstring); ``summaries`` are the accumulator's
-    attempt summaries, whose ``end_t`` is the attempt's last record."""
-    costs = []
-    for prev, cur in zip(summaries, att.starts[1:], strict=False):
-        first = cur["first_step"] if cur["first_step"] is not None else cur["t0"]
-        costs.append(max(0.0, max(first, cur["t0"]) - prev["end_t"]))
-    if costs:
-        return costs
-    # No failure seen: a restart costs at least a start-up and a restore.
-    for a in att.starts:
-        first = a["first_step"] if a["first_step"] is not None else a["t0"]
-        costs.append(a["startup"] + a["restore"] + max(0.0, first - a["t0"]))
-    return costs
+@dataclass
+class _Exposure:
+    """The up-time split of a ledger's attempts (module docstring)."""
+
+    up_s: float  # sum over attempts of restore start to failure (or to the last record)
+    dead: list[float]  # D of each restart
+    warmup: list[float]  # U of each attempt that reached a step: restore start to work
+    first_startup_s: float  # S0
+
+
+def _exposure(att: _Attempts, summaries: list[dict[str, Any]]) -> _Exposure:
+    ups = [a["t0"] - a["restore"] for a in att.starts]  # restore starts
+    births = [a["t0"] - a["restore"] - a["startup"] for a in att.starts]
+    warm = [
+        a["first_step"] - up
+        for a, up in zip(att.starts, ups, strict=True)
+        if a["first_step"] is not None
+    ]
+    half = max(0.0, sum(warm) / len(warm)) / 2 if warm else 0.0
+    ends = []
+    for i, (a, s) in enumerate(zip(att.starts, summaries, strict=False)):
+        end = s["end_t"]
+        if a["first_step"] is None and i + 1 < len(att.starts):
+            # Died in its warm-up: nothing recorded; the failure fell somewhere inside it.
+            end = max(end, min(ups[i] + half, births[i + 1]))
+        ends.append(end)
+    dead = [max(0.0, up - end) for up, end in zip(ups[1:], ends, strict=False)]
+    first = att.starts[0]
+    work = first["first_step"] if first["first_step"] is not None else first["t0"]
+    return _Exposure(
+        up_s=sum(max(0.0, end - up) for up, end in zip(ups, ends, strict=False)),
+        dead=dead,
+        warmup=[max(0.0, w) for w in warm],
+        first_startup_s=max(0.0, work - births[0]),
+    )
+
+
+def _restart_cost(e: _Exposure, att: _Attempts) -> tuple[float | None, float | None]:
+    """(R, U): R = mean D + U over restarts, U = mean warm-up of the restarted attempts
+    that reached a step (of all attempts when none did)."""
+    restarted = [
+        a["first_step"] - (a["t0"] - a["restore"])
+        for a in att.starts[1:]
+        if a["first_step"] is not None
+    ]
+    warm = _mean(restarted) if restarted else _mean(e.warmup)
+    if e.dead:
+        u = warm if warm is not None else 0.0
+        return sum(e.dead) / len(e.dead) + u, u
+    # No failure seen: a restart costs at least a start-up, a restore and a warm-up.
+    costs = [
+        a["startup"]
+        + a["restore"]
+        + max(0.0, (a["t0"] if a["first_step"] is None else a["first_step"]) - a["t0"])
+        for a in att.starts
+    ]
+    return _mean(costs), warm
 
 
 def measure_run(run_dir: str | os.PathLike[str]) -> RunCosts:
@@ -166,11 +236,15 @@ def measure_run(run_dir: str | os.PathLike[str]) -> RunCosts:
     b = acc.breakdown()
     interruptions = b.attempts - 1
     wall_days = b.total_s / 86400.0
-    per_day = interruptions / wall_days if interruptions and wall_days > 0 else None
+    e = _exposure(att, b.attempt_summaries)
+    up_days = e.up_s / 86400.0
+    per_day = interruptions / up_days if interruptions and up_days > 0 else None
     mean_block, mean_durable = _mean(att.blocks), _mean(att.durables)
     if mean_durable is not None and mean_block is not None:
         mean_durable = max(mean_durable, mean_block)
     world = att.starts[-1]["world_size"]
+    ci = list(rate_interval(interruptions, up_days)) if up_days > 0 else None
+    restart, exposed = _restart_cost(e, att)
     return RunCosts(
         ledger=str(path),
         attempts=b.attempts,
@@ -181,7 +255,7 @@ def measure_run(run_dir: str | os.PathLike[str]) -> RunCosts:
         checkpoints=len(att.blocks),
         ckpt_cost_s=mean_block,
         durable_s=mean_durable,
-        restart_cost_s=_mean(_restart_costs(att, b.attempt_summaries)),
+        restart_cost_s=restart,
         restart_gap_s=b.badput_s["restart_gap"] / interruptions if interruptions else None,
         startup_s=b.badput_s["startup"] / b.attempts,
         restore_s=b.badput_s["restore"] / b.attempts,
@@ -195,4 +269,8 @@ def measure_run(run_dir: str | os.PathLike[str]) -> RunCosts:
         lost_per_interruption_s=(
             b.badput_s["lost_to_failures"] / interruptions if interruptions else None
         ),
+        interruptions_per_day_ci=ci,
+        first_startup_s=e.first_startup_s,
+        restart_exposed_s=exposed,
+        exposure_days=up_days,
     )

@@ -137,19 +137,25 @@ def make_plan(
     simulate_runs: int = 2000,
     seed: int = 0,
     failure_shape: float = 1.0,
+    restart_exposed_s: float | None = None,
 ) -> dict[str, Any]:
-    """Everything ``steadytrain plan`` reports, as a JSON-ready dict (times in minutes/s)."""
+    """Everything ``steadytrain plan`` reports, as a JSON-ready dict (times in minutes/s).
+
+    ``restart_exposed_s``: the part of ``restart_s`` failures can hit (None: all of it);
+    only the exact goodput and the simulation tell the two apart (``interval.goodput_exact``).
+    """
     m = failure.mtbf_s
     mode, modes = save_modes(ckpt_cost_s, durable_s, async_ckpt_cost_s)
     costs = modes[mode]
     c, l_s = costs["ckpt_cost_s"], costs["durable_s"]
     kw = {"restart_s": restart_s, "durable_s": l_s, "stall_frac": stall_frac}
+    u = {"restart_exposed_s": restart_exposed_s}
     for info in modes.values():
         best = optimal_interval_s(info["ckpt_cost_s"], m, restart_s, info["durable_s"])
         info["optimal_interval_min"] = _minutes(best)
         args = (info["ckpt_cost_s"], m, restart_s, info["durable_s"], stall_frac)
         info["goodput_at_optimal"] = goodput_first_order(best, *args)
-        info["goodput_exact_at_optimal"] = goodput_exact(best, *args)
+        info["goodput_exact_at_optimal"] = goodput_exact(best, *args, **u)
 
     best = optimal_interval_s(c, m, restart_s, l_s)
     tau = interval_s if interval_s is not None else best
@@ -164,6 +170,7 @@ def make_plan(
         "ckpt_cost_s": c,
         "durable_s": l_s,
         "restart_cost_s": restart_s,
+        "restart_exposed_s": restart_s if restart_exposed_s is None else restart_exposed_s,
         "data_stall_frac": stall_frac,
         "young_interval_min": young_interval_s(c, m) / 60.0,
         "daly_interval_min": daly_interval_s(c, m) / 60.0,
@@ -172,7 +179,7 @@ def make_plan(
         "interval_min": _minutes(tau),
         "interval_source": "given" if interval_s is not None else "optimal",
         "goodput": goodput_first_order(tau, c, m, **kw),
-        "goodput_exact": goodput_exact(tau, c, m, **kw),
+        "goodput_exact": goodput_exact(tau, c, m, **kw, **u),
         "goodput_at_optimal": goodput_first_order(best, c, m, **kw),
         "badput": _badput(tau, c, m, kw),
         "modes": modes,
@@ -192,7 +199,7 @@ def make_plan(
                     "interval_min": mins,
                     "mode": name,
                     "goodput": goodput_first_order(*args),
-                    "goodput_exact": goodput_exact(*args),
+                    "goodput_exact": goodput_exact(*args, **u),
                 }
             )
     out["table"] = rows
@@ -207,7 +214,7 @@ def make_plan(
 
         sim = simulate(
             tau, c, m, restart_s, l_s, stall_frac, days=days, runs=simulate_runs,
-            seed=seed, failure_shape=failure_shape,
+            seed=seed, failure_shape=failure_shape, restart_exposed_s=restart_exposed_s,
         )  # fmt: skip
         out["simulation"] = sim.to_dict()
     return out

@@ -22,6 +22,7 @@ import os
 from typing import Any
 
 from steadytrain.errors import StorageError
+from steadytrain.redact import redact_text, secret_values
 
 __all__ = [
     "storage_options_for",
@@ -138,4 +139,7 @@ def storage_error(
             f"{what}: {method} failed ({type(exc).__name__}: {exc}); check the URL, "
             f"the endpoint ({endpoint_of(storage_options)}) and the credentials"
         )
+    secrets = secret_values(storage_options)
+    if err is not None and secrets:  # a client message may quote an option: never a secret
+        err = StorageError(redact_text(str(err), secrets))
     return err

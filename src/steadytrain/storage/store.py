@@ -28,6 +28,7 @@ import fsspec
 
 from steadytrain.errors import SteadyError, StorageError
 from steadytrain.extras import missing_extra
+from steadytrain.redact import redact_text, secret_values
 from steadytrain.storage.names import backend_module, is_remote_url, safe_relpath
 from steadytrain.storage.publish import (
     atomic_writer,
@@ -95,9 +96,8 @@ class Store:
             except ImportError as exc:
                 raise missing_extra(backend_module(url), f"opening {url!r}") from exc
             except (ValueError, TypeError) as exc:
-                raise StorageError(
-                    f"cannot open {url!r}: {exc}; check the URL scheme and storage_options"
-                ) from exc
+                msg = f"cannot open {url!r}: {exc}; check the URL scheme and storage_options"
+                raise StorageError(redact_text(msg, secret_values(self.storage_options))) from exc
             self.root = self.root.rstrip("/")
             if hasattr(self.fs, "retries"):
                 # s3fs retries a dropped connection 5 times (~2 s) on its own; one attempt

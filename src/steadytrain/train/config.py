@@ -3,7 +3,7 @@
 The ``[data]``, ``[checkpoint]`` and ``[monitor]`` tables are the configs the components
 own -- ``LoaderConfig`` (plus where the data is), ``CheckpointerConfig`` (plus where the
 checkpoints go and which engine), ``MeterConfig`` (with ``[monitor.alerts]``:
-``AlertConfig``) -- so each default and each check exists once, in the component, and the
+``AlertConfig``; training turns MLflow on by default) -- so each default and each check exists once, in the component, and the
 loop hands the table to the component as it is (``TokenLoader(ds, config=cfg.data, ...)``).
 ``[model]``, ``[optim]``, ``[train]`` and ``[faults]`` belong to the reference loop itself.
 
@@ -20,12 +20,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any, Literal
 
 from steadytrain.checkpoint.checkpointer import CheckpointerConfig
 from steadytrain.data.read.loader import LoaderConfig
 from steadytrain.errors import ConfigError
 from steadytrain.monitor.meter import MeterConfig
+from steadytrain.monitor.mlflow_sink import mlflow_missing
 from steadytrain.settings import Text, check, check_choices, coerce, from_table, read_toml
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "OptimConfig",
     "TrainLoopConfig",
     "CheckpointSection",
+    "MonitorSection",
     "FaultConfig",
     "Config",
     "load_config",
@@ -97,6 +100,35 @@ class CheckpointSection(CheckpointerConfig):
     # "dcp": the Checkpointer (sharded, async, COMMIT); "torch_save": the classic baseline,
     # one file written synchronously by rank 0 (benchmarks; DDP, steps interval only)
     engine: Literal["dcp", "torch_save"] = "dcp"
+
+
+@dataclasses.dataclass(kw_only=True)
+class MonitorSection(MeterConfig):
+    """``[monitor]``: the ``GoodputMeter``'s own settings, with MLflow on by default.
+
+    A training run logs to MLflow unless told not to (``sinks = ["jsonl"]``): by default
+    into ``sqlite:///RUN_DIR/mlflow.db``, or to ``tracking_uri`` (a server). The library's
+    ``MeterConfig`` stays ledger-only, so ``GoodputMeter`` users opt in and a plain
+    ``pip install steadytrain`` needs no MLflow.
+    """
+
+    sinks: list[Any] = dataclasses.field(default_factory=lambda: ["jsonl", "mlflow"])
+
+    def without_missing_extras(self, warn: Callable[[str], None] | None) -> MonitorSection:
+        """This config, minus the MLflow sink when its packages are not installed: the run
+        goes on with the ledger, and ``warn`` (rank 0's) gets one line naming the fix."""
+        if "mlflow" not in self.sinks:
+            return self
+        why = mlflow_missing(self.tracking_uri)
+        if why is None:
+            return self
+        if warn is not None:
+            warn(
+                f"warning: {why}. This run continues without MLflow; its ledger "
+                "(RUN_DIR/ledger.jsonl) records everything. To leave MLflow off without "
+                'this warning, set monitor.sinks = ["jsonl"].'
+            )
+        return dataclasses.replace(self, sinks=[s for s in self.sinks if s != "mlflow"])
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -192,6 +224,9 @@ class FaultConfig:
     seed: int = 0  # seeds the random failure times
     slow_read_at_steps: list[int] = dataclasses.field(default_factory=list)
     slow_read_s: float = 0.0  # added to the data read of those steps (a stall if long)
+    hang_at_step: int = 0  # block forever in this step, before its collective (0: off)
+    hang_rank: int = 0  # the rank that hangs
+    hang_mode: Literal["sleep", "sigstop"] = "sleep"  # sleep in Python, or SIGSTOP itself
 
     def __post_init__(self) -> None:
         for key in ("kill_at_steps", "kill_in_save_at_steps", "slow_read_at_steps"):
@@ -200,6 +235,9 @@ class FaultConfig:
         check(self.kill_rank >= -1, "kill_rank", self.kill_rank, "use -1 or a rank")
         check(self.mtbf_s >= 0, "mtbf_s", self.mtbf_s, "use 0 (off) or more")
         check(self.slow_read_s >= 0, "slow_read_s", self.slow_read_s, "use 0 or more")
+        check(self.hang_at_step >= 0, "hang_at_step", self.hang_at_step, "use 0 (off) or a step")
+        check(self.hang_rank >= 0, "hang_rank", self.hang_rank, "use a rank (0 or more)")
+        check_choices(self)
 
     @property
     def any(self) -> bool:
@@ -208,6 +246,7 @@ class FaultConfig:
             or self.kill_in_save_at_steps
             or self.mtbf_s
             or (self.slow_read_at_steps and self.slow_read_s)
+            or self.hang_at_step
         )
 
 
@@ -220,7 +259,7 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainLoopConfig = dataclasses.field(default_factory=TrainLoopConfig)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
-    monitor: MeterConfig = dataclasses.field(default_factory=MeterConfig)
+    monitor: MonitorSection = dataclasses.field(default_factory=MonitorSection)
     faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
@@ -248,7 +287,7 @@ _SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "train": TrainLoopConfig,
     "checkpoint": CheckpointSection,
-    "monitor": MeterConfig,
+    "monitor": MonitorSection,
     "faults": FaultConfig,
 }
 _build_section = from_table  # the name train/faults.py imports

@@ -6,7 +6,11 @@ step and another one while a checkpoint is being written, lets torchrun restart 
 (each restart resumes from the newest committed checkpoint by itself), and returns what
 happened, measured from the run's own ledger::
 
-    {"run_dir", "steps", "restarts", "goodput", "report", "ledger", "crashes", "wall_s"}
+    {"run_dir", "steps", "restarts", "goodput", "report", "ledger", "crashes", "wall_s",
+     "mlflow"}
+
+MLflow is on (``configs/demo.toml``): ``mlflow`` is ``{"tracking_uri", "ui", "ui_package"}``
+for the run's ``RUN_DIR/mlflow.db``, or None when the MLflow extra is not installed.
 """
 
 from __future__ import annotations
@@ -211,7 +215,18 @@ def _summarise(run_dir: str, wall_s: float, crashes: list[int]) -> dict[str, Any
         "report_json": report.get("json"),
         "ledger": path,
         "wall_s": wall_s,
+        "mlflow": _mlflow_info(run_dir),
     }
+
+
+def _mlflow_info(run_dir: str) -> dict[str, str] | None:
+    """Where the run's MLflow store is and the command that opens it (None: MLflow off)."""
+    from steadytrain.monitor.mlflow_sink import UI_PACKAGE, ui_command
+
+    db = os.path.abspath(os.path.join(run_dir, "mlflow.db"))
+    if not os.path.exists(db):
+        return None
+    return {"tracking_uri": f"sqlite:///{db}", "ui": ui_command(run_dir), "ui_package": UI_PACKAGE}
 
 
 def _write_report(run_dir: str) -> dict[str, Any]:

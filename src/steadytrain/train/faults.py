@@ -1,4 +1,5 @@
-"""Fault injection for tests and demos: crashes, crashes during a save, random failures, stalls.
+"""Fault injection for tests and demos: crashes, crashes during a save, random failures, stalls,
+hangs.
 
 Driven by the ``[faults]`` config section or by the environment variable
 ``STEADYTRAIN_FAULTS`` (same keys, ``;``-separated, e.g.
@@ -9,6 +10,12 @@ A crash is ``SIGKILL`` to this very process: no ``finally`` block, no atexit han
 flush runs, exactly like a machine that loses power. Each scheduled fault fires once per run:
 before dying, the process publishes a marker file under ``RUN_DIR/faults/`` so the attempt that
 torchrun restarts does not crash again at the same step (real failures do not repeat either).
+
+A hang (``hang_at_step=N;hang_rank=R``) blocks rank R forever in step N right before the
+step's loss all-reduce, so the other ranks wait in that collective: in Python
+(``hang_mode=sleep``, the hang watchdog sees the frame) or stopped by ``SIGSTOP``
+(``hang_mode=sigstop``, the process answers nothing). Only the hang watchdog
+(monitor/watchdog.py) ends it; it fires once per run like the crashes.
 
 Random failures follow a Poisson process in wall-clock time: failure times are drawn once from
 ``seed`` and counted from the first start of the run (kept in ``RUN_DIR/faults/t0``), so a
@@ -130,6 +137,8 @@ class FaultInjector:
 
     def mid_step(self, step: int) -> None:
         """Called after backward, before the optimizer step: the worst moment to die."""
+        if step == self.cfg.hang_at_step and self.rank == self.cfg.hang_rank:
+            self._hang(step)
         if not self.targeted:
             return
         if step in self.cfg.kill_at_steps:
@@ -140,6 +149,21 @@ class FaultInjector:
         """Called right after a checkpoint save of ``step`` began (async: still writing)."""
         if self.targeted and step in self.cfg.kill_in_save_at_steps:
             self._die(f"kill_in_save-{step}", f"crash while checkpoint {step} is saved", step=step)
+
+    def _hang(self, step: int) -> None:
+        """Block this rank forever, once per run; the other ranks wait in the next collective."""
+        if not self._record(f"hang-{step}", {"step": step, "mode": self.cfg.hang_mode}):
+            return
+        print(
+            f"[fault] rank {self.rank}: hangs in step {step} before its collective "
+            f"({self.cfg.hang_mode})",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.cfg.hang_mode == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops: the watchdog's too
+        while True:  # after SIGCONT too: a hang does not end by itself
+            time.sleep(3600)
 
     def _maybe_random_failure(self, step: int) -> None:
         now = time.time()

@@ -55,6 +55,8 @@ from steadytrain.data.read.dataset import TokenDataset
 from steadytrain.data.read.loader import TokenLoader
 from steadytrain.errors import CheckpointError
 from steadytrain.monitor.meter import GoodputMeter
+from steadytrain.monitor.watchdog import HangWatchdog, backend_timeout_s, recover_hang_records
+from steadytrain.redact import redact
 from steadytrain.storage.publish import publish_bytes
 from steadytrain.train.config import Config
 from steadytrain.train.faults import FaultInjector, faults_from_env
@@ -211,8 +213,10 @@ def run_training(cfg: Config) -> dict[str, Any]:
         )
 
         # -- 5. Ledger and checkpointer; then resume from the newest committed checkpoint ----
+        # MLflow is on by default; without its packages the run warns once and goes on.
+        monitor = cfg.monitor.without_missing_extras(say if rank == 0 else None)
         meter = GoodputMeter(
-            run_dir, rank=rank, world_size=world, total_steps=total, config=cfg.monitor
+            run_dir, rank=rank, world_size=world, total_steps=total, config=monitor
         )
         closing.enter_context(meter)  # closed after the checkpointer: it records the last save
         held: list[dict] = []  # the restore event waits until job_start opens this attempt
@@ -240,20 +244,39 @@ def run_training(cfg: Config) -> dict[str, Any]:
             # shards of the node's ranks for the next N steps ahead of need (none when local).
             for prefetcher in start_prefetchers(loader, node_ranks, cfg.data, total):
                 closing.enter_context(prefetcher)
+        # One id per attempt, shared by all ranks (each agent counts its own restarts), and
+        # rank 0's attempt number (from the ledger) for every rank's own file.
+        attempt_id = [time.time(), meter.attempt]
+        dist.broadcast_object_list(attempt_id, src=0)
         meter.job_start(
+            attempt=attempt_id[1],
             restored_step=step,
             startup_s=time.time() - PROCESS_START - restore_s,  # interpreter start to now
             restore_s=restore_s,
-            config=cfg.to_dict(),
+            config=redact(cfg.to_dict()),  # the ledger and MLflow params never hold secrets
             device=device.type,  # "auto" resolved: the alerts' advice fits the hardware
         )
         for event in held:
             meter.event(event)
         ckpt.on_event = meter.event
+        # A committed step is a recorded step: COMMIT waits for rank 0's ledger (issue 13).
+        ckpt.before_commit = meter.record_through
         meter.flush()  # the attempt's start is on disk even if it dies in its first step
-        # One id per attempt, shared by all ranks (each agent counts its own restarts).
-        attempt_id = [time.time()]
-        dist.broadcast_object_list(attempt_id, src=0)
+        # No progress past a deadline is a hang: every rank dumps its stacks, rank 0 records
+        # it, all exit non-zero and torchrun restarts (monitor/watchdog.py). Rank 0 first
+        # records the hangs an earlier attempt's rank 0 could not (it was the stuck one).
+        if rank == 0:
+            recover_hang_records(run_dir, meter)
+        watchdog = HangWatchdog(
+            run_dir,
+            rank,
+            world,
+            attempt=int(attempt_id[1]),
+            meter=meter,
+            config=cfg.monitor.watchdog,
+            backend_timeout_s=backend_timeout_s(dist.get_backend()),
+        )
+        closing.enter_context(watchdog)
         trace = StepTrace(run_dir, rank, world, attempt, attempt_id[0], enabled=cfg.train.trace)
         closing.enter_context(trace)
         if rank == 0:
@@ -270,6 +293,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
         while step < total:
             t0 = time.perf_counter()
             data_wait = faults.before_data(step + 1)  # an injected slow/stalled read
+            forward_s = 0.0  # local compute before any collective (DDP syncs in backward)
             losses = []
             for micro in range(accum):
                 t_data = time.perf_counter()
@@ -283,7 +307,9 @@ def run_training(cfg: Config) -> dict[str, Any]:
                 # Gradients are all-reduced once per step, on the last micro-batch.
                 sync = micro == accum - 1 or cfg.train.parallel == "fsdp"
                 with nullcontext() if sync else ddp_model.no_sync(), autocast:
+                    t_fwd = time.perf_counter()
                     _, loss = ddp_model(x, y)
+                    forward_s += time.perf_counter() - t_fwd
                 (loss / accum).backward()
                 losses.append(loss.detach())
             faults.mid_step(step + 1)  # an injected crash between backward and update
@@ -301,7 +327,8 @@ def run_training(cfg: Config) -> dict[str, Any]:
             global_loss = float(global_loss) / world
 
             # Checkpoint: every rank snapshots its state; writing continues in the background.
-            block_s = ckpt.maybe_save(step, states, tokens_seen=state.tokens)
+            with watchdog.phase("checkpoint"):  # a blocking save has its own deadline
+                block_s = ckpt.maybe_save(step, states, tokens_seen=state.tokens)
             faults.after_save_started(step)  # an injected crash while that save is written
             step_s = time.perf_counter() - t0
             meter.step(
@@ -309,10 +336,12 @@ def run_training(cfg: Config) -> dict[str, Any]:
                 tokens=tokens_per_step,
                 data_wait_s=data_wait,
                 compute_s=max(0.0, step_s - data_wait - block_s),
+                forward_s=forward_s,
                 checkpoint_block_s=block_s,
                 loss=global_loss,
                 **loader_metrics(loader),
             )
+            watchdog.beat(step)  # liveness is loop progress, on every rank
             trace.write(step, global_loss, float(local_loss), sched.get_last_lr()[0])
             tokens_log += tokens_per_step
             wait_log += data_wait
@@ -327,11 +356,12 @@ def run_training(cfg: Config) -> dict[str, Any]:
                 t_log, tokens_log, wait_log, block_log = time.perf_counter(), 0, 0.0, 0.0
 
         # -- 7. Finish: make sure the final state is committed (`closing` closes the rest) ---
-        ckpt.wait()
-        last = ckpt.last_event or {}
-        if not (last.get("step") == step and last.get("ok", True)):
-            ckpt.save(step, states, tokens_seen=state.tokens)
+        with watchdog.phase("checkpoint"):
             ckpt.wait()
+            last = ckpt.last_event or {}
+            if not (last.get("step") == step and last.get("ok", True)):
+                ckpt.save(step, states, tokens_seen=state.tokens)
+                ckpt.wait()
         weights = weights_digest(model)
         if rank == 0:  # atomic: a reader (the demo, a test) never parses half of it
             final = {"step": step, "tokens": state.tokens, "weights": weights}

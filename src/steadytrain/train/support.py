@@ -6,17 +6,17 @@ import hashlib
 import json
 import math
 import os
-import socket
 import sys
-import time
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from steadytrain.errors import ConfigError
+from steadytrain.monitor.ranks import node_name
 from steadytrain.storage.prefetch import Prefetcher
 from steadytrain.storage.stage import preflight as cache_preflight
+from steadytrain.train.birth import process_start
 from steadytrain.train.config import DataSection
 
 __all__ = [
@@ -35,16 +35,6 @@ def say(msg: str) -> None:
     """A ``[train]`` progress line. Progress goes to stderr, so ``steadytrain train --json``
     leaves stdout to the JSON summary alone (as ``demo --json`` does)."""
     print(f"[train] {msg}", file=sys.stderr, flush=True)
-
-
-def process_start() -> float:
-    """When this process was born (start-up cost counts from there, imports included)."""
-    try:
-        import psutil  # optional: only for the process's birth time
-
-        return psutil.Process().create_time()  # includes interpreter start and imports
-    except Exception:  # noqa: BLE001 - no psutil or no /proc: from this import on
-        return time.time()
 
 
 def check_world_sizes(
@@ -108,7 +98,7 @@ def _either(counts: list[int]) -> str:
 
 
 def _node() -> str:
-    return os.environ.get("STEADYTRAIN_NODE", socket.gethostname())
+    return node_name()
 
 
 def _cached(loader: Any) -> list[tuple[int, Any]]:

@@ -27,7 +27,7 @@ from steadytrain.data.read.loader_state import check_state, log_changes, make_st
 from steadytrain.data.read.modes import MODES
 from steadytrain.data.read.producers import ProcessProducer, ThreadProducer
 from steadytrain.data.read.sampler import BatchPlan, Sampler
-from steadytrain.data.read.workers import Reader
+from steadytrain.data.read.workers import Reader, cache_counts
 from steadytrain.errors import ConfigError, ReadDeadlineError
 from steadytrain.settings import InvalidSetting, check, merge
 
@@ -184,6 +184,11 @@ class TokenLoader:
         self._reads: collections.deque[float] = collections.deque(maxlen=1024)
         self._bytes_total, self._wait_total = 0, 0.0
         self._baseline = (0, 0, 0.0)  # (micro-batches, bytes, wait) at the last metrics()
+        self._between_total, self._between_base = 0.0, 0.0  # time the caller spent between
+        self._last_return: float | None = None  # ... next() calls, and when next() returned
+        # The workers' cache counters (their producer's list) and (hits, misses) at the
+        # last metrics() call.
+        self._worker_cache_base: tuple[Any, int, int] = (None, 0, 0)
         self._handed = 0  # micro-batches handed out by this object (not reset by a resume)
         # What the last load_state_dict changed (e.g. the global batch), for the ledger.
         self.resume_changes: list[dict[str, Any]] = []
@@ -222,6 +227,8 @@ class TokenLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         q = self._cursor
         t0 = time.perf_counter()
+        if self._last_return is not None:
+            self._between_total += t0 - self._last_return
         if self.prefetch == 0:  # synchronous: the read is the wait
             batch, nbytes = self._read(q, self._refs)
             wait = read_s = time.perf_counter() - t0
@@ -243,6 +250,7 @@ class TokenLoader:
         self._wait_total += wait
         if self.device is not None:  # on the caller's thread: its current CUDA stream
             batch = {k: v.to(self.device, non_blocking=self.pin_memory) for k, v in batch.items()}
+        self._last_return = time.perf_counter()
         return batch
 
     def _wait_for(self, q: int, t0: float) -> tuple[int, dict[str, torch.Tensor], float, int]:
@@ -335,15 +343,19 @@ class TokenLoader:
             "read_p50_s": float(np.percentile(reads, 50)),
             "read_p99_s": float(np.percentile(reads, 99)),
             "last_data_wait_s": self.last_data_wait_s,
+            # Databricks' between_next_seconds: the caller's time between next() calls
+            "between_next_s": self._between_total - self._between_base,
         }
+        self._between_base = self._between_total
         self._baseline = (self._handed, self._bytes_total, self._wait_total)
-        hits = misses = 0
-        for ds in self.datasets:
-            stats = getattr(getattr(ds, "cache", None), "stats", None)
-            if callable(stats):
-                st = stats()
-                hits += int(st.get("hits", 0))
-                misses += int(st.get("misses", 0))
+        hits, misses = cache_counts(self.datasets)  # reads on this process's own threads
+        totals = getattr(self._producer, "cache", None)  # ... and inside worker processes
+        if totals is not None:
+            owner, h0, m0 = self._worker_cache_base
+            if owner is not totals:  # a new producer (a seek or a resume): counts from 0
+                h0 = m0 = 0
+            hits, misses = hits + totals[0] - h0, misses + totals[1] - m0
+            self._worker_cache_base = (totals, totals[0], totals[1])
         out["cache_hits"], out["cache_misses"] = hits, misses
         return out
 

@@ -212,6 +212,7 @@ class ProcessProducer:
     ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._refs = Reader(datasets, sampler, plan)
+        self.cache = [0, 0]  # node-cache hits, misses counted inside the workers (totals)
         self._procs, self._conns = [], []
         self._q = _Queue(depth)
         try:
@@ -232,7 +233,7 @@ class ProcessProducer:
             raise
         self._thread = threading.Thread(
             target=_collect,
-            args=(self._q, self._conns, self._procs, self._refs, _weak(finish), q0),
+            args=(self._q, self._conns, self._procs, self._refs, _weak(finish), q0, self.cache),
             name="steadytrain-loader-collect",
             daemon=True,
         )
@@ -262,6 +263,7 @@ def _collect(
     refs: Reader,
     finish: Finish,
     at: int,
+    counts: list[int],
 ) -> None:
     """The collector thread of a ``ProcessProducer``: receives micro-batch ``at, at+1, ...``
     from worker ``at % len(conns)`` and assembles it with a weak ``finish``."""
@@ -283,7 +285,9 @@ def _collect(
                     f"on stderr: a script that starts a loader with num_workers > 0 needs "
                     f"an `if __name__ == '__main__':` guard, as workers are spawned)"
                 ) from None
-            got, read_s, nbytes, flag = HEADER.unpack_from(msg)
+            got, read_s, nbytes, flag, hits, misses = HEADER.unpack_from(msg)
+            counts[0] += hits  # one writer (this thread); the loader reads the totals
+            counts[1] += misses
             if flag:
                 raise pickle.loads(memoryview(msg)[HEADER.size :])
             raw = np.frombuffer(msg, dtype=refs.dtype, offset=HEADER.size)

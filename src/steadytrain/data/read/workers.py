@@ -19,8 +19,10 @@ import numpy as np
 
 from steadytrain.data.read.sampler import BatchPlan, Refs, Sampler
 
-# q (micro-batch index), read seconds, bytes read, flag (0 data, 1 pickled exception)
-HEADER = struct.Struct("<qdqB")
+# q (micro-batch index), read seconds, bytes read, flag (0 data, 1 pickled exception),
+# node-cache hits and misses in this worker since its previous message (the worker's own
+# ShardCache counts them, out of the loader's sight otherwise)
+HEADER = struct.Struct("<qdqBII")
 CHUNK = 256  # micro-batches whose positions are mapped together (amortises numpy overhead)
 
 
@@ -181,6 +183,18 @@ class Reader:
         return self._fixed_nbytes if self._fixed_nbytes is not None else self.nbytes(q)
 
 
+def cache_counts(datasets: Sequence[Any]) -> tuple[int, int]:
+    """Node-cache hits and misses of ``datasets`` since the previous call (in this process)."""
+    hits = misses = 0
+    for ds in datasets:
+        stats = getattr(getattr(ds, "cache", None), "stats", None)
+        if callable(stats):
+            st = stats()
+            hits += int(st.get("hits", 0))
+            misses += int(st.get("misses", 0))
+    return hits, misses
+
+
 def worker_main(
     datasets: Sequence[Any],
     sampler: Sampler,
@@ -202,7 +216,8 @@ def worker_main(
         while True:
             t0 = time.perf_counter()
             nbytes = reader.fill(q, buf)
-            header = HEADER.pack(q, time.perf_counter() - t0, nbytes, 0)
+            hits, misses = cache_counts(datasets)
+            header = HEADER.pack(q, time.perf_counter() - t0, nbytes, 0, hits, misses)
             conn.send_bytes(header + buf.tobytes())
             q += num_workers
     except (BrokenPipeError, EOFError, OSError) as exc:
@@ -219,6 +234,6 @@ def _send_error(conn: Any, q: int, exc: BaseException) -> None:
     except Exception:
         payload = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
     try:
-        conn.send_bytes(HEADER.pack(q, 0.0, 0, 1) + payload)
+        conn.send_bytes(HEADER.pack(q, 0.0, 0, 1, 0, 0) + payload)
     except OSError:
         pass  # the loader is gone: nobody to tell

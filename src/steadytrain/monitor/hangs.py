@@ -1,0 +1,203 @@
+"""What a hang is once the watchdog saw one: where each rank stands, who is to blame, the
+ledger record.
+
+Policy apart from mechanism: ``watchdog.py`` decides *when* (deadlines, the daemon thread,
+the exit); this module decides *what*: each rank's verdict from its loop thread's stack
+(``classify_stack``), the culprits from every verdict that arrived (``decide``), the ``hang``
+ledger record (docs/format.md), and the records an earlier attempt could not write
+(``recover_hang_records``). Pure functions over plain dicts, so the unit tests need no hang.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from steadytrain.storage.publish import publish_bytes
+
+__all__ = [
+    "HANGS_DIR",
+    "RECORDED",
+    "classify_stack",
+    "decide",
+    "hang_dir",
+    "hang_record",
+    "read_verdicts",
+    "recover_hang_records",
+    "thread_frames",
+    "where",
+]
+
+log = logging.getLogger("steadytrain.monitor")
+
+HANGS_DIR = "hangs"
+RECORDED = "recorded.json"  # published once the hang's ledger record is on disk
+
+
+_WRAPPERS = ("torch/distributed/c10d_logger.py", "/contextlib.py", "/functools.py")
+_COLLECTIVES = frozenset(
+    "all_reduce all_gather all_gather_into_tensor all_gather_object all_to_all "
+    "all_to_all_single barrier monitored_barrier broadcast broadcast_object_list gather "
+    "gather_object reduce reduce_scatter reduce_scatter_tensor scatter scatter_object_list "
+    "send recv isend irecv wait _all_gather_base".split()
+)
+
+
+STACK_FRAMES = 12  # innermost frames of the loop thread kept in a verdict and the record
+
+
+def where(filename: str, lineno: int, name: str) -> str:
+    """A frame as ``file:line function``."""
+    return f"{filename}:{lineno} {name}"
+
+
+def classify_stack(frames: list[tuple[str, int, str]]) -> tuple[str, str | None, str | None]:
+    """``(state, frame, waiting_in)`` of a stack given innermost first as (file, line,
+    function). ``waiting``: the innermost frame (logging wrappers skipped) is a
+    torch.distributed collective or the autograd engine's backward (DDP/FSDP gradient
+    reduction), i.e. the rank waits for the others; anything else is ``stuck``."""
+    if not frames:
+        return "stuck", None, None
+    frame = where(*frames[0])
+    for filename, _line, name in frames:
+        path = filename.replace(os.sep, "/")
+        if any(w in path for w in _WRAPPERS):
+            continue
+        if "torch/distributed/" in path and (
+            path.endswith("distributed_c10d.py") or name in _COLLECTIVES or "collective" in path
+        ):
+            return "waiting", frame, name
+        if ("torch/autograd/" in path or path.endswith("torch/_tensor.py")) and (
+            "backward" in name
+        ):
+            return "waiting", frame, "backward"
+        return "stuck", frame, None
+    return "stuck", frame, None
+
+
+def thread_frames(ident: int) -> list[tuple[str, int, str]]:
+    frame = sys._current_frames().get(ident)
+    out = []
+    while frame is not None:
+        out.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return out
+
+
+def decide(verdicts: Mapping[int, dict[str, Any]], world_size: int) -> dict[str, Any]:
+    """The culprits of a hang from the verdicts that arrived (rank -> verdict)."""
+    missing = sorted(set(range(world_size)) - set(verdicts))
+    stuck = sorted(r for r, v in verdicts.items() if v.get("state") != "waiting")
+    if stuck or missing:
+        culprits = sorted(set(stuck) | set(missing))
+        cause = "no response" if not stuck else "not in a collective"
+    else:  # everyone waits: a desync (some ranks behind) or the collective itself
+        low = min(int(v.get("step", 0)) for v in verdicts.values())
+        behind = sorted(r for r, v in verdicts.items() if int(v.get("step", 0)) == low)
+        if len(behind) < len(verdicts):
+            culprits, cause = behind, "behind the other ranks (desync)"
+        else:
+            culprits, cause = sorted(verdicts), "every rank waits in a collective"
+    entries = []
+    for r in culprits:
+        v = verdicts.get(r)
+        if v is None:
+            entries.append({"rank": r, "node": None, "frame": None, "state": "no_response"})
+        else:
+            entries.append(
+                {
+                    "rank": r,
+                    "node": v.get("node"),
+                    "frame": v.get("frame"),
+                    "state": v.get("state"),
+                    "step": v.get("step"),
+                    "stack": v.get("stack", []),  # innermost first: frame may be a library's
+                }
+            )
+    return {"stuck_ranks": culprits, "stuck": entries, "cause": cause, "missing_ranks": missing}
+
+
+def hang_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
+    return Path(run_dir) / HANGS_DIR / f"attempt-{attempt}"
+
+
+def read_verdicts(d: Path) -> dict[int, dict[str, Any]]:
+    out = {}
+    for path in d.glob("rank-*.json"):
+        try:
+            v = json.loads(path.read_text())
+            out[int(v["rank"])] = v
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("hang verdict %s unreadable (%s): counted as no response", path, e)
+    return out
+
+
+def hang_record(
+    attempt: int,
+    verdicts: Mapping[int, dict[str, Any]],
+    decision: dict[str, Any],
+    world_size: int,
+    *,
+    recovered: bool,
+    kill_t: float | None,
+) -> dict[str, Any]:
+    vs = list(verdicts.values())
+    first = decision["stuck"][0] if decision["stuck"] else {}
+    detect_t = min((float(v["detect_t"]) for v in vs), default=time.time())
+    return {
+        "type": "hang",
+        "t": detect_t,
+        "attempt": attempt,
+        "step": min((int(v.get("step", 0)) for v in vs), default=0),
+        "phase": vs[0].get("phase") if vs else None,
+        "stuck_ranks": decision["stuck_ranks"],
+        "nodes": sorted({e["node"] for e in decision["stuck"] if e.get("node")}),
+        "frame": first.get("frame"),
+        "cause": decision["cause"],
+        "stuck": decision["stuck"],
+        "missing_ranks": decision["missing_ranks"],
+        "world_size": world_size,
+        "progress_t": min((float(v["progress_t"]) for v in vs), default=None),
+        "detect_t": detect_t,
+        "detect_s": max((float(v["since_progress_s"]) for v in vs), default=None),
+        "deadline_s": max((float(v["deadline_s"]) for v in vs), default=None),
+        "kill_t": kill_t,
+        "dump_dir": f"{HANGS_DIR}/attempt-{attempt}",
+        "recovered": recovered,
+    }
+
+
+def recover_hang_records(run_dir: str | os.PathLike[str], meter: Any) -> int:
+    """Rank 0 at start-up: write the ``hang`` records an earlier attempt's rank 0 could not
+    (it was stuck or stopped), from the verdict files, marked ``recovered``. Returns how
+    many. ``recorded.json`` is published after the meter flushed, so each is written once
+    (a crash in between, a window of milliseconds, could write one twice)."""
+    root = Path(run_dir) / HANGS_DIR
+    if not root.is_dir() or not getattr(meter, "enabled", True):
+        return 0
+    n = 0
+    for d in sorted(root.glob("attempt-*")):
+        if (d / RECORDED).exists():
+            continue
+        verdicts = read_verdicts(d)
+        if not verdicts:
+            continue
+        try:
+            attempt = int(d.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        world = max(int(v.get("world_size", 1)) for v in verdicts.values())
+        rec = hang_record(
+            attempt, verdicts, decide(verdicts, world), world, recovered=True, kill_t=None
+        )
+        meter.event(rec)
+        meter.flush()
+        publish_bytes(str(d / RECORDED), json.dumps(rec))
+        n += 1
+    return n

@@ -1,0 +1,191 @@
+"""The per-rank ledger in a running job: this rank's recorder, and rank 0's poller.
+
+``RankRecorder`` turns the meter's records (``step``, ``job_start``, ``job_end``, ``hang``)
+into this rank's ``rank_*`` records and appends them to its file (monitor/ranks.py); it runs
+on the meter's background thread. ``RankPoller`` is rank 0's live view of every rank: every
+``every_s`` it reads the rank files' new lines (``RankTail``) and hands them to consumers
+-- the straggler check (monitor/straggler_live.py) and the per-rank MLflow windows
+(``rank_windows``) -- which may return ledger records (alerts) for the meter to add.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from steadytrain.monitor.ranks import RankFile, node_name, rank_files, rank_step_record
+
+__all__ = ["RankRecorder", "RankPoller", "RankTail", "rank_windows", "Consumer"]
+
+log = logging.getLogger("steadytrain.monitor")
+
+# (new records by rank) -> ledger records to add (e.g. alerts)
+Consumer = Callable[[dict[int, list[dict[str, Any]]]], list[dict[str, Any]]]
+
+
+class RankRecorder:
+    """This rank's own file: ``open``/``write``/``close`` run on the meter's thread."""
+
+    def __init__(
+        self, run_dir: str | os.PathLike[str], rank: int, world_size: int, snapshot_every: int
+    ) -> None:
+        self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
+        self.snapshot_every = snapshot_every
+        self.node = node_name()
+        self.attempt = 0  # set by the meter at job_start
+        self._file: RankFile | None = None
+
+    def start_record(self, t: float, device: str | None) -> dict[str, Any]:
+        return {
+            "type": "rank_start",
+            "t": t,
+            "attempt": self.attempt,
+            "rank": self.rank,
+            "node": self.node,
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "world_size": self.world_size,
+            "device": device,
+            "pid": os.getpid(),
+        }
+
+    def open(self) -> None:
+        try:
+            self._file = RankFile(self.run_dir, self.rank, self.snapshot_every)
+        except Exception:
+            log.exception("rank %d: its rank file could not open; not recording it", self.rank)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def _convert(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for rec in batch:
+            kind = rec.get("type")
+            if kind == "step":
+                out.append(rank_step_record(rec, self.attempt))
+            elif kind == "job_start":  # rank 0's ledger record: its rank file gets its own
+                out.append(self.start_record(rec["t"], rec.get("device")))
+            elif kind in ("rank_start", "hang"):
+                out.append(rec)
+            elif kind == "job_end":
+                out.append({**rec, "type": "rank_end", "attempt": self.attempt})
+        return out
+
+    def write(self, batch: list[dict[str, Any]]) -> None:
+        """Append what ``batch`` says about this rank (durably at ``rank_end``)."""
+        if self._file is None:
+            return
+        recs = self._convert(batch)
+        if recs:
+            try:
+                self._file.write(recs, durable=any(r["type"] == "rank_end" for r in recs))
+            except Exception:
+                log.exception("rank %d: writing its rank file failed; switching it off", self.rank)
+                self._file = None
+
+
+class RankPoller:
+    """Rank 0: every ``every_s``, the rank files' new records to each consumer."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], every_s: float) -> None:
+        self.every_s = every_s
+        self.consumers: list[Consumer] = []
+        self._tail = RankTail(run_dir)
+        self._due = 0.0
+
+    def poll(self, force: bool = False) -> list[dict[str, Any]]:
+        """Records the consumers want added to the ledger; nothing when not due yet
+        (``force``: now anyway, e.g. at close)."""
+        now = time.monotonic()
+        if now < self._due and not force:
+            return []
+        self._due = now + self.every_s
+        try:
+            by_rank = self._tail.poll()
+        except Exception:
+            log.exception("reading the rank files failed; per-rank checks skipped this time")
+            return []
+        out: list[dict[str, Any]] = []
+        if not by_rank:
+            return out
+        for consume in self.consumers:
+            try:
+                out.extend(consume(by_rank))
+            except Exception:
+                log.exception("per-rank consumer %r failed", consume)
+        return out
+
+
+class RankTail:
+    """Reads every rank file's new complete lines since the last ``poll`` (rank 0's live
+    straggler check and per-rank MLflow metrics). Files that exist when it is made are read
+    from their current end (earlier attempts are the report's business), new files from
+    their start. A partial last line waits for its end."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.run_dir = Path(run_dir)
+        self._pos: dict[int, int] = {}
+        for rank, path in rank_files(run_dir):
+            with contextlib.suppress(OSError):
+                self._pos[rank] = path.stat().st_size
+        self.torn = 0
+
+    def poll(self, max_bytes: int = 1 << 22) -> dict[int, list[dict[str, Any]]]:
+        out: dict[int, list[dict[str, Any]]] = {}
+        for rank, path in rank_files(self.run_dir):
+            pos = self._pos.get(rank, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(pos)
+                    data = f.read(max_bytes)
+            except OSError:
+                continue
+            end = data.rfind(b"\n")
+            if end < 0:
+                continue
+            self._pos[rank] = pos + end + 1
+            recs = []
+            for line in data[: end + 1].splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    self.torn += 1
+                    continue
+                if isinstance(rec, dict):
+                    recs.append(rec)
+            if recs:
+                out[rank] = recs
+        return out
+
+
+def rank_windows(by_rank: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per rank over its new ``rank_step`` records: the window means and variances
+    of ``fetch_seconds`` (time inside ``next()``: the data wait) and
+    ``between_next_seconds`` (the caller's time between ``next()`` calls), the names
+    Databricks' DataLoader logs per rank, so their dashboards read ours."""
+    rows = []
+    for rank, recs in sorted(by_rank.items()):
+        steps = [r for r in recs if r.get("type") == "rank_step"]
+        if not steps:
+            continue
+        row: dict[str, Any] = {"rank": rank, "step": max(int(r["step"]) for r in steps)}
+        for key, name in (
+            ("data_wait_s", "fetch_seconds"),
+            ("between_next_s", "between_next_seconds"),
+        ):
+            vals = [float(r[key]) for r in steps if r.get(key) is not None]
+            if vals:
+                mean = sum(vals) / len(vals)
+                row[name] = mean
+                row[f"{name}_variance"] = sum((v - mean) ** 2 for v in vals) / len(vals)
+        rows.append(row)
+    return rows

@@ -1,0 +1,238 @@
+"""One rank's history folded into a summary whose size does not grow with the run.
+
+``RankSummary.add(record)`` folds ``rank_start`` / ``rank_step`` / ``rank_end`` records
+(monitor/ranks.py) into totals, memory extremes, a read-time histogram and a ``StepSeries``
+of at most ``MAX_BINS`` step bins. Its ``state_dict`` is what a rank file's snapshot holds,
+so a reader starts from it instead of the file's first byte.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MAX_BINS", "RANK_KEYS", "StepSeries", "RankSummary"]
+
+# What a rank_step record keeps of the meter's step record (and of the loader's metrics).
+RANK_KEYS = (
+    "step_s",
+    "data_wait_s",
+    "between_next_s",
+    "compute_s",
+    "forward_s",
+    "checkpoint_block_s",
+    "read_p99_s",
+    "bytes_read",
+    "cache_hits",
+    "cache_misses",
+    "rss_bytes",
+    "shm_bytes",
+)
+MAX_BINS = 256  # step bins kept per rank (the heatmap's resolution)
+SUMMARY_VERSION = 1
+# Summed over steps: every timing and counter of a rank_step record (RANK_KEYS, in
+# monitor/ranks.py) but the gauges, whose extremes are kept instead.
+_GAUGES = ("read_p99_s", "rss_bytes", "shm_bytes")
+_SUMS = tuple(k for k in RANK_KEYS if k not in _GAUGES)
+# Read-time histogram: 10 log bins a decade from 1 us to 1000 s (percentiles within ~12 %).
+_H_LO, _H_PER_DECADE, _H_BINS = -6.0, 10, 90
+
+
+class StepSeries:
+    """Per step bin, aligned by step index: sums of the timing fields, maxima of memory.
+    At most ``max_bins`` bins; when a step falls beyond them, neighbours merge in pairs
+    and the bin width doubles (memory flat in the run's length, resolution halves)."""
+
+    FIELDS = ("step_s", "data_wait_s", "forward_s", "compute_s", "cache_misses")
+    MAXES = ("rss_bytes", "shm_bytes", "read_p99_s")
+
+    def __init__(self, max_bins: int = MAX_BINS) -> None:
+        self.max_bins = max_bins
+        self.width = 1
+        self.bins: dict[int, dict[str, float]] = {}
+
+    def add(self, step: int, rec: dict[str, Any]) -> None:
+        idx = max(0, step - 1) // self.width
+        while idx >= self.max_bins:
+            self._halve()
+            idx = max(0, step - 1) // self.width
+        b = self.bins.setdefault(idx, {"n": 0})
+        b["n"] += 1
+        for k in self.FIELDS:
+            v = rec.get(k)
+            if v is not None:
+                b[k] = b.get(k, 0.0) + float(v)
+        for k in self.MAXES:
+            v = rec.get(k)
+            if v is not None:
+                b[k] = max(b.get(k, 0.0), float(v))
+
+    def _halve(self) -> None:
+        self.bins, self.width = self._merged(2), self.width * 2
+
+    def rebin(self, width: int) -> dict[int, dict[str, float]]:
+        """The bins at a coarser ``width`` (a multiple of this one): ranks that wrote
+        different numbers of steps are compared on one grid."""
+        return self.bins if width == self.width else self._merged(width // self.width)
+
+    def _merged(self, factor: int) -> dict[int, dict[str, float]]:
+        """Every ``factor`` neighbouring bins as one: sums add up, maxima stay maxima."""
+        out: dict[int, dict[str, float]] = {}
+        for idx, b in self.bins.items():
+            m = out.setdefault(idx // factor, {"n": 0})
+            m["n"] += b["n"]
+            for k in self.FIELDS:
+                if k in b:
+                    m[k] = m.get(k, 0.0) + b[k]
+            for k in self.MAXES:
+                if k in b:
+                    m[k] = max(m.get(k, 0.0), b[k])
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"width": self.width, "max_bins": self.max_bins, "bins": self.bins}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.width, self.max_bins = int(sd["width"]), int(sd["max_bins"])
+        self.bins = {int(k): dict(v) for k, v in sd["bins"].items()}
+
+
+@dataclass
+class RankSummary:
+    """One rank's whole history, folded record by record (``add``)."""
+
+    rank: int
+    node: str | None = None
+    nodes: list[str] = field(default_factory=list)
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    steps: int = 0
+    first_step: int | None = None
+    last_step: int | None = None
+    sums: dict[str, float] = field(default_factory=dict)
+    rss_max: float = 0.0
+    rss_first: float | None = None
+    rss_last: float | None = None
+    shm_max: float = 0.0
+    shm_first: float | None = None
+    shm_last: float | None = None
+    read_hist: list[int] = field(default_factory=lambda: [0] * _H_BINS)
+    ended: dict[str, Any] | None = None  # the newest rank_end record
+    series: StepSeries = field(default_factory=StepSeries)
+
+    def add(self, rec: dict[str, Any]) -> None:
+        kind = rec.get("type")
+        if kind == "rank_step":
+            self._add_step(rec)
+        elif kind == "rank_start":
+            node = rec.get("node")
+            self.node = node
+            if node is not None and node not in self.nodes:
+                self.nodes.append(node)
+            keep = ("attempt", "node", "world_size", "local_rank", "pid", "t", "device")
+            self.attempts.append({k: rec.get(k) for k in keep})
+            self.ended = None
+        elif kind == "rank_end":
+            self.ended = {k: rec.get(k) for k in ("attempt", "step", "reason", "t")}
+
+    def _add_step(self, rec: dict[str, Any]) -> None:
+        step = int(rec["step"])
+        self.steps += 1
+        self.first_step = step if self.first_step is None else min(self.first_step, step)
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
+        for k in _SUMS:
+            v = rec.get(k)
+            if v is not None:
+                self.sums[k] = self.sums.get(k, 0.0) + float(v)
+        rss, shm = rec.get("rss_bytes"), rec.get("shm_bytes")
+        if rss is not None:
+            self.rss_max = max(self.rss_max, float(rss))
+            self.rss_first = float(rss) if self.rss_first is None else self.rss_first
+            self.rss_last = float(rss)
+        if shm is not None:
+            self.shm_max = max(self.shm_max, float(shm))
+            self.shm_first = float(shm) if self.shm_first is None else self.shm_first
+            self.shm_last = float(shm)
+        p99 = rec.get("read_p99_s")
+        if p99 is not None and p99 > 0:
+            i = int((math.log10(p99) - _H_LO) * _H_PER_DECADE)
+            self.read_hist[min(_H_BINS - 1, max(0, i))] += 1
+        self.series.add(step, rec)
+
+    def read_p99_s(self) -> float | None:
+        """The 99th percentile over steps of the loader's per-step read p99 (histogram
+        upper bin edge: an over- rather than an under-estimate)."""
+        n = sum(self.read_hist)
+        if not n:
+            return None
+        need, seen = math.ceil(0.99 * n), 0
+        for i, c in enumerate(self.read_hist):
+            seen += c
+            if seen >= need:
+                return 10 ** (_H_LO + (i + 1) / _H_PER_DECADE)
+        return None
+
+    def row(self) -> dict[str, Any]:
+        """The report's ``ranks`` entry for this rank."""
+        s = self.sums
+        step_s = s.get("step_s", 0.0)
+        wait = s.get("data_wait_s", 0.0)
+        mib = 1 / (1 << 20)
+        return {
+            "rank": self.rank,
+            "node": self.node,
+            "nodes": list(self.nodes),
+            "steps": self.steps,
+            "last_step": self.last_step,
+            "step_s": step_s,
+            "data_wait_s": wait,
+            "data_wait_share": wait / step_s if step_s > 0 else 0.0,
+            "between_next_s": s.get("between_next_s", 0.0),
+            "forward_s": s.get("forward_s"),
+            "read_p99_s": self.read_p99_s(),
+            "bytes_read": int(s.get("bytes_read", 0)),
+            "cache_hits": int(s.get("cache_hits", 0)),
+            "cache_misses": int(s.get("cache_misses", 0)),
+            "rss_mib": self.rss_max * mib if self.rss_last is not None else None,
+            "rss_growth_mib": (self.rss_last - self.rss_first) * mib
+            if self.rss_last is not None and self.rss_first is not None
+            else None,
+            "shm_mib": self.shm_max * mib if self.shm_last is not None else None,
+            "shm_growth_mib": (self.shm_last - self.shm_first) * mib
+            if self.shm_last is not None and self.shm_first is not None
+            else None,
+            "checkpoint_block_s": s.get("checkpoint_block_s", 0.0),
+            "attempts": len(self.attempts),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": SUMMARY_VERSION,
+            "rank": self.rank,
+            "node": self.node,
+            "nodes": self.nodes,
+            "attempts": self.attempts,
+            "steps": self.steps,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "sums": self.sums,
+            "rss": [self.rss_max, self.rss_first, self.rss_last],
+            "shm": [self.shm_max, self.shm_first, self.shm_last],
+            "read_hist": self.read_hist,
+            "ended": self.ended,
+            "series": self.series.state_dict(),
+        }
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, Any]) -> RankSummary:
+        if sd.get("version") != SUMMARY_VERSION:
+            raise ValueError(f"rank summary version {sd.get('version')!r}")
+        out = cls(rank=int(sd["rank"]), node=sd["node"], nodes=list(sd["nodes"]))
+        out.attempts, out.steps = list(sd["attempts"]), int(sd["steps"])
+        out.first_step, out.last_step = sd["first_step"], sd["last_step"]
+        out.sums = {k: float(v) for k, v in sd["sums"].items()}
+        out.rss_max, out.rss_first, out.rss_last = sd["rss"]
+        out.shm_max, out.shm_first, out.shm_last = sd["shm"]
+        out.read_hist, out.ended = list(sd["read_hist"]), sd["ended"]
+        out.series.load_state_dict(sd["series"])
+        return out

@@ -1,0 +1,47 @@
+"""Step records that a SIGKILL took from the ledger, recovered at the next start-up.
+
+The meter hands records to the ledger from a background thread, so a killed process loses
+the ones still queued. Two rules keep every step that a committed checkpoint covers in the
+ledger (docs/monitoring.md, "Records survive SIGKILL"):
+
+1. Before COMMIT, rank 0's writer waits for the meter (``GoodputMeter.record_through``, the
+   Checkpointer's ``before_commit``) until the ledger file holds the step records up to the
+   checkpoint's step. An asynchronous save's step is recorded right after ``maybe_save``
+   returns, long before its background write ends, so the wait is normally nothing.
+2. What rule 1 cannot cover -- a synchronous save commits inside ``maybe_save``, before its
+   own step is recorded; a hook that timed out -- is recovered here: the next attempt
+   restores step ``r`` (a committed checkpoint, so steps up to ``r`` were trained), and any
+   step after the ledger's last recorded step up to ``r`` is written back as a ``step``
+   record with ``"recovered": true``, placed before the new ``job_start`` so it belongs to
+   the attempt that trained it.
+
+A recovered step's timing is unknown: its durations are 0 and its ``t`` is the previous
+record's, so it moves no second between buckets (the time it took stays in ``other`` /
+``restart_gap``), while the step and its tokens count as kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from steadytrain.monitor.goodput import GoodputAccumulator
+from steadytrain.monitor.ledger import step_record
+
+__all__ = ["recovered_steps"]
+
+
+def recovered_steps(acc: GoodputAccumulator, restored_step: int) -> list[dict[str, Any]]:
+    """The ``step`` records missing between the ledger's timeline (``acc``: every record so
+    far) and the checkpoint this attempt restored. None for a ledger without history: a
+    fresh run directory pointed at old checkpoints did not train those steps here."""
+    if acc.start is None or restored_step <= acc.last_step:
+        return []
+    kept_steps, kept_tokens = acc.cum[2], acc.cum[1]
+    tokens = kept_tokens // kept_steps if kept_steps else 0  # the run's tokens per step
+    t = acc.last_t if acc.last_t is not None else acc.start
+    out = []
+    for s in range(acc.last_step + 1, restored_step + 1):
+        rec = step_record(t, s, tokens, 0.0, 0.0, 0.0, 0.0, None)
+        rec["recovered"] = True
+        out.append(rec)
+    return out

@@ -1,0 +1,251 @@
+"""The report's per-rank part: which rank, on which node, doing what.
+
+``rank_section`` folds the run's rank files (``monitor/ranks.py``) into the report's
+``ranks`` rows, ``missing_ranks`` and ``torn_lines`` (neither a missing file nor a torn line
+is ever fatal), and runs the straggler analysis post hoc over the aligned step series, so a
+report names a straggler even when the live check was off. ``plot_heatmaps`` draws rank x
+step heatmaps of data wait and step time, with restarts and crashes marked on the step axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from pathlib import Path
+from typing import Any
+
+from steadytrain.monitor.alerts import AlertConfig
+from steadytrain.monitor.ranks import read_ranks
+from steadytrain.monitor.straggler import analyze
+
+__all__ = [
+    "INCIDENT_KEYS",
+    "attach_ranks",
+    "crashes",
+    "per_unit",
+    "plot_heatmaps",
+    "rank_section",
+    "ranks_html",
+    "who",
+]
+
+
+# What each incident carries: "rank"/"node" name where it happened (rank 0 for alerts of
+# rank 0's own ledger); "ranks" lists a node's ranks; "source": "live" (in the ledger) or
+# "report" (found by the post-hoc straggler analysis, up to "last_step").
+INCIDENT_KEYS = (
+    "t",
+    "step",
+    "kind",
+    "diagnosis",
+    "message",
+    "next",
+    "rank",
+    "ranks",
+    "node",
+    "cause",
+    "evidence",
+    "source",
+    "last_step",
+)
+
+
+def crashes(
+    starts: list[dict[str, Any]], ends: dict[int, dict[str, Any]], s: Any
+) -> list[dict[str, Any]]:
+    """Attempts that ended without a clean ``job_end`` (killed: none at all; or an error),
+    each at its last recorded step and time. The newest attempt without ``job_end`` may
+    still be running: not a crash."""
+    last: dict[int, tuple[float, int]] = {}
+    for a, t, st in zip(s.attempt, s.t, s.step, strict=True):
+        last[a] = (t, st)
+    out = []
+    for i, start in enumerate(starts):
+        end = ends.get(i)
+        reason = str((end or {}).get("reason") or "")
+        if end is None and i == len(starts) - 1:
+            continue
+        if end is not None and reason in ("finished", "interpreter_exit"):
+            continue
+        t, step = last.get(i, (start.get("t"), int(start.get("restored_step") or 0)))
+        if end is not None:
+            t, step = end.get("t", t), int(end.get("step") or step)
+        out.append({"attempt": i, "t": t, "step": step, "reason": reason or "killed"})
+    return out
+
+
+def who(a: dict[str, Any]) -> str:
+    """Where an incident happened: "rank 3 (node-b)", "ranks 2, 3 (node-b)", "every rank"."""
+    ranks = a.get("ranks") or ([a["rank"]] if a.get("rank") is not None else [])
+    if a.get("kind") == "shared_slowdown":
+        return "every rank"
+    if not ranks:
+        return ""
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    return who + (f" ({a['node']})" if a.get("node") else "")
+
+
+def per_unit(device: str | None) -> str:
+    """ "GPU" only on a CUDA run: a CPU (or unknown) run's unit is the rank."""
+    return "GPU" if device == "cuda" else "rank"
+
+
+def _alert_config(starts: list[dict[str, Any]]) -> AlertConfig:
+    """The alert thresholds the newest attempt ran with (defaults when it did not say)."""
+    for st in reversed(starts):
+        given = ((st.get("config") or {}).get("monitor") or {}).get("alerts")
+        if isinstance(given, dict):
+            names = {f.name for f in dataclasses.fields(AlertConfig)}
+            try:
+                return AlertConfig(**{k: v for k, v in given.items() if k in names})
+            except (TypeError, ValueError):
+                break
+    return AlertConfig()
+
+
+def rank_section(run_dir: Path, starts: list[dict[str, Any]]) -> dict[str, Any]:
+    """``{ranks, missing_ranks, torn_lines, stragglers, view}`` for the run directory."""
+    per_rank = True
+    for st in starts:
+        monitor = (st.get("config") or {}).get("monitor") or {}
+        if monitor.get("per_rank") is False:
+            per_rank = False  # the run chose not to write rank files: none are missing
+    expected = {
+        int(st.get("attempt", i)): int(st.get("world_size") or 1) for i, st in enumerate(starts)
+    }
+    view = read_ranks(run_dir, expected if per_rank else None)
+    device = next((st.get("device") for st in reversed(starts) if st.get("device")), None)
+    stragglers = analyze(view, _alert_config(starts), device) if view.ranks else []
+    return {
+        "ranks": view.rows(),
+        "missing_ranks": view.missing,
+        "torn_lines": view.torn_lines,
+        "stragglers": stragglers,
+        "view": view,
+    }
+
+
+def attach_ranks(
+    alerts: list[dict[str, Any]],
+    stragglers: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    step_t: dict[int, float],
+) -> list[dict[str, Any]]:
+    """Every incident with ``rank``, ``node`` and ``evidence``: rank-0-only alerts are rank
+    0's (on its node); post-hoc stragglers the live check already raised are not repeated."""
+    node0 = next((r["node"] for r in rows if r["rank"] == 0), None)
+    out = []
+    live = set()
+    for a in alerts:
+        a = dict(a)
+        if "rank" not in a and "ranks" not in a:
+            a["rank"], a["node"] = 0, node0
+        a.setdefault("node", None)
+        a.setdefault("evidence", {})
+        a.setdefault("source", "live")
+        live.add((a.get("kind"), tuple(a.get("ranks") or [a.get("rank")]), a.get("diagnosis")))
+        out.append(a)
+    for s in stragglers:
+        if (s["kind"], tuple(s["ranks"]), s["diagnosis"]) in live:
+            continue
+        out.append({**s, "t": step_t.get(s["step"])})
+    return sorted(out, key=lambda a: (a.get("t") is None, a.get("t") or 0.0, a.get("step") or 0))
+
+
+def _label(row: dict[str, Any]) -> str:
+    return f"rank {row['rank']} ({row['node']})" if row.get("node") else f"rank {row['rank']}"
+
+
+def plot_heatmaps(
+    section: dict[str, Any],
+    marks: dict[str, list[int]],
+    device: str | None,
+    out: Path,
+    plt: Any,
+) -> str | None:
+    """``ranks.png``: data wait and step time per step, one row per rank, x = step bins
+    (``RanksView.aligned()``); dashed lines: restarts (from the restored step), red: crashes."""
+    import numpy as np
+
+    view = section["view"]
+    width, grid = view.aligned()
+    ranks = sorted(grid)
+    last = max((b for g in grid.values() for b in g), default=-1)
+    if not ranks or last < 0:
+        return None
+    unit = per_unit(device)
+    labels = [_label(view.ranks[r].row()) for r in ranks]
+    height = min(12.0, 1.5 + 0.25 * len(ranks))
+    fig, axes = plt.subplots(2, 1, figsize=(11, 2 * height), sharex=True)
+    extent = (0.5, (last + 1) * width + 0.5, len(ranks) - 0.5, -0.5)
+    for ax, key, title in zip(
+        axes, ("data_wait_s", "step_s"), ("data wait", "step time"), strict=True
+    ):
+        m = np.full((len(ranks), last + 1), np.nan)
+        for i, r in enumerate(ranks):
+            for b, v in grid[r].items():
+                if v.get("n") and key in v:
+                    m[i, b] = v[key] / v["n"]
+        im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="magma_r", extent=extent)
+        fig.colorbar(im, ax=ax, label=f"{title}, s per step (per {unit})")
+        step = max(1, len(ranks) // 40)  # at most ~40 row labels
+        ax.set_yticks(range(0, len(ranks), step))
+        ax.set_yticklabels(labels[::step], fontsize=7)
+        ax.set_title(
+            f"{title.capitalize()} per {unit} and step"
+            + (f" (bins of {width} steps)" if width > 1 else "")
+        )
+        for i, s in enumerate(marks.get("restarts", [])):
+            ax.axvline(
+                s + 0.5, color="#1565c0", ls="--", lw=1.2, label="restart" if i == 0 else None
+            )
+        for i, s in enumerate(marks.get("crashes", [])):
+            ax.axvline(s + 0.5, color="#c62828", lw=1.5, label="crash" if i == 0 else None)
+        if marks.get("restarts") or marks.get("crashes"):
+            ax.legend(loc="upper left", bbox_to_anchor=(1.15, 1.0), fontsize=8)
+    axes[-1].set_xlabel("step")
+    path = out / "ranks.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return str(path)
+
+
+def ranks_html(summary: dict[str, Any], img: Any) -> str:
+    """The page's "Ranks" section (empty when the run wrote no rank files)."""
+    e = html.escape
+    rows = summary.get("ranks") or []
+    if not rows and not summary.get("missing_ranks"):
+        return ""
+    unit = per_unit(summary.get("device"))
+
+    def num(v: Any, fmt: str) -> str:
+        return "" if v is None else format(v, fmt)
+
+    body = "".join(
+        f"<tr><td>{r['rank']}</td><td>{e(str(r.get('node')))}</td><td>{r['steps']}</td>"
+        f"<td>{num(r['data_wait_s'], '.2f')}</td><td>{num(r['data_wait_share'], '.1%')}</td>"
+        f"<td>{num(r['read_p99_s'] and r['read_p99_s'] * 1e3, '.1f')}</td>"
+        f"<td>{r['cache_misses']}</td><td>{num(r['rss_mib'], '.0f')}</td>"
+        f"<td>{num(r['shm_mib'], '.0f')}</td><td>{num(r['checkpoint_block_s'], '.2f')}</td></tr>"
+        for r in rows
+    )
+    parts = [f"<h2>Ranks (one row per {unit})</h2>"]
+    if summary.get("missing_ranks"):
+        miss = ", ".join(
+            f"rank {m['rank']} of attempt {m['attempt']} ({m['reason']})"
+            for m in summary["missing_ranks"]
+        )
+        parts.append(f"<p><b>Missing:</b> {e(miss)}.</p>")
+    if summary.get("torn_lines"):
+        parts.append(
+            f"<p>{summary['torn_lines']} torn line(s) skipped (a rank killed mid-write).</p>"
+        )
+    parts.append(
+        "<table><tr><th>rank</th><th>node</th><th>steps</th><th>data wait (s)</th>"
+        "<th>share</th><th>read p99 (ms)</th><th>cache misses</th><th>RSS (MiB)</th>"
+        f"<th>/dev/shm (MiB)</th><th>checkpoint block (s)</th></tr>{body}</table>"
+    )
+    if summary["plots"].get("ranks"):
+        parts.append(img("ranks"))
+    return "\n".join(parts)

@@ -1,0 +1,343 @@
+"""Hang watchdog: no progress for too long is a failure, recorded with stacks and restarted.
+
+A rank that hangs in (or before) a collective is otherwise noticed only when the backend's
+timeout expires (gloo 30 min, NCCL 10 min), and every other accelerator waits that long.
+Liveness comes from the training loop itself (``beat(step)`` after every step), not from a
+side thread: a thread heartbeat keeps beating through a livelocked loop.
+
+    wd = HangWatchdog(run_dir, rank, world, attempt=a, meter=meter, config=cfg.watchdog)
+    for step in ...:
+        with wd.phase("checkpoint"):       # a legitimately long phase: its own deadline
+            ckpt.maybe_save(step, states)
+        wd.beat(step)                      # two attribute stores and a deque append
+    wd.close()
+
+Deadlines (``WatchdogConfig``): ``init_s`` until ``warmup_steps`` steps of this attempt are
+done (first step, compile, cache fill), ``checkpoint_s`` inside a checkpoint phase, and
+``max(k x p99 step time, floor_s)`` otherwise. A daemon thread polls every ``poll_s``.
+
+On a hang every rank's own watchdog fires (the others block in a collective, so they stall
+too) and, each bounded in time:
+
+1. dumps all its Python thread stacks (``faulthandler``) to
+   ``RUN_DIR/hangs/attempt-{A}/rank-{R}.txt``;
+2. publishes its verdict ``rank-{R}.json``: step, phase, seconds since progress, the loop
+   thread's innermost frame, and whether that frame waits in a collective (``waiting``) or
+   not (``stuck``);
+3. waits up to ``grace_s`` for the other ranks' verdicts and decides the culprits
+   (``decide``): ranks that are not waiting, and ranks that never answered (SIGSTOPped, node
+   gone); when every rank waits, the ranks behind the others, else all of them;
+4. rank 0 appends a ``hang`` record to the ledger through the meter and publishes
+   ``recorded.json``; the other ranks wait for that file (bounded) so torchrun does
+   not kill rank 0 before the record is on disk;
+5. exits with ``HANG_EXIT_CODE`` through ``os._exit``: a graceful shutdown can deadlock on
+   the very collective that hangs. torchrun then restarts the job.
+
+If rank 0 could not write the record (it was the stuck one), the next attempt's rank 0 does,
+from the verdict files, marked ``recovered`` (``recover_hang_records``); ``recorded.json``
+makes that happen once. The verdict logic and the record live in hangs.py. The exchange goes through RUN_DIR, which every rank already shares
+(ledgers, traces); a rank that cannot reach it counts as "no response".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from steadytrain.monitor.hangs import (
+    RECORDED,
+    STACK_FRAMES,
+    classify_stack,
+    decide,
+    hang_dir,
+    hang_record,
+    read_verdicts,
+    recover_hang_records,
+    thread_frames,
+    where,
+)
+from steadytrain.settings import check
+from steadytrain.storage.publish import publish_bytes
+
+__all__ = [
+    "HANG_EXIT_CODE",
+    "HangWatchdog",
+    "WatchdogConfig",
+    "backend_timeout_s",
+    "p99",
+    "recover_hang_records",
+]
+
+log = logging.getLogger("steadytrain.monitor")
+
+HANG_EXIT_CODE = 124  # "timed out" (coreutils timeout's code): torchrun restarts on any != 0
+
+
+@dataclasses.dataclass(kw_only=True)
+class WatchdogConfig:
+    """The watchdog's deadlines (``[monitor.watchdog]``). Defaults follow the anchors: 60 s
+    floor (NVRx in-process soft timeout), torchtitan's 300 s for start-up, NVRx's long
+    checkpoint section; all below NCCL's 10 min so the watchdog, which can dump and kill,
+    fires before a backend that cannot abort a pending gloo collective."""
+
+    enabled: bool = True
+    k: float = 8.0  # step deadline = max(k x p99 step time, floor_s); NVRx uses 5 x max
+    floor_s: float = 60.0  # never less than this after warm-up (GC pauses, slow saves)
+    warmup_steps: int = 5  # steps of each attempt under init_s (compile, cache fill)
+    init_s: float = 300.0  # from the watchdog's start until warmup_steps steps are done
+    checkpoint_s: float = 480.0  # inside a checkpoint phase (a blocking save)
+    window: int = 200  # recent step times the p99 is taken over
+    poll_s: float = 1.0  # how often the daemon thread looks; adds to detection time
+    grace_s: float = 10.0  # bounded waits for the other ranks' verdicts and the record
+
+    def __post_init__(self) -> None:
+        check(self.k >= 1, "k", self.k, "use 1 or more (a multiple of the p99 step time)")
+        for key in ("floor_s", "init_s", "checkpoint_s", "poll_s"):
+            check(getattr(self, key) > 0, key, getattr(self, key), "use a positive number")
+        check(self.grace_s >= 0, "grace_s", self.grace_s, "use 0 or more seconds")
+        check(self.warmup_steps >= 1, "warmup_steps", self.warmup_steps, "use 1 or more")
+        check(self.window >= 10, "window", self.window, "use at least 10 step times")
+        check(
+            self.poll_s <= self.floor_s / 2,
+            "poll_s",
+            self.poll_s,
+            f"use at most floor_s / 2 ({self.floor_s / 2:g}); it adds to detection time",
+        )
+
+    def deadline(self, phase: str, p99_s: float | None) -> float:
+        """Seconds without progress that count as a hang in ``phase`` given the p99 step."""
+        step = max(self.k * p99_s, self.floor_s) if p99_s else self.floor_s
+        if phase == "checkpoint":
+            return max(self.checkpoint_s, step)
+        if phase == "init":
+            return max(self.init_s, step)
+        return step
+
+    @property
+    def longest_static_s(self) -> float:
+        return max(self.init_s, self.checkpoint_s, self.floor_s)
+
+
+def p99(samples: list[float]) -> float | None:
+    """The 99th percentile (nearest rank) of ``samples``; None when empty."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def backend_timeout_s(backend: str) -> float:
+    """The collective timeout torch uses for ``backend`` when none is passed to
+    ``init_process_group`` (torch.distributed.constants; NCCL: 10 min when not built in)."""
+    from torch.distributed import constants
+
+    if "nccl" in backend.lower():
+        t = getattr(constants, "default_pg_nccl_timeout", None)
+        return t.total_seconds() if t is not None else 600.0
+    return constants.default_pg_timeout.total_seconds()
+
+
+class _Phase:
+    """``with wd.phase("checkpoint"):`` -- a plain class: cheaper than contextlib."""
+
+    __slots__ = ("wd", "name")
+
+    def __init__(self, wd: HangWatchdog, name: str) -> None:
+        self.wd, self.name = wd, name
+
+    def __enter__(self) -> None:
+        self.wd._phase = self.name
+
+    def __exit__(self, *_exc: Any) -> None:
+        wd = self.wd
+        wd._phase = None
+        wd._skip = True  # the next step time spans this phase: not a step time sample
+        wd._t = time.monotonic()  # leaving the phase is progress
+
+
+class HangWatchdog:
+    """One per rank; ``beat`` after every step. See the module docstring."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        attempt: int = 0,
+        meter: Any = None,
+        config: WatchdogConfig | None = None,
+        backend_timeout_s: float | None = None,
+        exit: Callable[[int], Any] = os._exit,  # noqa: A002 - tests pass a stub
+    ) -> None:
+        self.config = cfg = config or WatchdogConfig()
+        self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
+        self.attempt, self.meter, self._exit = attempt, meter, exit
+        self.node = os.environ.get("STEADYTRAIN_NODE") or socket.gethostname()
+        self._loop_ident = threading.get_ident()  # the thread that beats: the loop's
+        self._t = time.monotonic()
+        self._step = 0
+        self._beats = 0
+        self._phase: str | None = None
+        self._skip = False
+        self._intervals: deque[float] = deque(maxlen=cfg.window)
+        self._stop = threading.Event()
+        self.fired: dict[str, Any] | None = None  # this rank's verdict, once it fired
+        limit = cfg.longest_static_s + 2 * cfg.grace_s
+        if cfg.enabled and backend_timeout_s is not None and limit >= backend_timeout_s:
+            log.warning(
+                "monitor.watchdog: deadlines up to %.0fs (+ grace) reach the backend's "
+                "collective timeout %.0fs: the backend fires first, without stacks; lower "
+                "init_s/checkpoint_s or pass a longer timeout to init_process_group",
+                cfg.longest_static_s,
+                backend_timeout_s,
+            )
+        self._thread: threading.Thread | None = None
+        if cfg.enabled:
+            self._thread = threading.Thread(target=self._run, name="steadytrain-watchdog")
+            self._thread.daemon = True  # never keeps a finished process alive
+            self._thread.start()
+
+    # -- the loop's hot path ---------------------------------------------------------------
+    def beat(self, step: int) -> None:
+        """Step ``step`` is done (call on every rank, after every step)."""
+        now = time.monotonic()
+        if self._beats and not self._skip:
+            self._intervals.append(now - self._t)
+        self._skip = False
+        self._t = now
+        self._step = step
+        self._beats += 1
+
+    def phase(self, name: str) -> _Phase:
+        """A context for a legitimately long phase (``"checkpoint"``): its own deadline."""
+        return _Phase(self, name)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.config.poll_s + 1)
+
+    def __enter__(self) -> HangWatchdog:
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.close()
+
+    # -- the daemon thread -----------------------------------------------------------------
+    def check(self, now: float | None = None) -> dict[str, Any] | None:
+        """The hang seen now (step, phase, seconds since progress, deadline) or None."""
+        now = time.monotonic() if now is None else now
+        t, step, beats, phase = self._t, self._step, self._beats, self._phase
+        p = p99(list(self._intervals))
+        name = phase or ("init" if beats < self.config.warmup_steps else "step")
+        limit = self.config.deadline(name, p)
+        since = now - t
+        if since <= limit:
+            return None
+        return {
+            "step": step,
+            "phase": name,
+            "since_progress_s": since,
+            "deadline_s": limit,
+            "p99_step_s": p,
+        }
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.poll_s):
+            seen = self.check()
+            if seen is not None:
+                self._handle(seen)
+                return
+
+    def _handle(self, seen: dict[str, Any]) -> None:
+        cfg = self.config
+        # Backstop: if anything below blocks (a full disk, a stuck flush), faulthandler's own
+        # C thread dumps the stacks to stderr and exits after this long.
+        faulthandler.dump_traceback_later(3 * cfg.grace_s + 30, exit=True)
+        try:
+            self._report(seen)
+        except Exception:
+            log.exception("hang watchdog: reporting failed; exiting anyway")
+        finally:
+            sys.stderr.flush()
+            self._exit(HANG_EXIT_CODE)
+            faulthandler.cancel_dump_traceback_later()  # reached only with a test's stub
+
+    def _report(self, seen: dict[str, Any]) -> None:
+        cfg, d = self.config, hang_dir(self.run_dir, self.attempt)
+        d.mkdir(parents=True, exist_ok=True)
+        detect_t = time.time()
+        frames = thread_frames(self._loop_ident)
+        state, frame, waiting_in = classify_stack(frames)
+        verdict = {
+            "rank": self.rank,
+            "node": self.node,
+            "pid": os.getpid(),
+            "attempt": self.attempt,
+            "world_size": self.world_size,
+            **seen,
+            "detect_t": detect_t,
+            "progress_t": detect_t - seen["since_progress_s"],
+            "frame": frame,
+            "state": state,
+            "waiting_in": waiting_in,
+            "stack": [where(*f) for f in frames[:STACK_FRAMES]],
+        }
+        self.fired = verdict
+        with open(d / f"rank-{self.rank}.txt", "w") as f:
+            f.write(
+                f"# rank {self.rank} on {self.node}, pid {os.getpid()}: no progress for "
+                f"{seen['since_progress_s']:.1f}s after step {seen['step']} "
+                f"({seen['phase']}, deadline {seen['deadline_s']:.1f}s)\n"
+            )
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        publish_bytes(str(d / f"rank-{self.rank}.json"), json.dumps(verdict))
+        print(
+            f"[watchdog] rank {self.rank}: no progress for {seen['since_progress_s']:.1f}s "
+            f"after step {seen['step']} ({seen['phase']}); {state} at {frame}; stacks in {d}",
+            file=sys.stderr,
+            flush=True,
+        )
+        until = time.monotonic() + cfg.grace_s
+        verdicts = read_verdicts(d)
+        while len(verdicts) < self.world_size and time.monotonic() < until:
+            time.sleep(min(0.05, cfg.poll_s))
+            verdicts = read_verdicts(d)
+        decision = decide(verdicts, self.world_size)
+        if self.rank == 0:
+            rec = hang_record(
+                self.attempt,
+                verdicts,
+                decision,
+                self.world_size,
+                recovered=False,
+                kill_t=time.time(),
+            )
+            if self.meter is not None:
+                self.meter.event(rec)
+                self.meter.flush(timeout=max(1.0, cfg.grace_s))
+            publish_bytes(str(d / RECORDED), json.dumps(rec))
+        else:  # if we exit first, torchrun may kill rank 0 before its record is on disk
+            until = time.monotonic() + 2 * cfg.grace_s  # rank 0's verdict wait, then its flush
+            while not (d / RECORDED).exists() and time.monotonic() < until:
+                time.sleep(min(0.05, cfg.poll_s))
+        print(
+            f"[watchdog] rank {self.rank}: hang of rank(s) {decision['stuck_ranks']} "
+            f"({decision['cause']}); exiting {HANG_EXIT_CODE} so the job restarts",
+            file=sys.stderr,
+            flush=True,
+        )
