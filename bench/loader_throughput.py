@@ -1,25 +1,39 @@
 """Loader throughput: tokens/s and CPU ns/token, global shuffle, seq 2048, micro-batch 8.
 
-Side by side on the same tokens (a 32 Mi-token steadytrain dataset in the page cache):
-the numpy memmap window gather (the floor, in uint16 and producing int64 inputs+labels),
-steadytrain's TokenLoader with 0 (background thread), 1 and 2 worker processes, and the
-peers: torchdata StatefulDataLoader over a Megatron-style map dataset, litdata
-StreamingDataset + TokensLoader, mosaicml-streaming MDS, each with 0/1/2 workers. Every
-configuration runs in its own process. "Per core" is tokens per CPU-second (all processes
-of the configuration), the number that does not depend on how busy the machine is.
+Side by side on the same tokens (a 32 Mi-token steadytrain dataset in the page cache), every
+contender producing what a trainer needs, fresh contiguous int64 inputs and labels:
+
+- floors (numpy, in-process): the uint16 window gather; the int64 floor, built the way the
+  fastest code would (gather the windows into one uint16 buffer, then one whole-batch cast
+  each for inputs and labels); and, for reference, one int64 cast of the windows with inputs
+  and labels as strided views of it (cheaper, but not the same contract);
+- steadytrain's TokenLoader in-process (``prefetch=0``), with its background thread
+  (``workers=0``) and with 1 and 2 worker processes;
+- peers, each configured as its own documentation recommends (see bench/peers/): torchdata
+  StatefulDataLoader fetching whole micro-batches (``BatchSampler`` + ``batch_size=None``),
+  litdata StreamingDataset + TokensLoader + StreamingDataLoader, mosaicml-streaming MDS, each
+  with 0/1/2 workers; torchdata's per-sample default at 0 workers as a reference row.
+
+Every configuration runs in its own process; rounds run all configurations in a rotating
+order (round r starts at the r-th), so machine load falls on all alike. Each row reports
+min/median/max over the rounds; ratios are taken from medians. "Per CPU-s" is tokens per
+CPU-second of all the configuration's processes, the figure that depends least on how busy
+the machine is.
 
     .venv/bin/python bench/loader_throughput.py              -> bench/results/loader_throughput.json
     .venv/bin/python bench/loader_throughput.py --only-ours  -> bench/results/loader_throughput_quick.json
 
-``--only-ours`` runs the two floors and the in-process / background-thread TokenLoader rows
-(no peers, no worker processes: about a minute), ``--quick`` adds the worker-process rows;
-both write ``loader_throughput_quick.json`` so the full side-by-side result is kept.
+``--only-ours`` runs the floors and the in-process / background-thread rows (no peers, no
+worker processes), ``--quick`` adds our worker-process rows; both write
+``loader_throughput_quick.json`` so the full side-by-side result is kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import sys
 import time
 
@@ -39,9 +53,19 @@ from _loader_common import (  # noqa: E402
 
 SEQ, MICRO = 2048, 8
 TOKENS = 32 << 20
+FLOOR_INT64 = "floor: gather, whole-batch int64 cast"
+FLOOR_UINT16 = "floor: gather uint16 windows"
+FLOOR_VIEWS = "reference: one int64 cast, inputs/labels as views"
+INPROC = "steadytrain TokenLoader in-process (prefetch=0)"
+PEERS = {  # row prefix -> loader_peers.py mode
+    "torchdata (batched fetch)": "torchdata",
+    "litdata": "litdata",
+    "mosaic streaming": "streaming",
+}
+REFERENCE_PEER = "torchdata per-sample default"  # not a contender: shows the batched gain
 
 
-def child_floor(data: str, dtype: str, warmup: float, run: float) -> dict:
+def child_floor(data: str, kind: str, warmup: float, run: float) -> dict:
     from steadytrain.data.read.dataset import TokenDataset
     from steadytrain.data.read.sampler import Sampler
 
@@ -51,29 +75,32 @@ def child_floor(data: str, dtype: str, warmup: float, run: float) -> dict:
     rng = np.random.default_rng(0)
     refs = sampler.locate(rng.permutation(sampler.num_samples[0]))
     pairs = list(zip(refs.shard.tolist(), refs.offset.tolist(), strict=True))
+    buf = np.empty((MICRO, SEQ + 1), dtype=np.uint16)
     state = {"i": 0}
-    if dtype == "uint16":
-        out = np.empty((MICRO, SEQ + 1), dtype=np.uint16)
+
+    def gather() -> None:
+        i = state["i"]
+        for row in range(MICRO):
+            s, o = pairs[(i + row) % len(pairs)]
+            buf[row] = maps[s][o : o + SEQ + 1]
+        state["i"] = i + MICRO
+
+    if kind == "uint16":
+        nxt = gather
+    elif kind == "int64":  # the contract: fresh contiguous int64 inputs and labels
 
         def nxt():
-            i = state["i"]
-            for row in range(MICRO):
-                s, o = pairs[(i + row) % len(pairs)]
-                out[row] = maps[s][o : o + SEQ + 1]
-            state["i"] = i + MICRO
-    else:  # what a loader must do at least: int64 inputs and labels, fresh per batch
+            gather()
+            both = np.empty((2, MICRO, SEQ), dtype=np.int64)
+            both[0] = buf[:, :-1]
+            both[1] = buf[:, 1:]
+            return both
+    else:  # "views": one cast; labels and inputs overlap in one array
 
         def nxt():
-            i = state["i"]
-            inp = np.empty((MICRO, SEQ), dtype=np.int64)
-            lab = np.empty((MICRO, SEQ), dtype=np.int64)
-            for row in range(MICRO):
-                s, o = pairs[(i + row) % len(pairs)]
-                w = maps[s][o : o + SEQ + 1]
-                inp[row] = w[:-1]
-                lab[row] = w[1:]
-            state["i"] = i + MICRO
-            return inp, lab
+            gather()
+            w = buf.astype(np.int64)
+            return w[:, :-1], w[:, 1:]
 
     return measure(nxt, MICRO * SEQ, warmup, run)
 
@@ -91,17 +118,46 @@ def child_ours(data: str, workers: int, warmup: float, run: float, prefetch: int
     return out
 
 
+def build_configs(a: argparse.Namespace, data: str) -> tuple[dict, list[str]]:
+    """Row name -> (command, extra environment or an error row)."""
+    me = [sys.executable, os.path.abspath(__file__), "--data", data]
+    me += ["--warmup", str(a.warmup), "--run", str(a.run)]
+    configs: dict[str, tuple[list[str], dict | None]] = {}
+    for name, kind in ((FLOOR_UINT16, "uint16"), (FLOOR_INT64, "int64"), (FLOOR_VIEWS, "views")):
+        configs[name] = ([*me, "--child", "floor", "--kind", kind], None)
+    configs[INPROC] = ([*me, "--child", "ours", "--workers", "0", "--prefetch", "0"], None)
+    for w in (0,) if a.only_ours else (0, 1, 2):
+        configs[f"steadytrain TokenLoader workers={w}"] = (
+            [*me, "--child", "ours", "--workers", str(w)],
+            None,
+        )
+    notes: list[str] = []
+    if a.quick or a.only_ours:
+        return configs, notes
+    py, note = ensure_peer_env()
+    notes.append(note)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "loader_peers.py")
+    env = {"PYTHONPATH": STUB_DIR}
+    peer_rows = [(f"{n} workers={w}", m, w) for n, m in PEERS.items() for w in (0, 1, 2)]
+    peer_rows.append((f"{REFERENCE_PEER} workers=0", "torchdata-per-sample", 0))
+    for name, mode, w in peer_rows:
+        cmd = [PEER_PY, script, mode, "--data", data, "--work", os.path.join(WORK, "peers")]
+        cmd += ["--workers", str(w), "--warmup", str(a.warmup), "--run", str(a.run)]
+        configs[name] = (cmd, env) if py is not None else ([], {"error": note})
+    return configs, notes
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--child", default=None)
     p.add_argument("--data", default=None)
     p.add_argument("--workers", type=int, default=0)
-    p.add_argument("--dtype", default="uint16")
-    p.add_argument("--warmup", type=float, default=1.5)
-    p.add_argument("--run", type=float, default=3.0)
+    p.add_argument("--kind", default="int64")
+    p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--run", type=float, default=2.0)
     p.add_argument("--prefetch", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=2, help="rounds; each row keeps its best")
-    p.add_argument("--quick", action="store_true", help="our loader and the floor only")
+    p.add_argument("--repeats", type=int, default=5, help="rounds, in rotating order")
+    p.add_argument("--quick", action="store_true", help="our loader and the floors only")
     p.add_argument(
         "--only-ours",
         action="store_true",
@@ -111,102 +167,57 @@ def main() -> None:
         "--resummarise", action="store_true", help="recompute the summary of the last run"
     )
     a = p.parse_args()
+    if a.child == "floor":
+        print(json.dumps(child_floor(a.data, a.kind, a.warmup, a.run)))
+        return
+    if a.child == "ours":
+        print(json.dumps(child_ours(a.data, a.workers, a.warmup, a.run, a.prefetch)))
+        return
     if a.resummarise:
-        import json
-
-        path = os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "results", "loader_throughput.json"
-        )
-        with open(path) as f:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+        with open(os.path.join(path, "loader_throughput.json")) as f:
             obj = json.load(f)
-        obj["rows"] = best_rows(obj["runs"])
+        obj["rows"] = spread_rows(obj["runs"])
         obj["summary"] = summarise(obj["rows"])
         write_result("loader_throughput", obj)
         print_table(obj["rows"], obj["summary"])
         return
-    if a.child == "floor":
-        print(__import__("json").dumps(child_floor(a.data, a.dtype, a.warmup, a.run)))
-        return
-    if a.child == "ours":
-        print(__import__("json").dumps(child_ours(a.data, a.workers, a.warmup, a.run, a.prefetch)))
-        return
 
     t_start = time.time()
+    load_start = os.getloadavg()
     data = make_dataset("tp32m", TOKENS)
-    me = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--data",
-        data,
-        "--warmup",
-        str(a.warmup),
-        "--run",
-        str(a.run),
-    ]
-    configs: dict[str, tuple[list[str], dict | None]] = {}
-    for dtype in ("uint16", "int64"):
-        configs[f"floor numpy memmap gather ({dtype})"] = (
-            [*me, "--child", "floor", "--dtype", dtype],
-            None,
-        )
-    configs["steadytrain TokenLoader in-process (prefetch=0)"] = (
-        [*me, "--child", "ours", "--workers", "0", "--prefetch", "0"],
-        None,
-    )
-    for w in (0,) if a.only_ours else (0, 1, 2):
-        configs[f"steadytrain TokenLoader workers={w}"] = (
-            [*me, "--child", "ours", "--workers", str(w)],
-            None,
-        )
-    notes = []
-    partial = a.quick or a.only_ours
-    if not partial:
-        py, note = ensure_peer_env()
-        notes.append(note)
-        peer_script = os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "peers", "loader_peers.py"
-        )
-        env = {"PYTHONPATH": STUB_DIR}
-        for peer in ("torchdata", "litdata", "streaming"):
-            for w in (0, 1, 2):
-                configs[f"{peer} workers={w}"] = (
-                    (
-                        [
-                            PEER_PY,
-                            peer_script,
-                            peer,
-                            "--data",
-                            data,
-                            "--work",
-                            os.path.join(WORK, "peers"),
-                            "--workers",
-                            str(w),
-                            "--warmup",
-                            str(a.warmup),
-                            "--run",
-                            str(a.run),
-                        ],
-                        env,
-                    )
-                    if py is not None
-                    else ([], {"error": note})
-                )
-    rows: dict[str, dict] = {}
-    runs: dict[str, list[dict]] = {name: [] for name in configs}
-    for _ in range(a.repeats):  # rounds interleave configurations: a busy machine hits all alike
-        for name, (cmd, env) in configs.items():
-            r = run_json(cmd, 240, env=env) if cmd else dict(env or {})
-            runs[name].append(r)
-    rows = best_rows(runs)
+    configs, notes = build_configs(a, data)
+    names = list(configs)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    orders = []
+    for r in range(a.repeats):
+        k = r % len(names)
+        order = names[k:] + names[:k]  # rotating: each row takes every position in turn
+        orders.append(order)
+        for name in order:
+            cmd, env = configs[name]
+            res = run_json(cmd, 240, env=env) if cmd else dict(env or {})
+            res["round"] = r
+            runs[name].append(res)
+        print(f"round {r + 1}/{a.repeats} done, {time.time() - t_start:.0f} s", file=sys.stderr)
+    rows = spread_rows(runs)
     summary = summarise(rows)
+    partial = a.quick or a.only_ours
     path = write_result(
         "loader_throughput_quick" if partial else "loader_throughput",
         {
             "seq_len": SEQ,
             "micro_batch": MICRO,
             "dataset_tokens": TOKENS,
+            "warmup_s": a.warmup,
+            "run_s": a.run,
+            "repeats": a.repeats,
+            "load_average_at_start": load_start,
+            "load_average_at_end": os.getloadavg(),
+            "cpus": os.cpu_count(),
             "rows": rows,
             "runs": runs,
+            "orders": orders,
             "summary": summary,
             "notes": notes,
             "wall_s": time.time() - t_start,
@@ -216,89 +227,104 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def print_table(rows: dict[str, dict], summary: dict) -> None:
-    print(f"{'configuration':48s} {'M tok/s':>9s} {'M tok/CPU-s':>12s} {'CPU ns/tok':>11s}")
-    for name, r in rows.items():
-        if "error" in r:
-            print(f"{name:48s} error: {r['error'][:80]}")
-        else:
-            print(
-                f"{name:48s} {r['best_m_tokens_per_s']:9.1f} {r['m_tokens_per_cpu_s']:12.1f} "
-                f"{r['cpu_ns_per_token']:11.2f}"
-            )
-    for k, v in summary.items():
-        print(f"{k}: {v}")
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def best_rows(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Each configuration's best round (lowest CPU ns/token). CPU time counts live worker
+def spread_rows(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Min/median/max over the rounds of each configuration. CPU time counts live worker
     processes; a peer that ends workers mid-run can show a non-positive CPU delta, which is
-    reported as not measurable rather than as a number."""
+    left out of the CPU figures (and counted in ``cpu_unmeasured``) rather than reported."""
     rows: dict[str, dict] = {}
     for name, rs in runs.items():
-        good = [dict(r) for r in rs if "error" not in r]
-        for r in good:
-            if not r["cpu_ns_per_token"] > 0:
-                r["cpu_ns_per_token"] = r["m_tokens_per_cpu_s"] = float("nan")
+        good = [r for r in rs if "error" not in r]
+        if not good:
+            rows[name] = {"error": rs[-1].get("error", "no run")}
+            continue
+        row: dict = {"runs": len(good), "errors": len(rs) - len(good)}
+        row["m_tokens_per_s"] = _spread([r["m_tokens_per_s"] for r in good])
         timed = [r for r in good if r["cpu_ns_per_token"] > 0]
+        row["cpu_unmeasured"] = len(good) - len(timed)
         if timed:
-            rows[name] = min(timed, key=lambda r: r["cpu_ns_per_token"])
-        elif good:
-            rows[name] = good[-1]
-        else:
-            rows[name] = rs[-1]
-        if good:
-            rows[name]["runs"] = len(good)
-            rows[name]["best_m_tokens_per_s"] = max(r["m_tokens_per_s"] for r in good)
+            row["m_tokens_per_cpu_s"] = _spread([r["m_tokens_per_cpu_s"] for r in timed])
+            row["cpu_ns_per_token"] = _spread([r["cpu_ns_per_token"] for r in timed])
+        rows[name] = row
     return rows
 
 
+def _med(row: dict | None, key: str) -> float | None:
+    if row is None or key not in row:
+        return None
+    return row[key]["median"]
+
+
 def summarise(rows: dict[str, dict]) -> dict:
-    ok = {k: v for k, v in rows.items() if "error" not in v and v["cpu_ns_per_token"] > 0}
-    peers = {k: v for k, v in ok.items() if not k.startswith(("floor", "steadytrain"))}
+    """Ratios of medians: ours against the int64 floor and against the fastest peer (by
+    median tokens per CPU-second, overall and at the same worker count; by wall clock too)."""
+    ok = {k: v for k, v in rows.items() if "error" not in v}
+    peers = {k: v for k, v in ok.items() if k.startswith(tuple(PEERS))}
     out: dict = {}
-    ours0 = ok.get("steadytrain TokenLoader workers=0")
-    for fname in ("uint16", "int64"):
-        floor = ok.get(f"floor numpy memmap gather ({fname})")
-        for oname, key in (
-            ("inproc", "steadytrain TokenLoader in-process (prefetch=0)"),
-            ("w0", "steadytrain TokenLoader workers=0"),
-        ):
-            mine = ok.get(key)
-            if floor and mine:
-                out[f"ours_{oname}_vs_{fname}_floor_per_cpu"] = (
-                    mine["m_tokens_per_cpu_s"] / floor["m_tokens_per_cpu_s"]
-                )
-    if peers and ours0:
-        best = max(peers, key=lambda k: peers[k]["m_tokens_per_cpu_s"])
-        out["fastest_peer_per_cpu"] = best
-        inproc = ok.get("steadytrain TokenLoader in-process (prefetch=0)")
-        if inproc:
-            out["ours_inproc_vs_fastest_peer_per_cpu"] = (
-                inproc["m_tokens_per_cpu_s"] / peers[best]["m_tokens_per_cpu_s"]
-            )
-        out["ours_w0_vs_fastest_peer_per_cpu"] = (
-            ours0["m_tokens_per_cpu_s"] / peers[best]["m_tokens_per_cpu_s"]
+
+    def best(cands: dict[str, dict], key: str) -> str | None:
+        have = {k: v for k, v in cands.items() if key in v}
+        return max(have, key=lambda k: have[k][key]["median"]) if have else None
+
+    ours = {"inproc": INPROC}
+    ours.update({f"w{w}": f"steadytrain TokenLoader workers={w}" for w in (0, 1, 2)})
+    floor = ok.get(FLOOR_INT64)
+    for tag, key in ours.items():
+        mine = ok.get(key)
+        f_cpu, m_cpu = _med(floor, "m_tokens_per_cpu_s"), _med(mine, "m_tokens_per_cpu_s")
+        if f_cpu and m_cpu:
+            out[f"ours_{tag}_vs_int64_floor_per_cpu"] = m_cpu / f_cpu
+    ref = ok.get(f"{REFERENCE_PEER} workers=0")
+    batched = ok.get("torchdata (batched fetch) workers=0")
+    if _med(ref, "m_tokens_per_cpu_s") and _med(batched, "m_tokens_per_cpu_s"):
+        out["torchdata_batched_vs_per_sample_per_cpu"] = _med(batched, "m_tokens_per_cpu_s") / _med(
+            ref, "m_tokens_per_cpu_s"
         )
-        for w in (1, 2):
-            mine = ok.get(f"steadytrain TokenLoader workers={w}")
-            theirs = {k: v for k, v in peers.items() if k.endswith(f"workers={w}")}
-            if mine and theirs:
-                b = max(theirs, key=lambda k: theirs[k]["m_tokens_per_cpu_s"])
-                out[f"ours_w{w}_vs_fastest_peer_w{w}_per_cpu"] = (
-                    mine["m_tokens_per_cpu_s"] / theirs[b]["m_tokens_per_cpu_s"]
-                )
-                walls = [
-                    v["best_m_tokens_per_s"]
-                    for k, v in rows.items()
-                    if "error" not in v
-                    and k.endswith(f"workers={w}")
-                    and not k.startswith(("floor", "steadytrain"))
-                ]
-                out[f"ours_w{w}_vs_fastest_peer_w{w}_wall"] = mine["best_m_tokens_per_s"] / max(
-                    walls
+    top = best(peers, "m_tokens_per_cpu_s")
+    if top is None:
+        return out
+    out["fastest_peer_per_cpu"] = top
+    top_cpu = _med(peers[top], "m_tokens_per_cpu_s")
+    for tag, key in ours.items():
+        m_cpu = _med(ok.get(key), "m_tokens_per_cpu_s")
+        if m_cpu:
+            out[f"ours_{tag}_vs_fastest_peer_per_cpu"] = m_cpu / top_cpu
+    for w in (0, 1, 2):
+        mine = ok.get(f"steadytrain TokenLoader workers={w}")
+        same = {k: v for k, v in peers.items() if k.endswith(f"workers={w}")}
+        if not mine or not same:
+            continue
+        for key, label in (("m_tokens_per_cpu_s", "per_cpu"), ("m_tokens_per_s", "wall")):
+            b = best(same, key)
+            if b is not None and _med(mine, key):
+                out[f"fastest_peer_w{w}_{label}"] = b
+                out[f"ours_w{w}_vs_fastest_peer_w{w}_{label}"] = _med(mine, key) / _med(
+                    same[b], key
                 )
     return out
+
+
+def print_table(rows: dict[str, dict], summary: dict) -> None:
+    def fmt(row: dict, key: str, spec: str) -> str:
+        if key not in row:
+            return "n/a"
+        s = row[key]
+        return f"{s['median']:{spec}} ({s['min']:{spec}}-{s['max']:{spec}})"
+
+    print(f"{'configuration':52s} {'M tok/s':>22s} {'M tok/CPU-s':>22s} {'CPU ns/tok':>20s}")
+    for name, r in rows.items():
+        if "error" in r:
+            print(f"{name:52s} error: {r['error'][:80]}")
+            continue
+        print(
+            f"{name:52s} {fmt(r, 'm_tokens_per_s', '.1f'):>22s} "
+            f"{fmt(r, 'm_tokens_per_cpu_s', '.1f'):>22s} {fmt(r, 'cpu_ns_per_token', '.2f'):>20s}"
+        )
+    for k, v in summary.items():
+        print(f"{k}: {v}")
 
 
 if __name__ == "__main__":

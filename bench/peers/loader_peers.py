@@ -1,11 +1,13 @@
 """Peer loaders, run inside bench/.env/peers (never imports steadytrain).
 
-    python loader_peers.py torchdata|litdata|streaming --data DIR --workers N ...
+    python loader_peers.py torchdata|torchdata-per-sample|litdata|streaming --data DIR ...
     python loader_peers.py torchdata-resume --data DIR --yielded N
     python loader_peers.py megatron-memory --steps S --global-batch G --seq-len L
 
 Each prints one JSON line. All read the same tokens: the steadytrain dataset's shard files
-(little-endian uint16), converted to the peer's own format where it has one.
+(little-endian uint16), converted to the peer's own format where it has one. Each peer is
+set up the way its own documentation recommends for token pretraining (see each ``run_*``);
+every one hands the trainer what ours does: fresh, contiguous int64 inputs and labels.
 """
 
 from __future__ import annotations
@@ -53,6 +55,37 @@ class MegatronStyleMap:
         return {"input_ids": w[:-1], "labels": w[1:]}
 
 
+class BatchedMap(MegatronStyleMap):
+    """The same dataset fetching a whole micro-batch per call: ``ds[list_of_indices]``.
+
+    torch's DataLoader docs describe this for batched reads: a ``BatchSampler`` as the
+    sampler and ``batch_size=None``, so the dataset gets every index of a micro-batch at once
+    and no per-sample collate runs. The windows gather into one uint16 buffer and are cast
+    to int64 once for the whole batch (what ``to_model_inputs`` does for the other peers).
+    """
+
+    def __getitem__(self, idx):
+        import torch
+
+        idx = np.asarray(idx, dtype=np.int64)
+        shard = np.searchsorted(self.cum, idx, side="right") - 1
+        offs = (idx - self.cum[shard]) * self.seq
+        buf = np.empty((len(idx), self.seq + 1), dtype=np.uint16)
+        for row, (s, o) in enumerate(zip(shard.tolist(), offs.tolist(), strict=True)):
+            buf[row] = self.maps[s][o : o + self.seq + 1]
+        both = torch.from_numpy(_split_int64(buf))
+        return {"input_ids": both[0], "labels": both[1]}
+
+
+def _split_int64(buf: np.ndarray) -> np.ndarray:
+    """``[2, batch, seq]`` int64 inputs and labels from ``[batch, seq + 1]`` windows, one
+    whole-batch cast each (a fresh array: the trainer may keep what it got)."""
+    both = np.empty((2, buf.shape[0], buf.shape[1] - 1), dtype=np.int64)
+    both[0] = buf[:, :-1]
+    both[1] = buf[:, 1:]
+    return both
+
+
 def forever(make_iter):
     it = make_iter()
 
@@ -68,12 +101,39 @@ def forever(make_iter):
 
 
 def to_model_inputs(batch):
-    """What the trainer needs: int64 inputs and labels (peers that yield raw windows)."""
-    x = batch.long() if hasattr(batch, "long") else batch
-    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    """What the trainer needs from a peer that yields raw ``[batch, seq + 1]`` windows:
+    fresh contiguous int64 inputs and labels, each one whole-batch cast (as ours and the
+    floor produce them)."""
+    import torch
+
+    x = batch
+    out = torch.empty((2, x.shape[0], x.shape[1] - 1), dtype=torch.int64)
+    out[0].copy_(x[:, :-1])
+    out[1].copy_(x[:, 1:])
+    return out[0], out[1]
 
 
 def run_torchdata(a) -> dict:
+    """torchdata's StatefulDataLoader fetching whole micro-batches (``BatchedMap``)."""
+    import torch
+    from torch.utils.data import BatchSampler, RandomSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ds = BatchedMap(a.data, a.seq)
+    g = torch.Generator().manual_seed(0)
+    dl = StatefulDataLoader(
+        ds,
+        sampler=BatchSampler(RandomSampler(ds, generator=g), a.batch, drop_last=True),
+        batch_size=None,
+        num_workers=a.workers,
+        persistent_workers=a.workers > 0,
+    )
+    return measure(forever(lambda: iter(dl)), a.batch * a.seq, a.warmup, a.run)
+
+
+def run_torchdata_per_sample(a) -> dict:
+    """torchdata's default: one ``__getitem__`` per sample and the default collate (kept
+    as a reference row: it shows what the batched fetch saves)."""
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -91,6 +151,12 @@ def run_torchdata(a) -> dict:
 
 
 def run_litdata(a) -> dict:
+    """litdata as its "LLM pre-training" guide sets it up: ``optimize`` with
+    ``TokensLoader()`` and ``chunk_size=(2048 + 1) * 8012`` tokens, then
+    ``StreamingDataset(item_loader=TokensLoader(block_size=2048 + 1), shuffle=True,
+    drop_last=True)`` and ``StreamingDataLoader`` (the guide's ``pin_memory=True`` only where
+    CUDA exists). The tokens are int32, as the guide's tokenizer emits them."""
+    import torch
     from litdata import StreamingDataLoader, StreamingDataset, TokensLoader, optimize
 
     out = os.path.join(a.work, "litdata")
@@ -100,14 +166,20 @@ def run_litdata(a) -> dict:
             fn=_litdata_emit,
             inputs=[(a.data, i) for i in range(n)],
             output_dir=out,
-            chunk_bytes="64MB",
+            chunk_size=(a.seq + 1) * 8012,
             item_loader=TokensLoader(),
             num_workers=1,
         )
     ds = StreamingDataset(
-        input_dir=out, item_loader=TokensLoader(block_size=a.seq + 1), shuffle=True, seed=0
+        input_dir=out,
+        item_loader=TokensLoader(block_size=a.seq + 1),
+        shuffle=True,
+        drop_last=True,
+        seed=0,
     )
-    dl = StreamingDataLoader(ds, batch_size=a.batch, num_workers=a.workers, drop_last=True)
+    dl = StreamingDataLoader(
+        ds, batch_size=a.batch, num_workers=a.workers, pin_memory=torch.cuda.is_available()
+    )
     nxt = forever(lambda: iter(dl))
     return measure(lambda: to_model_inputs(nxt()), a.batch * a.seq, a.warmup, a.run)
 
@@ -121,6 +193,10 @@ def _litdata_emit(item):
 
 
 def run_streaming(a) -> dict:
+    """mosaicml-streaming with the defaults its docs recommend ("merely setting
+    shuffle=True is performant in nearly all cases": py1e, default block size and
+    predownload), the per-device ``batch_size`` passed to the dataset as its docs ask, MDS
+    shards of the default 64 MB, uncompressed, one ``ndarray:uint16`` window per sample."""
     import torch
     from streaming import MDSWriter, StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
@@ -128,14 +204,18 @@ def run_streaming(a) -> dict:
     clean_stale_shared_memory()
     out = os.path.join(a.work, "mds")
     if not os.path.exists(os.path.join(out, "index.json")):
-        with MDSWriter(
-            out=out, columns={"tokens": f"ndarray:uint16:{a.seq + 1}"}, size_limit="64mb"
-        ) as w:
+        with MDSWriter(out=out, columns={"tokens": f"ndarray:uint16:{a.seq + 1}"}) as w:
             for m in shards(a.data):
                 for o in range(0, m.size - a.seq, a.seq):
                     w.write({"tokens": np.asarray(m[o : o + a.seq + 1])})
     ds = StreamingDataset(local=out, shuffle=True, shuffle_seed=0, batch_size=a.batch)
-    dl = torch.utils.data.DataLoader(ds, batch_size=a.batch, num_workers=a.workers)
+    dl = torch.utils.data.DataLoader(
+        ds,
+        batch_size=a.batch,
+        num_workers=a.workers,
+        persistent_workers=a.workers > 0,
+        pin_memory=torch.cuda.is_available(),
+    )
     nxt = forever(lambda: iter(dl))
     return measure(lambda: to_model_inputs(nxt()["tokens"]), a.batch * a.seq, a.warmup, a.run)
 
@@ -252,6 +332,7 @@ def main() -> None:
     a = p.parse_args()
     fn = {
         "torchdata": run_torchdata,
+        "torchdata-per-sample": run_torchdata_per_sample,
         "litdata": run_litdata,
         "streaming": run_streaming,
         "torchdata-resume": run_torchdata_resume,
