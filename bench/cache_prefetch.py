@@ -7,7 +7,10 @@ ways of feeding the same step sequence (``shuffle="sequential"``, so a step read
 contiguous run of samples):
 
 1. ``direct``: stream from the store without a cache: each step issues ranged GETs for
-   exactly the bytes it needs, when it needs them (what a cache-less streaming loader does);
+   exactly the bytes it needs, when it needs them, synchronously. This is a floor that shows
+   the link's latency, *not* a fair baseline: a streaming loader reads ahead. The fair
+   comparison (read-ahead streaming, mosaic streaming's and litdata's caches, several ranks
+   per node, two epochs, an eviction) is ``bench/cache_peers.py``;
 2. ``cache_on_demand``: ``TokenDataset`` over ``s3://`` with a ``ShardCache``, no prefetch:
    a shard is fetched when first touched;
 3. ``cache_prefetch``: the same plus ``Prefetcher.for_loader`` (schedule-aware, horizon H);

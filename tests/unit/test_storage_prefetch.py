@@ -90,6 +90,26 @@ def test_belady_evicts_furthest_next_use_and_never_the_horizon(cache):
         assert {s for s in range(5) if cache.shard_cached(s)} == {1, 3, 4}
 
 
+def test_a_published_shard_still_in_flight_is_counted_once(cache):
+    """The ranks of a node each run a prefetcher over one cache: a shard another rank (or
+    our other fetch thread) has just published may still sit in our in-flight set. Counting
+    it twice made every rank evict one shard too many (bench/cache_peers.py caught it)."""
+    size = cache.shard_bytes(0)
+    for s in range(5):
+        cache.ensure_shard(s)
+    pf = Prefetcher(
+        cache, cyclic_schedule(8), horizon_steps=2, budget_bytes=5 * size, total_steps=0
+    )
+    pf.close()  # total_steps=0: its threads fetched nothing; drive the planner by hand
+    pf.total_steps, pf._step = None, 4
+    with pf._cond:
+        pf._refresh_plan()  # horizon: steps 4, 5 -> shards 4, 5
+        pf._inflight = {4}  # published, its fetch not yet returned
+        assert pf._make_room(size)  # room for shard 5
+    assert pf.evicted == [(4, 3)]  # one shard, the furthest next use (step 11)
+    assert [cache.shard_cached(s) for s in range(5)] == [True, True, True, False, True]
+
+
 def test_tight_budget_waits_instead_of_evicting_the_horizon(cache):
     size = cache.shard_bytes(0)
     sched = cyclic_schedule(8, per_step=1)

@@ -28,6 +28,8 @@ _CHECKS = (
     tp._check_storage_info,
     tp._check_stager,
     tp._daemon_module,
+    tp._check_writer_fs,
+    tp._check_crc_scope,
 )
 
 
@@ -42,7 +44,7 @@ def _fresh_checks():
 
 
 def test_every_fenced_api_is_present_in_this_torch():
-    assert len(tp.check_all()) == 5
+    assert len(tp.check_all()) == 7
 
 
 def _pickle_of(t: torch.Tensor) -> bytes:
@@ -153,6 +155,86 @@ def test_a_stager_protocol_without_the_private_flag_is_refused(monkeypatch):
     monkeypatch.delattr(staging.AsyncStager, "_synchronize_after_execute")
     with pytest.raises(tp.TorchAPIError, match="_synchronize_after_execute"):
         tp.identity_stager()
+
+
+def test_a_writer_without_a_file_system_hook_is_refused(monkeypatch):
+    from torch.distributed.checkpoint import filesystem
+
+    monkeypatch.setattr(filesystem.FileSystemWriter, "__init__", lambda self, path: None)
+    with pytest.raises(tp.TorchAPIError, match="FileSystemWriter.fs"):
+        tp.file_system_writer("ck", filesystem.FileSystem())
+
+
+def _crcs(t: torch.Tensor) -> set[int]:
+    """The zip CRC-32 fields of ``torch.save(t)``'s records (0 where torch skipped them)."""
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    with zipfile.ZipFile(buf) as zf:
+        return {i.CRC for i in zf.infolist() if i.file_size}
+
+
+def test_zip_crc_is_off_only_in_the_thread_that_asked_and_only_inside_the_block():
+    """The reason the CRC switch may exist at all: a torch.save on another thread while a
+    checkpoint writes keeps its CRC (a process-wide switch would silently drop it)."""
+    import threading
+
+    inside, done = threading.Event(), threading.Event()
+    seen: dict[str, set[int]] = {}
+
+    def writer() -> None:
+        with tp.zip_crc_off_in_this_thread():
+            seen["writer"] = _crcs(torch.arange(100.0))
+            inside.set()
+            done.wait(30)  # still inside the block while the main thread saves
+        seen["writer_after"] = _crcs(torch.arange(100.0))
+
+    t = threading.Thread(target=writer)
+    t.start()
+    assert inside.wait(30)
+    seen["other_thread_meanwhile"] = _crcs(torch.arange(100.0))
+    done.set()
+    t.join(30)
+    assert seen["writer"] == {0}
+    assert 0 not in seen["other_thread_meanwhile"] and seen["other_thread_meanwhile"]
+    assert 0 not in seen["writer_after"]
+    assert torch.serialization.get_crc32_options()
+
+
+def test_a_caller_that_turned_the_crc_off_keeps_it_off_after_the_block():
+    torch.serialization.set_crc32_options(False)
+    try:
+        with tp.zip_crc_off_in_this_thread():
+            pass
+        assert not torch.serialization.get_crc32_options()
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+
+def test_a_process_wide_crc_setting_is_refused_and_the_crc_stays_on(monkeypatch, caplog):
+    """On a torch whose CRC setting reaches every thread, checkpoints keep the CRC."""
+    from torch.utils.serialization import config
+
+    class OneValueForAllThreads:  # what a ContextVar replaced by a plain attribute would do
+        def __init__(self) -> None:
+            self.value = True
+
+        def get(self) -> bool:
+            return self.value
+
+        def set(self, value: bool) -> None:
+            self.value = value
+
+    monkeypatch.setattr(
+        config._config["save.compute_crc32"], "user_override", OneValueForAllThreads()
+    )
+    with pytest.raises(tp.TorchAPIError, match="compute_crc32"):
+        tp.check_all()
+    monkeypatch.setattr(tp, "_crc_warned", False)
+    with caplog.at_level("WARNING", logger="steadytrain.checkpoint"):
+        with tp.zip_crc_off_in_this_thread():
+            crcs = _crcs(torch.arange(100.0))
+    assert 0 not in crcs
+    assert "keep torch.save's zip CRC-32" in caplog.text
 
 
 # Private torch names, wherever they appear under src/: only the fence may use them.

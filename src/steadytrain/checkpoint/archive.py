@@ -150,11 +150,26 @@ def _parse_archive(fd: int, base: int, length: int) -> tuple[Any, int] | None:
     if f"{prefix}/data.pkl" not in names:
         return None
     if f"{prefix}/byteorder" in names:
-        if zf.read(f"{prefix}/byteorder").decode() != sys.byteorder:
+        order = _member(zf, window, f"{prefix}/byteorder", length)
+        if order is None or order.decode() != sys.byteorder:
             return None
     elif sys.byteorder != "little":  # archives without the record are little-endian
         return None
     info = data[0]
+    offset = _stored_offset(window, info, length)
+    pkl = _member(zf, window, f"{prefix}/data.pkl", length)
+    if offset is None or pkl is None:
+        return None
+    meta = _meta_tensor(pkl, window)
+    if type(meta) is not torch.Tensor or meta.layout != torch.strided or meta.is_quantized:
+        return None
+    if meta.device.type != "meta" or meta.untyped_storage().nbytes() != info.file_size:
+        return None
+    return meta, base + offset
+
+
+def _stored_offset(window: _Window, info: zipfile.ZipInfo, length: int) -> int | None:
+    """Where an uncompressed member's bytes start in the archive (after its local header)."""
     window.seek(info.header_offset)
     head = window.read(_LOCAL_HEADER.size)
     if len(head) != _LOCAL_HEADER.size:
@@ -163,14 +178,22 @@ def _parse_archive(fd: int, base: int, length: int) -> tuple[Any, int] | None:
     if sig != 0x04034B50:
         return None
     offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    if offset + info.file_size > length:
+    return offset if offset + info.file_size <= length else None
+
+
+def _member(zf: zipfile.ZipFile, window: _Window, name: str, length: int) -> bytes | None:
+    """A small member's bytes, read at its offset rather than through ``zf.read``: our
+    writer saves without zip CRC-32 (``hashing_writer.py``), so members carry CRC 0, which
+    ``zipfile`` refuses; COMMIT's xxh3-64 covers these bytes instead."""
+    info = zf.getinfo(name)
+    if info.compress_type != zipfile.ZIP_STORED:
         return None
-    meta = _meta_tensor(zf.read(f"{prefix}/data.pkl"), window)
-    if type(meta) is not torch.Tensor or meta.layout != torch.strided or meta.is_quantized:
+    offset = _stored_offset(window, info, length)
+    if offset is None:
         return None
-    if meta.device.type != "meta" or meta.untyped_storage().nbytes() != info.file_size:
-        return None
-    return meta, base + offset
+    window.seek(offset)
+    data = window.read(info.file_size)
+    return data if len(data) == info.file_size else None
 
 
 def narrow(t: Any, offsets: Iterable[int], lengths: Iterable[int]) -> Any:

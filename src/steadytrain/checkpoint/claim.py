@@ -20,6 +20,7 @@ import uuid
 from steadytrain.checkpoint import commit as C
 from steadytrain.checkpoint.remote import Root
 from steadytrain.errors import CheckpointError, StorageError
+from steadytrain.storage.publish import fsync_dir
 
 __all__ = ["CLAIM_NAME", "claim_name"]
 
@@ -45,6 +46,9 @@ def claim_name(local: Root, remote: Root | None, step: int, job: str = "") -> st
         except FileExistsError:
             continue  # claimed by another writer since the listing
         if remote is None or _claim_remote(remote, name, body, token):
+            # The new directory's name must survive a power loss as its COMMIT will (which
+            # fsyncs the directory's own entries, not this one); cheap before the data.
+            fsync_dir(local.root)
             return name
         os.rmdir(path)  # the remote name is someone else's: ours stays unused
     raise CheckpointError(

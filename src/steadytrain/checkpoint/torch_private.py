@@ -21,6 +21,15 @@ it, so that callers (``archive``, ``reader``, ``writer``) import them from this 
   the life of the process and never notices its death, so every later save fails with
   ``BrokenPipeError``; ``writer.py`` reads whether it is alive and forgets a dead one so the
   next save starts a new daemon.
+- ``FileSystemWriter.fs``: the ``FileSystem`` a DCP writer creates and renames its files
+  through (torch's own ``FsspecWriter`` swaps it the same way). ``hashing_writer.py`` puts
+  one there that hashes each file as DCP writes it, so COMMIT's checksums need no re-read.
+- ``torch.utils.serialization.config``'s ``save.compute_crc32`` held per thread (a
+  ``ContextVar``, since torch 2.x's config modules keep user overrides per thread): the public
+  ``torch.serialization.set_crc32_options`` then changes only the calling thread's
+  ``torch.save``. ``hashing_writer.py`` turns the zip CRC-32 off in the one thread that runs
+  DCP's write, and only while it runs; on a torch where the setting is process-wide it keeps
+  the CRC (``zip_crc_off_in_this_thread``), so no other thread's archive ever loses it.
 
 Each API is checked once, at first use, not at import: ``import steadytrain`` (and
 ``tokenize``, ``verify``, the loader) must keep working on any torch. A missing or reshaped
@@ -31,12 +40,15 @@ exercises each API, so a torch upgrade that changes one fails loudly there first
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib
 import inspect
 import io
-from collections.abc import Callable, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -53,6 +65,8 @@ __all__ = [
     "identity_stager",
     "checkpoint_daemon",
     "forget_checkpoint_daemon",
+    "file_system_writer",
+    "zip_crc_off_in_this_thread",
     "check_all",
 ]
 
@@ -269,6 +283,84 @@ def forget_checkpoint_daemon(timeout_s: float = 5.0) -> None:
     proc.join(timeout_s)
 
 
+# -- FileSystemWriter.fs -------------------------------------------------------------------
+_WRITER_FS = "torch.distributed.checkpoint.FileSystemWriter.fs"
+_WRITER_FS_WHY = "to checksum each checkpoint file while DCP writes it, not by reading it back"
+
+
+@functools.cache
+def _check_writer_fs() -> type:
+    base = _attr(
+        "torch.distributed.checkpoint.filesystem", "FileSystemBase", _WRITER_FS, _WRITER_FS_WHY
+    )
+    writer = _attr("torch.distributed.checkpoint", "FileSystemWriter", _WRITER_FS, _WRITER_FS_WHY)
+    probe = writer("checkpoint-probe")  # constructing touches nothing on disk
+    if not isinstance(getattr(probe, "fs", None), base):
+        raise _fail(_WRITER_FS, _WRITER_FS_WHY, "changed (no FileSystemBase in .fs)")
+    return writer
+
+
+def file_system_writer(path: str, fs: Any, cls: type | None = None, **kwargs: Any) -> Any:
+    """``FileSystemWriter(path, **kwargs)`` (or its subclass ``cls``) that creates, renames
+    and removes its files through ``fs`` (a DCP ``filesystem.FileSystem``)."""
+    base = _check_writer_fs()
+    writer = (cls or base)(path, **kwargs)
+    writer.fs = fs
+    writer.path = fs.init_path(path)
+    return writer
+
+
+# -- torch.utils.serialization.config: save.compute_crc32, per thread --------------------
+_CRC = "torch.utils.serialization.config save.compute_crc32, set per thread"
+_CRC_WHY = "to skip torch.save's zip CRC-32 in a checkpoint's writing thread and nowhere else"
+_CRC_KEY = "save.compute_crc32"
+_crc_warned = False
+
+
+@functools.cache
+def _check_crc_scope() -> None:
+    """The CRC setting must be per thread, or turning it off would reach every thread's
+    ``torch.save``: its override must be a ``ContextVar`` (one value per thread's context),
+    and setting it inside an empty ``Context`` must leave this thread's value alone."""
+    config = _attr("torch.utils.serialization", "config", _CRC, _CRC_WHY)
+    entry = getattr(config, "_config", {}).get(_CRC_KEY)
+    if not isinstance(getattr(entry, "user_override", None), contextvars.ContextVar):
+        raise _fail(_CRC, _CRC_WHY, "changed (the setting is no longer held per thread)")
+    ser = torch.serialization
+    before = ser.get_crc32_options()
+    inside = contextvars.Context()
+    inside.run(ser.set_crc32_options, not before)
+    if inside.run(ser.get_crc32_options) == before or ser.get_crc32_options() != before:
+        ser.set_crc32_options(before)
+        raise _fail(_CRC, _CRC_WHY, "changed (set_crc32_options reaches other threads)")
+
+
+@contextlib.contextmanager
+def zip_crc_off_in_this_thread() -> Iterator[None]:
+    """``torch.save`` without zip CRC-32 in the calling thread while the block runs; every
+    other thread keeps its own setting (the CRC, unless its code turned it off).
+
+    On a torch where the setting is not per thread the CRC stays on, with one warning: a
+    slower save, never an archive without CRC written by someone else's ``torch.save``."""
+    global _crc_warned
+    try:
+        _check_crc_scope()
+    except TorchAPIError as exc:
+        if not _crc_warned:
+            _crc_warned = True
+            logging.getLogger("steadytrain.checkpoint").warning(
+                "checkpoint shards keep torch.save's zip CRC-32 (slower saves): %s", exc
+            )
+        yield
+        return
+    saved = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(saved)
+
+
 def check_all() -> list[str]:
     """Check every fenced API now; the names checked (TorchAPIError on the first failure)."""
     _unpickler_class()
@@ -276,4 +368,6 @@ def check_all() -> list[str]:
     _check_storage_info()
     _check_stager()
     _daemon_module()
-    return [_UNPICKLER, _TYPED, _STORAGE, _STAGER, _DAEMON]
+    _check_writer_fs()
+    _check_crc_scope()
+    return [_UNPICKLER, _TYPED, _STORAGE, _STAGER, _DAEMON, _WRITER_FS, _CRC]

@@ -33,6 +33,14 @@ from typing import Any
 
 from steadytrain.checkpoint import commit as C
 from steadytrain.checkpoint.claim import claim_name
+from steadytrain.checkpoint.hashing_writer import (
+    CheckpointWriter,
+    fsync_files,
+    hashing_writer,
+    rank_entries,
+    rank_files,
+    write_rank_json,
+)
 from steadytrain.checkpoint.lease import LeaseLostError
 from steadytrain.checkpoint.remote import Root
 from steadytrain.checkpoint.torch_private import (
@@ -107,17 +115,6 @@ class SaveRequest:
     job: str = ""  # the job identity, written into remote CLAIMs for whoever reads them
 
 
-def rank_files(directory: str, rank: int) -> list[str]:
-    """Names of the files ``rank`` wrote into a checkpoint directory."""
-    mine = []
-    for name in os.listdir(directory):
-        if name.startswith(f"__{rank}_") or name == f"state-rank{rank:05d}.json":
-            mine.append(name)
-        elif rank == 0 and name == ".metadata":
-            mine.append(name)
-    return sorted(mine)
-
-
 def _recover_daemon(group: Group, req: SaveRequest) -> dict[str, Any] | None:
     """Collective (process mode): if DCP's checkpoint daemon died on any rank, every rank
     forgets (and kills) its daemon, so this save starts new ones together -- or writes from
@@ -142,11 +139,14 @@ def _recover_daemon(group: Group, req: SaveRequest) -> dict[str, Any] | None:
     return {"action": action, "reason": reason}
 
 
-def _dcp_write(req: SaveRequest, path: str, group: Group, mode: str) -> None:
+def _dcp_write(req: SaveRequest, path: str, group: Group, mode: str) -> dict[str, tuple[int, str]]:
+    """DCP writes (and fsyncs) this rank's shards; returns the (size, xxh3-64) of each file
+    hashed on the way (``hashing_writer.py``; none in ``process`` mode, where DCP writes
+    in its daemon process)."""
     import torch.distributed.checkpoint as dcp
 
-    writer = dcp.FileSystemWriter(path)
     if mode == "process":
+        writer = CheckpointWriter(path)  # pickled to the daemon: no digests come back
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         fut = dcp.async_save(
@@ -157,8 +157,10 @@ def _dcp_write(req: SaveRequest, path: str, group: Group, mode: str) -> None:
             async_stager=identity_stager(),  # staged already: DCP must not copy again
         )
         fut.result()
-    else:
-        dcp.save(req.staged, storage_writer=writer, process_group=group.pg, no_dist=not group.dist)
+        return {}
+    writer, fs = hashing_writer(path)
+    dcp.save(req.staged, storage_writer=writer, process_group=group.pg, no_dist=not group.dist)
+    return fs.digests
 
 
 def run_save(
@@ -201,21 +203,26 @@ def run_save(
     if err is None:
         try:
             os.makedirs(path, exist_ok=True)  # rank 0 created (claimed) it; other nodes make theirs
-            with open(os.path.join(path, f"state-rank{group.rank:05d}.json"), "w") as f:
-                json.dump(req.rank_json, f)
-            _dcp_write(req, path, group, mode)
-            entries = [C.file_entry(path, n, group.rank) for n in rank_files(path, group.rank)]
+            json_name, json_digest = write_rank_json(path, group.rank, req.rank_json)
+            known = _dcp_write(req, path, group, mode)
+            known[json_name] = json_digest
+            fsync_files(path, [json_name])
+            entries = rank_entries(path, group.rank, known)
         except _FAILURES as exc:  # noqa: BLE001
             err = f"rank {group.rank}: {_explain(exc, path, req.nbytes)}"
-        err = _agree(group, err)
-    if err is None and remote is not None:
-        try:
-            remote.upload(path, name, [e["path"] for e in entries])
-        except _FAILURES as exc:  # noqa: BLE001
-            err = f"rank {group.rank}: upload to {remote.url} failed: {type(exc).__name__}: {exc}"
-        err = _agree(group, err)
+        if remote is not None:
+            err = _agree(group, err)
+            if err is None:
+                try:
+                    remote.upload(path, name, [e["path"] for e in entries])
+                except _FAILURES as exc:  # noqa: BLE001
+                    err = (
+                        f"rank {group.rank}: upload to {remote.url} failed: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+        # One collective: every rank learns whether any rank failed, rank 0 gets the files.
+        err, all_entries = _agree_entries(group, err, entries)
     if err is None:
-        all_entries = group.all_gather(entries)
         if group.rank == 0:
             try:
                 if fence is not None:
@@ -366,6 +373,18 @@ def _agree(group: Group, err: str | None) -> str | None:
     except _FAILURES as exc:  # noqa: BLE001
         return err or f"rank {group.rank}: checkpoint group failed: {exc}"
     return "; ".join(errs) if errs else None
+
+
+def _agree_entries(
+    group: Group, err: str | None, entries: list[dict[str, Any]]
+) -> tuple[str | None, list[list[dict[str, Any]]]]:
+    """``_agree`` and the gather of every rank's COMMIT entries in one collective."""
+    try:
+        gathered = group.all_gather((err, entries))
+    except _FAILURES as exc:  # noqa: BLE001
+        return err or f"rank {group.rank}: checkpoint group failed: {exc}", []
+    errs = [e for e, _ in gathered if e]
+    return ("; ".join(errs) if errs else None), [per_rank for _, per_rank in gathered]
 
 
 def _discard(path: str, remote: Root | None, name: str, group: Group) -> None:

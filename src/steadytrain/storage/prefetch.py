@@ -225,9 +225,12 @@ class Prefetcher:
     def _make_room(self, need: int) -> bool:
         """Evict furthest-next-use shards outside the horizon until ``need`` fits."""
         assert self.budget is not None
-        in_flight = sum(self.cache.shard_bytes(s) for s in self._inflight)
         n = self.cache.num_shards
         resident = [s for s in range(n) if self.cache.shard_cached(s)]
+        # A shard still in our in-flight set may already be published (by our other fetch
+        # thread, or by another rank's prefetcher sharing the cache): count its bytes once,
+        # or every rank of a node evicts for room it already has.
+        in_flight = sum(self.cache.shard_bytes(s) for s in self._inflight if s not in resident)
         used = sum(self.cache.shard_bytes(s) for s in resident) + in_flight
         if used + need <= self.budget:
             return True

@@ -41,12 +41,14 @@ LABELS = {
 def labels_from_windows(pair: np.ndarray, windows: np.ndarray | None, labels: str) -> None:
     """Fill ``pair[1]`` (labels) for the convention ``labels``. ``pair[0]`` already holds the
     inputs; ``windows`` are the ``[micro, seq_len + 1]`` token windows (None when ``pair[1]``
-    already holds the shifted labels, as ``Reader.fill_pair`` writes them)."""
+    already holds the labels in that convention, as ``Reader.fill_pair`` writes them)."""
+    if windows is None:
+        return
     if labels == "same":
         # A copy, never a view: a trainer that masks labels in place (pad -> -100) must not
         # change its inputs.
         np.copyto(pair[1], pair[0])
-    elif windows is not None:
+    else:
         pair[1] = windows[:, 1:]
 
 

@@ -308,7 +308,7 @@ class TokenLoader:
         """Micro-batch ``q`` read from the maps (in-process or on the thread), and the bytes
         it read."""
         both = self._new_pair()
-        nbytes = reader.fill_pair(q, both[0], both[1])
+        nbytes = reader.fill_pair(q, both[0], both[1], shift=self.labels == "next")
         return make_batch(self, q, both, None, reader), nbytes
 
     def _finish(self, q: int, raw: np.ndarray, reader: Reader) -> dict[str, torch.Tensor]:
