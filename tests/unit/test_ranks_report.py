@@ -107,6 +107,13 @@ def test_report_names_the_straggler_despite_bad_input(
         if a["kind"] != "straggler":  # rank 0's own alerts: rank 0, on its node
             assert (a["rank"], a["node"]) == (0, "node-a")
 
+    # Rank 0 booked its wait for rank 1 as compute; the report moves it to its own bucket:
+    # rank 1's excess data wait per step over rank 0's, over the slow steps.
+    slow_steps = STEPS - FAULT_FROM + 1
+    assert s["badput_s"]["straggler_wait"] == pytest.approx(slow_steps * (0.09 - 0.002))
+    assert s["goodput_s"] + sum(s["badput_s"].values()) == pytest.approx(s["total_s"])
+    assert s["goodput"] == pytest.approx(s["goodput_s"] / s["total_s"])
+
     width, grid = read_ranks(run).aligned()
     assert width == 1 and set(grid[0]) == set(grid[1]) == set(range(STEPS))
 

@@ -7,6 +7,7 @@
 * ``waits.png``: data wait and checkpoint blocking per step over time;
 * ``goodput.png``: one bar, goodput and every badput bucket as a share of wall time;
 * ``ranks.png``: rank x step heatmaps of data wait and step time (``report_ranks.py``);
+* ``timeline.png``: one row per node: attempts, crashes, incidents (``report_timeline.py``);
 * ``report.html``: one self-contained page (plots embedded, and linked to the PNG files);
 * ``report.json``: the summary returned by ``build_report``.
 """
@@ -28,6 +29,7 @@ from steadytrain.monitor.ledger import iter_ledger, ledger_path
 from steadytrain.monitor.report_ranks import (
     INCIDENT_KEYS,
     attach_ranks,
+    charge_straggler_wait,
     crashes,
     per_unit,
     plot_heatmaps,
@@ -35,6 +37,7 @@ from steadytrain.monitor.report_ranks import (
     ranks_html,
     who,
 )
+from steadytrain.monitor.report_timeline import plot_timeline
 from steadytrain.redact import redact
 from steadytrain.storage.publish import publish_bytes
 
@@ -325,6 +328,9 @@ def _plots(data: dict[str, Any], out: Path) -> dict[str, str]:
     heat = plot_heatmaps(data["ranks"], marks, data["device"], out, plt)
     if heat is not None:
         paths["ranks"] = Path(heat)
+    timeline = plot_timeline(data, out, plt)  # per node: attempts, crashes, incidents
+    if timeline is not None:
+        paths["timeline"] = Path(timeline)
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -379,6 +385,7 @@ recovery point age at the end {summary["recovery_point_age_s"] or 0:.0f} s.</p>
 <h2>Incidents</h2>
 {"<p>None.</p>" if not inc else ""}
 {"<table><tr><th>#</th><th>min</th><th>step</th><th>where</th><th>alert</th><th>diagnosis</th><th>what</th><th>look at next</th></tr>" + inc + "</table>" if inc else ""}
+{"<h2>Timeline per node</h2>" + img("timeline") if "timeline" in summary["plots"] else ""}
 {ranks_html(summary, img)}
 <h2>Throughput</h2>{img("throughput")}
 <h2>Data wait and checkpoint blocking</h2>{img("waits")}
@@ -407,6 +414,7 @@ def build_report(
     step_t = dict(zip(s.step, s.t, strict=True))  # a redone step: its newest attempt's time
     data["alerts"] = attach_ranks(data["alerts"], section["stragglers"], section["ranks"], step_t)
     summary = b.to_dict()
+    charge_straggler_wait(summary, section["view"])  # what rank 0's ledger cannot see
     summary.pop("attempt_summaries")
     summary.update(
         {

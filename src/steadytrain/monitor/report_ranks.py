@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.monitor.alerts import AlertConfig
-from steadytrain.monitor.ranks import read_ranks
+from steadytrain.monitor.ranks import RanksView, read_ranks
 from steadytrain.monitor.straggler import analyze
 
 __all__ = [
@@ -249,3 +249,42 @@ def ranks_html(summary: dict[str, Any], img: Any) -> str:
     if summary["plots"].get("ranks"):
         parts.append(img("ranks"))
     return "\n".join(parts)
+
+
+def straggler_wait_s(view: RanksView) -> float:
+    """Time rank 0 booked as compute while it waited, inside a collective, for a rank that
+    waited on data longer than it did (synchronous data parallelism: a step goes at the
+    pace of its slowest rank's ``next()``). Per step bin: rank 0's steps times the excess
+    of the worst rank's mean data wait per step over rank 0's; a lower bound of the
+    per-step sum (bins average within themselves). 0 without rank files or rank 0's."""
+    width, bins = view.aligned()
+    own = bins.get(0)
+    if not own or len(bins) < 2:
+        return 0.0
+    total = 0.0
+    for idx, b0 in own.items():
+        n0 = b0.get("n") or 0
+        if not n0:
+            continue
+        mine = b0.get("data_wait_s", 0.0) / n0
+        worst = max(
+            (b[idx].get("data_wait_s", 0.0) / b[idx]["n"] for b in bins.values()
+             if idx in b and b[idx].get("n")),
+            default=mine,
+        )  # fmt: skip
+        total += n0 * max(0.0, worst - mine)
+    return total
+
+
+def charge_straggler_wait(summary: dict[str, Any], view: RanksView) -> None:
+    """Move ``straggler_wait_s(view)`` (capped at the productive time) from goodput into
+    its own badput bucket ``straggler_wait`` of the report's ``summary``: rank 0's ledger
+    alone cannot see it."""
+    extra = min(straggler_wait_s(view), float(summary.get("goodput_s") or 0.0))
+    summary["badput_s"]["straggler_wait"] = extra
+    summary["goodput_s"] = float(summary["goodput_s"]) - extra
+    total = float(summary.get("total_s") or 0.0)
+    summary["goodput"] = summary["goodput_s"] / total if total > 0 else 0.0
+    summary["badput"] = {
+        k: (v / total if total > 0 else 0.0) for k, v in summary["badput_s"].items()
+    }

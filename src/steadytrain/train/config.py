@@ -185,10 +185,19 @@ class TrainLoopConfig:
     # torchrun's --nnodes MIN:MAX, repeated here: torchrun does not tell its workers the
     # range, and the loop checks at start that every world size in it splits the batch.
     elastic_nnodes: str = ""
+    # The process group's collective timeout in seconds (0: torch's default, gloo 30 min);
+    # keep it above the hang watchdog's deadlines (docs/monitoring.md).
+    backend_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_choices(self)
         check(self.max_steps >= 1, "max_steps", self.max_steps, "use at least 1")
+        check(
+            self.backend_timeout_s >= 0,
+            "backend_timeout_s",
+            self.backend_timeout_s,
+            "use 0 (torch's default) or a number of seconds",
+        )
         check(self.log_every >= 1, "log_every", self.log_every, "use at least 1")
         check(self.threads >= 0, "threads", self.threads, "use 0 (default) or more")
         self.nnodes_range  # noqa: B018 - validates the text now, before any work

@@ -41,7 +41,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -69,6 +71,7 @@ from steadytrain.train.support import (
     preflight,
     process_start,
     say,
+    say_fetched,
     start_prefetchers,
     weights_digest,
 )
@@ -104,8 +107,12 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - min_ratio)
 
 
-def run_training(cfg: Config) -> dict[str, Any]:
-    """Run (or resume) the job described by ``cfg``; returns a summary (rank 0's view)."""
+def run_training(
+    cfg: Config, *, make_loader: Callable[..., TokenLoader] = TokenLoader
+) -> dict[str, Any]:
+    """Run (or resume) the job described by ``cfg``; returns a summary (rank 0's view).
+    ``make_loader`` builds the loader (called like ``TokenLoader``): incident replays pass
+    a deliberately naive one (``steadytrain.testing.naive_loader``)."""
     # -- 1. Processes: one per rank, started by torchrun (or alone: a world of one) -------
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -128,8 +135,12 @@ def run_training(cfg: Config) -> dict[str, Any]:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    # train.backend_timeout_s: the collective timeout (0: torch's default, gloo 30 min).
+    pg_timeout = (
+        timedelta(seconds=cfg.train.backend_timeout_s) if cfg.train.backend_timeout_s else None
+    )
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=pg_timeout)
     else:  # plain `steadytrain train`: a one-rank group, so every code path is the same
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     # Everything opened from here on is closed on the way out, newest first, whether the run
@@ -163,7 +174,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
         # The order is a pure function of (datasets, weights, seed, seq_len, position): rank r
         # of W takes its slice of each global batch, whatever W was when the checkpoint was
         # made. The loader checks that W divides the batch.
-        loader = TokenLoader(datasets, rank=rank, world_size=world, seed=cfg.seed, config=cfg.data)
+        loader = make_loader(datasets, rank=rank, world_size=world, seed=cfg.seed, config=cfg.data)
         closing.enter_context(loader)
         accum = loader.micro_per_step  # micro-batches per step on this rank
         shift_labels = cfg.data.labels == "same"  # the GPT does not shift (model.py)
@@ -239,6 +250,9 @@ def run_training(cfg: Config) -> dict[str, Any]:
         node_ranks = list(range(rank, rank + int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         if local_rank == 0 and cfg.data.preflight:
             preflight(loader, step, total, node_ranks)  # after restore: the steps ahead of us
+        # On the way out, after the prefetchers stop: what this process fetched that the
+        # node's cache lacked (a staged spare says 0; a partly staged one, how much).
+        closing.callback(say_fetched, loader, rank, local_rank == 0)
         if local_rank == 0 and cfg.data.prefetch_steps:
             # Remote data: the order is known, so one fetcher per node (and dataset) pulls the
             # shards of the node's ranks for the next N steps ahead of need (none when local).
@@ -274,7 +288,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
             attempt=int(attempt_id[1]),
             meter=meter,
             config=cfg.monitor.watchdog,
-            backend_timeout_s=backend_timeout_s(dist.get_backend()),
+            backend_timeout_s=cfg.train.backend_timeout_s or backend_timeout_s(dist.get_backend()),
         )
         closing.enter_context(watchdog)
         trace = StepTrace(run_dir, rank, world, attempt, attempt_id[0], enabled=cfg.train.trace)

