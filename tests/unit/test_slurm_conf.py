@@ -1,6 +1,6 @@
 """The text the Slurm test cluster is started with (``steadytrain.testing.slurm_conf``):
 the settings that make Slurm run on network namespaces of one machine, checked without
-starting it (``tests/nodes/test_slurm.py`` starts it)."""
+starting it (``tests/nodes/test_nodes_slurm.py`` starts it)."""
 
 from __future__ import annotations
 

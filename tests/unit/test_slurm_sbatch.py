@@ -1,7 +1,7 @@
 """``examples/slurm/train.sbatch`` and ``scripts/ensure-slurm.sh`` without a Slurm: syntax,
 and a dry run of the sbatch script with ``srun``/``scontrol`` replaced by shims that record
 their arguments, so the command lines built from the environment variables are checked in
-milliseconds (``tests/nodes/test_slurm.py`` runs the same script under a real Slurm)."""
+milliseconds (``tests/nodes/test_nodes_slurm.py`` runs the same script under a real Slurm)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ What runs where, all under ``ROOT/slurm`` (``ROOT``: the harness's root):
 No cgroups (``proctrack/linuxproc``, ``task/none``), no accounting database (``sacct`` has
 nothing to read: jobs are observed with ``scontrol show job`` and ``squeue``; ``MinJobAge``
 keeps finished jobs visible), ``SlurmUser=root``, ``ReturnToService=2``, ``SlurmdTimeout``
-of 5 s so a killed node is DOWN quickly, and ``cred_expire`` of 20 s (a requeued job waits
+of 5 s so a killed node is DOWN quickly, and ``cred_expire`` of 10 s (a requeued job waits
 that long; 120 s by default). Every daemon and client gets ``SLURM_CONF`` pointing here: the
 machine's ``/etc/slurm`` is never read or written. Only mode ``netns`` is supported (every
 ``slurmd`` listens on the same port, one per address); ``SlurmUnavailable`` says why
@@ -97,7 +97,7 @@ class SlurmCluster:
         *,
         partition: str = "steady",
         slurmd_timeout_s: int = 5,
-        requeue_delay_s: int = 20,
+        requeue_delay_s: int = 10,
         cpus: int = 2,
     ) -> None:
         self.h = h

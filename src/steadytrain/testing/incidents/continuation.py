@@ -118,6 +118,15 @@ def _rank_records(run_dir: str) -> list[dict[str, Any]]:
     return out
 
 
+def rank_nodes(run_dir: str) -> dict[str, list[str]]:
+    """{rank: the nodes its ``rank_start`` records name} (keys are strings, as in JSON)."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for r in _rank_records(run_dir):
+        if r.get("type") == "rank_start":
+            out[str(r["rank"])].add(str(r["node"]))
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
 def lost_nodes(run_dir: str, rep: dict[str, Any]) -> list[dict[str, Any]]:
     """One ``node-loss`` row per node lost: a crashed attempt (the report's ``crashes``)
     whose ranks on that node started it, never ended it, and are absent from the next one."""

@@ -49,18 +49,19 @@ STEPS = 20
 EVERY = 4  # checkpoint interval (steps)
 PARTITION_AT = 9  # the link goes down after this step (the checkpoint of step 8 exists)
 PACE_S = 0.2  # each step's read stalls this long (once per step and rank): a steady pace
-BACKEND_TIMEOUT_S = 30.0  # the gloo collective timeout of both runs (torch default: 30 min)
+BACKEND_TIMEOUT_S = 15.0  # the gloo collective timeout of both runs (torch default: 30 min)
 FLOOR_S = 3.0  # the watchdog's step deadline (tiny steps: k x p99 stays below it)
 RDZV = "last_call_timeout=4,keep_alive_interval=2,keep_alive_max_attempt=4"
 PARTITIONED = "node-1"
 WATCHDOG = [
     f"monitor.watchdog.floor_s={FLOOR_S}",
+    "monitor.watchdog.k=4",  # 4 x p99 of a 0.2 s step stays under the floor on a busy machine
     "monitor.watchdog.poll_s=0.25",
-    "monitor.watchdog.grace_s=5",
+    "monitor.watchdog.grace_s=2",
     "monitor.watchdog.warmup_steps=3",
     # below the backend timeout (with 2 x grace), or the watchdog warns that gloo fires first
-    "monitor.watchdog.init_s=18",
-    "monitor.watchdog.checkpoint_s=18",
+    "monitor.watchdog.init_s=10",
+    "monitor.watchdog.checkpoint_s=10",
 ]
 
 

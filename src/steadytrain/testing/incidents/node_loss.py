@@ -56,12 +56,14 @@ from steadytrain.testing.incidents.continuation import (
     final,
     lost_nodes,
     measured,
+    rank_nodes,
 )
 from steadytrain.testing.nodes import Node, NodeHarness
 
-__all__ = ["KILL_AT", "NNODES", "REL_TOL", "STEPS", "replay"]
+__all__ = ["EVERY", "KILL_AT", "NNODES", "REL_TOL", "STEPS", "replay"]
 
 STEPS, KILL_AT, NNODES = 16, 6, "1:2"
+EVERY = 2  # checkpoint interval (steps)
 REL_TOL = 1e-4  # losses of 1-rank steps against 2-rank ones (summation order only)
 # Seats expire after keep_alive_interval x keep_alive_max_attempt = 8 s; a round with MIN
 # nodes waits last_call_timeout for latecomers (the first round too: both nodes must make
@@ -85,7 +87,7 @@ def _settings(url: str) -> list[str]:
         "data.cache_dir=$NODE_CACHE",  # expanded by each node's process: its own tmpfs
         f"train.max_steps={STEPS}",
         f"train.elastic_nnodes={NNODES}",
-        "checkpoint.every_steps=2",
+        f"checkpoint.every_steps={EVERY}",
         "checkpoint.keep_last=100",
     ]
 
@@ -226,6 +228,15 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
         log(f"[node-loss] reference: 2 nodes, {STEPS} steps, no failure")
         ref_dir = os.path.join(workdir, "reference")
         _job(h, [node0, node1], ref_dir, url, faults="").wait(timeout=300)
+        # What the plain 2-node run shows of the nodes: each rank on its own node, each
+        # node's shards read through its own link into its own cache (emptied next).
+        ref_nodes = {
+            "rank_nodes": rank_nodes(ref_dir),
+            "link_bytes": {n.name: n.link.down.bytes for n in (node0, node1)},
+            "cache_files": {
+                n.name: sum(len(f) for _, _, f in os.walk(n.cache_dir)) for n in (node0, node1)
+            },
+        }
 
         log(f"[node-loss] without the fix: node-1 killed at step {KILL_AT}, no spare")
         for n in (node0, node1):
@@ -282,7 +293,12 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
             },
         },
         # The uninterrupted 2-node run both are compared with (it has no report).
-        "reference": {"run_dir": ref_dir, "weights_sha256": final(ref_dir)["weights"]},
+        "reference": {
+            "run_dir": ref_dir,
+            "weights_sha256": final(ref_dir)["weights"],
+            "final_step": final(ref_dir)["step"],
+            **ref_nodes,
+        },
         "spare": {
             "node": spare.name,
             "staged": {k: staged.get(k) for k in ("shards", "bytes", "bytes_fetched", "verified")},

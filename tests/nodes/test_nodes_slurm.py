@@ -12,7 +12,9 @@ checkpoint committed before it, and every step trained twice (on 2 nodes before 
 - as submitted (``--requeue``): Slurm revokes the allocation and requeues the job, which
   starts again (``Restarts=1``) on the node left;
 - ``sbatch --no-kill``: the job keeps node-0 and its torchrun agent continues elastically
-  (``Restarts=0``, no requeue delay).
+  (``Restarts=0``, no requeue delay). Extended: it runs with ``STEADYTRAIN_EXTENDED_TESTS=1``
+  (the node tests' CI budget is 6 minutes; the elastic continuation itself is in every run,
+  through the node-loss replay).
 """
 
 from __future__ import annotations
@@ -205,6 +207,12 @@ def test_node_killed_job_requeued_and_resumes_exactly(
     _assert_resumed_exactly(run_dir, before, t_kill)
 
 
+@pytest.mark.skipif(
+    os.environ.get("STEADYTRAIN_EXTENDED_TESTS") != "1",
+    reason="extended: 40 s more of the node-harness budget (issue 15: 6 min); the same "
+    "continuation on MIN nodes is tests/nodes/test_replay_node_loss.py's without-fix run; "
+    "STEADYTRAIN_EXTENDED_TESTS=1 runs it",
+)
 def test_no_kill_job_continues_on_the_node_left(cluster: SlurmCluster, url: str, tmp_path) -> None:
     final, run_dir, before, t_kill = _run_and_kill_node1(cluster, url, tmp_path, ["--no-kill"])
     # No requeue: the same allocation, shrunk to node-0, where torchrun went on elastically.
