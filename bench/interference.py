@@ -69,6 +69,7 @@ CONTENDERS: dict[str, tuple[str | None, str | None]] = {
     "loader_w2": ("w2", None),
     "ckpt_thread": (None, "thread"),
     "ckpt_process": (None, "process"),
+    "ckpt_floor": (None, "floor"),  # the same bytes at the same pace, no Python per item
     "defaults": ("thread", "thread"),
     "w1_process": ("w1", "process"),
 }
@@ -156,7 +157,16 @@ class Contender:
     """One way of running the step: where batches come from, and whether a save is in
     flight. Built once; its loader and checkpointer stay alive (idle) between its turns."""
 
-    def __init__(self, name: str, trainer: Trainer, ds: Any, ckpt_dir: str, ballast: Any):
+    def __init__(
+        self,
+        name: str,
+        trainer: Trainer,
+        ds: Any,
+        ckpt_dir: str,
+        ballast: Any,
+        period_s: float = 0.0,
+    ):
+        from _floor_writer import FloorWriter
         from steadytrain.checkpoint import Checkpointer
         from steadytrain.data.read.loader import TokenLoader
 
@@ -182,14 +192,23 @@ class Contender:
             self.batches = (fixed[i % len(fixed)] for i in range(1 << 62))
         self.events: list[dict[str, Any]] = []
         self.saves = 0
-        if ckpt_mode is not None:
+        self.save_s = 0.0  # median background time of a save (from save() to durable)
+        if ckpt_mode == "floor":
+            self.ckpt = FloorWriter(os.path.join(ckpt_dir, name), period_s, self.events.append)
+        elif ckpt_mode is not None:
             self.ckpt = Checkpointer(
                 os.path.join(ckpt_dir, name), every_steps=0, keep_last=2,
                 async_mode=ckpt_mode, on_event=self.events.append,
             )  # fmt: skip
+        if self.ckpt is not None:
             self.states = {"model": trainer.model, "optim": trainer.optim, "ballast": ballast}
-            self._save()  # buffers allocated, daemon started: not part of any round
-            self.ckpt.wait()
+            took = []
+            for _ in range(3):  # buffers allocated, daemon started: not part of any round
+                self._save()
+                t0 = time.perf_counter()
+                self.ckpt.wait()
+                took.append(time.perf_counter() - t0)
+            self.save_s = statistics.median(took)
 
     def _save(self) -> None:
         assert self.ckpt is not None
@@ -256,7 +275,10 @@ def part_a(args: argparse.Namespace, tmp: str, dataset: str) -> dict[str, Any]:
         ballast.register_buffer(f"t{i}", torch.randn(args.ballast_mib * (1 << 18) // 8))
     ds = TokenDataset.open(dataset)
     names = [n for n in CONTENDERS if n in args.contenders]
-    contenders = {n: Contender(n, trainer, ds, os.path.join(tmp, "ckpt"), ballast) for n in names}
+    contenders: dict[str, Contender] = {}
+    for n in names:  # ckpt_floor comes after ckpt_thread, whose pace it keeps
+        pace = contenders["ckpt_thread"].save_s if "ckpt_thread" in contenders else 0.0
+        contenders[n] = Contender(n, trainer, ds, os.path.join(tmp, "ckpt"), ballast, pace)
     rounds: list[dict[str, dict[str, Any]]] = []
     try:
         for r in range(args.rounds):
@@ -285,6 +307,7 @@ def part_a(args: argparse.Namespace, tmp: str, dataset: str) -> dict[str, Any]:
         for k in ("wall", "free_core", "cpu", "blocked", "runq", "data_wait"):
             summary[n][f"{k}_ms"] = spread([1e3 * p[f"{k}_s"] for p in per])
         summary[n]["saves_per_round"] = spread([float(p["saves"]) for p in per])
+        summary[n]["save_background_s"] = contenders[n].save_s
     return {"summary": summary, "rounds": rounds}
 
 

@@ -56,11 +56,17 @@ class _HashingStream:
     def __init__(self, raw: Any) -> None:
         self._raw = raw
         self.hasher = Hasher()
+        # Bound once: ``write`` runs thousands of times a save, on the writer thread, holding
+        # the GIL the training thread needs; one Python frame per call, not three.
+        self._update, self._write = self.hasher.update_unsized, raw.write
+        self.size = 0
         self.sequential = True  # False once anything but appending happened
 
     def write(self, data: Any) -> int:
-        self.hasher.update(data)
-        return self._raw.write(data)
+        self._update(data)
+        n = self._write(data)  # a blocking binary stream writes it all and says how much
+        self.size += n
+        return n
 
     def seek(self, *args: Any) -> int:
         self.sequential = False
@@ -106,7 +112,7 @@ class HashingFileSystem(FileSystem):
             stream = _HashingStream(raw)
             yield stream
         size = os.path.getsize(path)
-        if stream.sequential and stream.hasher.size == size:
+        if stream.sequential and stream.size == size:
             with self._lock:
                 self.digests[name] = (size, stream.hasher.digest_hex())
 

@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from steadytrain.commands._util import print_json
-    from steadytrain.monitor.report import build_report
+    from steadytrain.monitor.report import build_report, slowdown_note
     from steadytrain.monitor.report_ranks import who
 
     s = build_report(args.run_dir, args.out)
@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     for k, v in s["badput"].items():
         if v > 0:
             print(f"  {k:<18} {v:6.1%}  ({s['badput_s'][k]:.1f} s)")
+    if note := slowdown_note(s):
+        print(f"  {note}")
     for i, a in enumerate(s["incidents"], 1):
         where = f" on {who(a)}" if who(a) else ""
         print(

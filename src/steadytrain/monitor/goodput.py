@@ -26,8 +26,12 @@ Over the whole job (every attempt in the ledger):
   - ``slowdown``: productive time a background checkpoint write cost the steps wholly
     beside it (the records between the save's step and its ``checkpoint`` record):
     ``max(0, their productive sum - n x baseline)`` per write, baseline = median productive
-    time of the attempt's latest ``_BASELINE_STEPS`` steps outside writes. It leaves
-    productive time: slowed compute is not booked as work (docs/monitoring.md, issue 13);
+    time of the attempt's latest ``_BASELINE_STEPS`` steps outside writes (not its first
+    step: warm-up), or, while the attempt has none, of the previous attempt's (see
+    ``GoodputAccumulator._baseline_s``). It leaves productive time: slowed compute is not
+    booked as work (docs/monitoring.md, issue 13). Steps beside a write while no baseline
+    existed at all are counted in ``Breakdown.slowdown_unmeasured_steps``: there the bucket
+    reads 0 because it could not be measured, not because nothing was lost;
   - ``lost_to_failures``: productive time of superseded steps (the work redone after a
     resume: steps after the checkpoint that the next attempt restored);
   - ``restart_gap``: wall time from the last record of an attempt to the process start of
@@ -84,7 +88,10 @@ _MAX_CHECKPOINTS = 64
 # Steps outside writes whose median is an attempt's baseline productive step time: enough
 # for a stable median, few enough to follow a run whose step time drifts.
 _BASELINE_STEPS = 33
-STATE_VERSION = 2  # 2: the slowdown bucket and its write/baseline state
+# 2: the slowdown bucket and its write/baseline state; 3: the carried baseline and the
+# unmeasured count (a version-2 state loads with both empty).
+STATE_VERSION = 3
+_LOADABLE_VERSIONS = (2, 3)
 
 
 def productive_s(rec: dict[str, Any]) -> float:
@@ -111,6 +118,9 @@ class Breakdown:
     last_step: int
     recovery_point_age_s: float | None
     attempt_summaries: list[dict[str, Any]] = field(default_factory=list)
+    # Steps that ran beside a background write while no baseline existed (neither the
+    # attempt's own nor one carried from an earlier attempt): their slowdown is unmeasured.
+    slowdown_unmeasured_steps: int = 0
 
     @property
     def goodput(self) -> float:
@@ -136,6 +146,7 @@ class Breakdown:
             "last_step": self.last_step,
             "recovery_point_age_s": self.recovery_point_age_s,
             "attempt_summaries": list(self.attempt_summaries),
+            "slowdown_unmeasured_steps": self.slowdown_unmeasured_steps,
         }
 
 
@@ -162,11 +173,15 @@ class GoodputAccumulator:
         self._attempt: dict[str, Any] | None = None
         self.attempt_summaries: list[dict[str, Any]] = []
         # The slowdown bucket: the open background write [step, productive sum, steps]
-        # (None: none open), the attempt's latest steps outside writes, and whether the next
-        # step record is the one that found a write finished (it overlapped it partly).
+        # (None: none open), the attempt's latest steps outside writes, the last non-empty
+        # such list of an earlier attempt (the fallback, see _baseline_s), whether the next
+        # step record is the one that found a write finished (it overlapped it partly) or
+        # the attempt's first (warm-up), and the steps beside a write with no baseline.
         self._write: list[Any] | None = None
         self._baseline: list[float] = []
+        self._carried: list[float] = []
         self._partial = False
+        self._unmeasured = 0
         self._last_ckpt_record = -1  # step of the newest checkpoint record, ok or not
 
     # -- records ---------------------------------------------------------------------------
@@ -209,7 +224,11 @@ class GoodputAccumulator:
         self.sums["restore"] += restore
         self.attempts += 1
         self._write_ended(None)  # the attempt died mid-write: charge what its steps showed
-        self._baseline, self._partial = [], False  # each attempt has its own baseline
+        if self._baseline:  # the fallback while the new attempt has no baseline yet
+            self._carried = self._baseline
+        # Each attempt has its own baseline, and its first step is no sample of it: it pays
+        # one-time costs (compile, cold allocator and caches) that later steps do not.
+        self._baseline, self._partial = [], True
         self._rollback(int(rec.get("restored_step") or 0))
         self._attempt = {
             "attempt": rec.get("attempt", self.attempts - 1),
@@ -253,6 +272,8 @@ class GoodputAccumulator:
         if self._write is not None:  # ran wholly beside a background write
             self._write[1] += p
             self._write[2] += 1
+            if not (self._baseline or self._carried):
+                self._unmeasured += 1  # nothing to compare it with: _excess() books 0
         elif self._partial:
             self._partial = False
         else:
@@ -282,14 +303,31 @@ class GoodputAccumulator:
             if a["first_step"] is None:
                 a["first_step"] = step
 
+    def _baseline_s(self) -> float | None:
+        """The baseline productive step time: the median of the attempt's own steps outside
+        writes, or, while it has none, of the last earlier attempt that had some (None: no
+        attempt had any).
+
+        The fallback exists because saves can be in flight at every step of an attempt
+        (frequent saves whose writes span several steps, the first one started by the
+        attempt's first step): without it the slowed compute would be booked as productive.
+        It is sound enough because it is the same job training the same model with the same
+        batch size, so a step costs about the same. It is not exact: a restart may land on
+        other machines, and under elastic training the world size may change (and with it
+        the per-rank step time), so the attempt's own baseline replaces it as soon as the
+        attempt has one clean step."""
+        base = sorted(self._baseline or self._carried)
+        if not base:
+            return None
+        mid = len(base) // 2
+        return base[mid] if len(base) % 2 else (base[mid - 1] + base[mid]) / 2
+
     def _excess(self) -> float:
         """The open write's slowdown so far (see module docstring); 0 without a baseline."""
-        if self._write is None or not self._baseline:
+        if self._write is None:
             return 0.0
-        base = sorted(self._baseline)
-        mid = len(base) // 2
-        median = base[mid] if len(base) % 2 else (base[mid - 1] + base[mid]) / 2
-        return max(0.0, self._write[1] - self._write[2] * median)
+        median = self._baseline_s()
+        return 0.0 if median is None else max(0.0, self._write[1] - self._write[2] * median)
 
     def _write_ended(self, step: int | None) -> None:
         """A ``checkpoint`` record of ``step`` (or, ``None``, the end of the attempt) closes
@@ -350,13 +388,20 @@ class GoodputAccumulator:
             "attempt_summaries": [dict(a) for a in self.attempt_summaries],
             "write": None if self._write is None else list(self._write),
             "baseline": list(self._baseline),
+            "carried_baseline": list(self._carried),
+            "unmeasured": self._unmeasured,
             "partial": self._partial,
             "last_ckpt_record": self._last_ckpt_record,
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if sd.get("version") != STATE_VERSION:
-            raise ValueError(f"goodput state version {sd.get('version')!r} != {STATE_VERSION}")
+        # Version 2 (an older run's snapshot on disk) lacks the carried baseline and the
+        # unmeasured count: it loads with both empty rather than forcing a full replay.
+        if sd.get("version") not in _LOADABLE_VERSIONS:
+            raise ValueError(
+                f"goodput state version {sd.get('version')!r} is not one this steadytrain "
+                f"reads {_LOADABLE_VERSIONS}: replay the ledger instead (the meter does)"
+            )
 
         def cum(v: list[Any]) -> tuple[float, int, int]:
             return (float(v[0]), int(v[1]), int(v[2]))
@@ -381,6 +426,8 @@ class GoodputAccumulator:
         w = sd["write"]
         self._write = None if w is None else [int(w[0]), float(w[1]), int(w[2])]
         self._baseline = [float(v) for v in sd["baseline"]]
+        self._carried = [float(v) for v in sd.get("carried_baseline", [])]
+        self._unmeasured = int(sd.get("unmeasured", 0))
         self._partial = bool(sd["partial"])
         self._last_ckpt_record = int(sd["last_ckpt_record"])
 
@@ -408,6 +455,7 @@ class GoodputAccumulator:
             last_step=self.last_step,
             recovery_point_age_s=max(0.0, end - age_from),
             attempt_summaries=[dict(a) for a in self.attempt_summaries],
+            slowdown_unmeasured_steps=self._unmeasured,
         )
 
 

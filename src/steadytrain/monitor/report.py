@@ -41,7 +41,7 @@ from steadytrain.monitor.report_timeline import plot_timeline
 from steadytrain.redact import redact
 from steadytrain.storage.publish import publish_bytes
 
-__all__ = ["build_report", "goodput_class", "GOODPUT_GOOD", "GOODPUT_FAIR"]
+__all__ = ["build_report", "goodput_class", "slowdown_note", "GOODPUT_GOOD", "GOODPUT_FAIR"]
 
 # The page's goodput heading is green only when goodput is good: at or above 90 % (Llama 3
 # reached ~91 % with 30-minute checkpoints), amber from 70 %, red below.
@@ -334,6 +334,18 @@ def _plots(data: dict[str, Any], out: Path) -> dict[str, str]:
     return {k: str(v) for k, v in paths.items()}
 
 
+def slowdown_note(summary: dict[str, Any]) -> str | None:
+    """The words under the bucket table when ``slowdown`` reads 0 for want of a baseline
+    (no step outside a write, in this attempt or an earlier one): unmeasured, not zero."""
+    n = summary.get("slowdown_unmeasured_steps") or 0
+    if not n:
+        return None
+    return (
+        f"slowdown unmeasured for {n} step(s): no step ran without a checkpoint write in "
+        "flight, so there was no baseline step time to compare them with"
+    )
+
+
 def goodput_class(goodput: float) -> str:
     """The heading's colour class: "good" (green) from GOODPUT_GOOD, "fair" (amber) from
     GOODPUT_FAIR, else "poor" (red): 4.5 % is never shown in green."""
@@ -382,6 +394,7 @@ recovery point age at the end {summary["recovery_point_age_s"] or 0:.0f} s.</p>
 <table><tr><th>bucket</th><th>time</th><th>share</th></tr>
 <tr><td>goodput</td><td>{summary["goodput_s"]:.1f} s</td><td>{summary["goodput"]:.1%}</td></tr>
 {rows}</table>
+{f"<p>{e(note)}</p>" if (note := slowdown_note(summary)) else ""}
 <h2>Incidents</h2>
 {"<p>None.</p>" if not inc else ""}
 {"<table><tr><th>#</th><th>min</th><th>step</th><th>where</th><th>alert</th><th>diagnosis</th><th>what</th><th>look at next</th></tr>" + inc + "</table>" if inc else ""}

@@ -64,6 +64,8 @@ class Hasher:
     def __init__(self) -> None:
         self._h = xxhash.xxh3_64()
         self.size = 0
+        # xxhash's own update, for a caller that counts the bytes itself (``size`` stays 0)
+        self.update_unsized = self._h.update
 
     def update(self, data: Any) -> None:
         self._h.update(data)
