@@ -18,7 +18,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "examples"))
-sys.path.insert(0, os.path.join(REPO, "tests", "dist", "checkpoint"))
+sys.path.insert(0, os.path.join(REPO, "tests", "distributed", "checkpoint"))
 
 from launch import launch  # noqa: E402
 from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402

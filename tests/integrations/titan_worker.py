@@ -1,4 +1,4 @@
-"""One rank of the torchtitan boundary test (launched by ``tests/dist/checkpoint/launch.py``).
+"""One rank of the torchtitan boundary test (launched by ``tests/distributed/checkpoint/launch.py``).
 
 ``save DATA FOLDER OUT``: build ``SteadyTitanDataLoader`` through torchtitan's own
 ``Config.build`` with the arguments its trainer passes, take 3 steps of batches, save through

@@ -16,7 +16,9 @@ from steadytrain.storage.store import Store
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(300)]
 
-WORKER = os.path.join(os.path.dirname(__file__), "..", "dist", "checkpoint", "lease_worker.py")
+WORKER = os.path.join(
+    os.path.dirname(__file__), "..", "distributed", "checkpoint", "lease_worker.py"
+)
 
 # Two processes claim the same steps on one remote, each from its own local directory (two
 # nodes, or two jobs): only the store's create-if-absent can keep them apart.

@@ -1,7 +1,7 @@
 """Two-phase commit, verification, damaged checkpoints and COMMITs, retention and the in-flight
 policy.
 
-Single process (DCP without a process group); the multi-rank paths are in tests/dist/.
+Single process (DCP without a process group); the multi-rank paths are in tests/distributed/.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the "No space left on device" label (issue 12 items 1 and 4).
 
 Lease records of other jobs are written here by hand, exactly as another process would
 write them (docs/format.md), with real pids: a live child process, then the same pid once it
-was reaped. The two-process tests are in tests/dist/test_checkpoint_lease.py.
+was reaped. The two-process tests are in tests/distributed/test_checkpoint_lease.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The verifying DCP reader: checks before serving, one-pass streaming, fast path, fallbacks.
 
-Single process, real DCP files (the multi-rank agreement runs in tests/dist/).
+Single process, real DCP files (the multi-rank agreement runs in tests/distributed/).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
+from steadytrain.data.ingest.writer import DatasetWriter
 from steadytrain.data.read.dataset import TokenDataset
 from steadytrain.data.read.loader import TokenLoader
-from steadytrain.data.ingest.writer import DatasetWriter
 
 pytestmark = pytest.mark.dist
 RANK_MAIN = os.path.join(os.path.dirname(__file__), "loader", "rank_main.py")

@@ -1,4 +1,4 @@
-"""One rank of a multi-process checkpoint test (launched by tests/dist/test_checkpoint_*.py).
+"""One rank of a multi-process checkpoint test (launched by tests/distributed/test_checkpoint_*.py).
 
 usage: worker.py save|load KIND:MODE[,KIND:MODE] DIR REF  with RANK/WORLD_SIZE/MASTER_* set;
 KIND is ddp or fsdp, MODE sync/thread/process (used when saving). Each kind uses DIR/KIND.
