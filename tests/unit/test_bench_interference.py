@@ -102,5 +102,7 @@ def test_floor_contender_writes_the_same_bytes_at_the_writers_pace(bench, tmp_pa
         contender.close()
     events = [e for e in contender.events if e["type"] == "checkpoint"]
     assert len(events) == contender.saves and all(e["ok"] for e in events)
-    # 3 saves at start-up and the ones in the run, each held to the 0.3 s pace
-    assert contender.save_s >= 0.3 and took >= 0.3 * got["saves"]
+    # 3 saves at start-up and the ones in the run, each held to the 0.3 s pace. The pace
+    # runs from the write thread's start; save_s from after save() returned, a thread start
+    # later (measured 0.29997 s once): 10 ms of slack for that, far below a missing pace.
+    assert contender.save_s >= 0.3 - 0.01 and took >= 0.3 * got["saves"]
