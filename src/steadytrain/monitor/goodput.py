@@ -24,14 +24,11 @@ Over the whole job (every attempt in the ledger):
     the loop waited for; the background part of an async save is charged under ``slowdown``
     when it slows the steps that run beside it);
   - ``slowdown``: productive time a background checkpoint write cost the steps wholly
-    beside it (the records between the save's step and its ``checkpoint`` record):
-    ``max(0, their productive sum - n x baseline)`` per write, baseline = median productive
-    time of the attempt's latest ``_BASELINE_STEPS`` steps outside writes (not its first
-    step: warm-up), or, while the attempt has none, of the previous attempt's (see
-    ``GoodputAccumulator._baseline_s``). It leaves productive time: slowed compute is not
-    booked as work (docs/monitoring.md, issue 13). Steps beside a write while no baseline
-    existed at all are counted in ``Breakdown.slowdown_unmeasured_steps``: there the bucket
-    reads 0 because it could not be measured, not because nothing was lost;
+    beside it: ``max(0, their productive sum - n x baseline)`` per write, against the
+    attempt's baseline step (``monitor/slowdown.py`` says which steps make it). It leaves
+    productive time: slowed compute is not booked as work (docs/monitoring.md, issue 13).
+    Steps beside a write with no baseline at all are counted in
+    ``Breakdown.slowdown_unmeasured_steps`` (unmeasured, not free);
   - ``lost_to_failures``: productive time of superseded steps (the work redone after a
     resume: steps after the checkpoint that the next attempt restored);
   - ``restart_gap``: wall time from the last record of an attempt to the process start of
@@ -57,6 +54,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from steadytrain.monitor.slowdown import SlowdownTracker
 
 __all__ = [
     "BUCKETS",
@@ -85,9 +84,6 @@ BUCKETS = (
 # ``lost_to_failures``. The live meter, its restart snapshot and the offline report all use
 # the same K, so they always agree.
 _MAX_CHECKPOINTS = 64
-# Steps outside writes whose median is an attempt's baseline productive step time: enough
-# for a stable median, few enough to follow a run whose step time drifts.
-_BASELINE_STEPS = 33
 # 2: the slowdown bucket and its write/baseline state; 3: the carried baseline and the
 # unmeasured count (a version-2 state loads with both empty).
 STATE_VERSION = 3
@@ -172,24 +168,14 @@ class GoodputAccumulator:
         self.last_ckpt_t: float | None = None
         self._attempt: dict[str, Any] | None = None
         self.attempt_summaries: list[dict[str, Any]] = []
-        # The slowdown bucket: the open background write [step, productive sum, steps]
-        # (None: none open), the attempt's latest steps outside writes, the last non-empty
-        # such list of an earlier attempt (the fallback, see _baseline_s), whether the next
-        # step record is the one that found a write finished (it overlapped it partly) or
-        # the attempt's first (warm-up), and the steps beside a write with no baseline.
-        self._write: list[Any] | None = None
-        self._baseline: list[float] = []
-        self._carried: list[float] = []
-        self._partial = False
-        self._unmeasured = 0
-        self._last_ckpt_record = -1  # step of the newest checkpoint record, ok or not
+        self._slow = SlowdownTracker()  # the slowdown bucket's open write and baselines
 
     # -- records ---------------------------------------------------------------------------
     def add(self, rec: dict[str, Any]) -> None:
         kind = rec.get("type")
         t = float(rec.get("t") or 0.0)
         if kind == "checkpoint":  # ok or not: its background write is over
-            self._write_ended(int(rec.get("step", 0)))
+            self._write_ended(self._slow.write_ended(int(rec.get("step", 0))))
         if kind == "job_start":
             self._job_start(rec, t)
         elif kind == "step":
@@ -223,12 +209,9 @@ class GoodputAccumulator:
         self.sums["startup"] += startup
         self.sums["restore"] += restore
         self.attempts += 1
-        self._write_ended(None)  # the attempt died mid-write: charge what its steps showed
-        if self._baseline:  # the fallback while the new attempt has no baseline yet
-            self._carried = self._baseline
-        # Each attempt has its own baseline, and its first step is no sample of it: it pays
-        # one-time costs (compile, cold allocator and caches) that later steps do not.
-        self._baseline, self._partial = [], True
+        # The attempt died mid-write: charge what its steps showed.
+        self._write_ended(self._slow.write_ended(None))
+        self._slow.attempt_started()
         self._rollback(int(rec.get("restored_step") or 0))
         self._attempt = {
             "attempt": rec.get("attempt", self.attempts - 1),
@@ -269,21 +252,7 @@ class GoodputAccumulator:
     def _step(self, rec: dict[str, Any]) -> None:
         step = int(rec.get("step", self.last_step + 1))
         p = productive_s(rec)
-        if self._write is not None:  # ran wholly beside a background write
-            self._write[1] += p
-            self._write[2] += 1
-            if not (self._baseline or self._carried):
-                self._unmeasured += 1  # nothing to compare it with: _excess() books 0
-        elif self._partial:
-            self._partial = False
-        else:
-            self._baseline = (self._baseline + [p])[-_BASELINE_STEPS:]
-        if (
-            self._write is None
-            and float(rec.get("checkpoint_block_s") or 0.0) > 0
-            and step != self._last_ckpt_record
-        ):
-            self._write = [step, 0.0, 0]  # its save started here; its record comes later
+        self._slow.step(step, p, float(rec.get("checkpoint_block_s") or 0.0))
         self.productive_all += p
         self.sums["data_wait"] += float(rec.get("data_wait_s") or 0.0)
         self.sums["checkpoint_block"] += float(rec.get("checkpoint_block_s") or 0.0)
@@ -303,44 +272,9 @@ class GoodputAccumulator:
             if a["first_step"] is None:
                 a["first_step"] = step
 
-    def _baseline_s(self) -> float | None:
-        """The baseline productive step time: the median of the attempt's own steps outside
-        writes, or, while it has none, of the last earlier attempt that had some (None: no
-        attempt had any).
-
-        The fallback exists because saves can be in flight at every step of an attempt
-        (frequent saves whose writes span several steps, the first one started by the
-        attempt's first step): without it the slowed compute would be booked as productive.
-        It is sound enough because it is the same job training the same model with the same
-        batch size, so a step costs about the same. It is not exact: a restart may land on
-        other machines, and under elastic training the world size may change (and with it
-        the per-rank step time), so the attempt's own baseline replaces it as soon as the
-        attempt has one clean step."""
-        base = sorted(self._baseline or self._carried)
-        if not base:
-            return None
-        mid = len(base) // 2
-        return base[mid] if len(base) % 2 else (base[mid - 1] + base[mid]) / 2
-
-    def _excess(self) -> float:
-        """The open write's slowdown so far (see module docstring); 0 without a baseline."""
-        if self._write is None:
-            return 0.0
-        median = self._baseline_s()
-        return 0.0 if median is None else max(0.0, self._write[1] - self._write[2] * median)
-
-    def _write_ended(self, step: int | None) -> None:
-        """A ``checkpoint`` record of ``step`` (or, ``None``, the end of the attempt) closes
-        the open write: its excess moves from productive time to ``slowdown``. Its steps are
+    def _write_ended(self, excess: float) -> None:
+        """A closed write's excess moves from productive time to ``slowdown``. Its steps are
         the newest of the timeline, so the kept cumulative time drops by the same amount."""
-        if step is not None:
-            self._last_ckpt_record = step
-        # One save is in flight at a time: a record of a later step ends this write too.
-        if self._write is None or (step is not None and step < self._write[0]):
-            return
-        excess = self._excess()
-        self._write = None
-        self._partial = step is not None
         self.sums["slowdown"] += excess
         self.productive_all -= excess
         c = self.cum
@@ -386,12 +320,7 @@ class GoodputAccumulator:
             # The open attempt is the last summary (the same dict object while live).
             "attempt_open": self._attempt is not None,
             "attempt_summaries": [dict(a) for a in self.attempt_summaries],
-            "write": None if self._write is None else list(self._write),
-            "baseline": list(self._baseline),
-            "carried_baseline": list(self._carried),
-            "unmeasured": self._unmeasured,
-            "partial": self._partial,
-            "last_ckpt_record": self._last_ckpt_record,
+            **self._slow.state_dict(),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -423,13 +352,7 @@ class GoodputAccumulator:
         self._attempt = (
             self.attempt_summaries[-1] if sd["attempt_open"] and self.attempt_summaries else None
         )
-        w = sd["write"]
-        self._write = None if w is None else [int(w[0]), float(w[1]), int(w[2])]
-        self._baseline = [float(v) for v in sd["baseline"]]
-        self._carried = [float(v) for v in sd.get("carried_baseline", [])]
-        self._unmeasured = int(sd.get("unmeasured", 0))
-        self._partial = bool(sd["partial"])
-        self._last_ckpt_record = int(sd["last_ckpt_record"])
+        self._slow.load_state_dict(sd)
 
     # -- totals ----------------------------------------------------------------------------
     def breakdown(self, now: float | None = None) -> Breakdown:
@@ -437,7 +360,7 @@ class GoodputAccumulator:
             return Breakdown(0.0, 0.0, dict.fromkeys(BUCKETS, 0.0), 0, 0, 0, 0, 0, 0, None)
         end = max(now if now is not None else 0.0, self.last_t or self.start)
         total = max(0.0, end - self.start)
-        pending = self._excess()  # a write still in flight: its slowdown so far
+        pending = self._slow.excess()  # a write still in flight: its slowdown so far
         goodput_s = self.productive_all - pending - self.sums["lost_to_failures"]
         bad = dict(self.sums)
         bad["slowdown"] += pending
@@ -455,7 +378,7 @@ class GoodputAccumulator:
             last_step=self.last_step,
             recovery_point_age_s=max(0.0, end - age_from),
             attempt_summaries=[dict(a) for a in self.attempt_summaries],
-            slowdown_unmeasured_steps=self._unmeasured,
+            slowdown_unmeasured_steps=self._slow.unmeasured,
         )
 
 
