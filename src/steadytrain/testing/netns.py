@@ -23,8 +23,10 @@ import time
 from collections.abc import Iterable, Iterator
 
 __all__ = [
+    "ETC_NETNS",
     "NetnsUnavailable",
     "SUBNET_PREFIX",
+    "alive",
     "allocate_subnet",
     "check_netns",
     "ip",
@@ -38,7 +40,7 @@ __all__ = [
 ]
 
 SUBNET_PREFIX = "10.213"  # the harness owns 10.213.N.0/24; N is chosen free per harness
-_ETC_NETNS = "/etc/netns"  # ip-netns(8): files mounted over /etc in a namespace
+ETC_NETNS = "/etc/netns"  # ip-netns(8): files mounted over /etc in a namespace
 _LOCK = os.path.join(tempfile.gettempdir(), "steadytrain-nodes.lock")
 
 
@@ -110,7 +112,7 @@ def add_namespace(ns: str, host_end: str, bridge: str, addr: str, hosts: list[st
     ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
     ip("-n", ns, "link", "set", "eth0", "up")
     ip("-n", ns, "link", "set", "lo", "up")
-    etc = os.path.join(_ETC_NETNS, ns)
+    etc = os.path.join(ETC_NETNS, ns)
     os.makedirs(etc, exist_ok=True)
     with open(os.path.join(etc, "hosts"), "w") as f:
         f.write("\n".join(["127.0.0.1 localhost", *hosts]) + "\n")
@@ -123,7 +125,7 @@ def remove_namespace(ns: str, host_end: str) -> None:
     asynchronously: the host end goes first, so the pair is gone when this returns."""
     ip("link", "del", host_end, check=False)
     ip("netns", "del", ns, check=False)
-    shutil.rmtree(os.path.join(_ETC_NETNS, ns), ignore_errors=True)
+    shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
 
 
 def leftovers(ns_prefix: str, link_prefix: str) -> list[str]:
@@ -131,7 +133,7 @@ def leftovers(ns_prefix: str, link_prefix: str) -> list[str]:
     out = [f"namespace {w}" for w in ip("netns", "list", check=False).stdout.split()]
     out = [w for w in out if w.startswith(f"namespace {ns_prefix}")]
     with contextlib.suppress(FileNotFoundError):
-        out += [f"file {_ETC_NETNS}/{d}" for d in os.listdir(_ETC_NETNS) if d.startswith(ns_prefix)]
+        out += [f"file {ETC_NETNS}/{d}" for d in os.listdir(ETC_NETNS) if d.startswith(ns_prefix)]
     for line in ip("-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
         if name.startswith(link_prefix):
@@ -163,7 +165,7 @@ def marked_pids(marker: str) -> set[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie has finished: only its parent's wait is missing)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -191,13 +193,13 @@ def kill_pids(pids: Iterable[int], *, grace_s: float = 0.0) -> list[tuple[int, s
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.05)
-    survivors = sorted(p for p in pids if _alive(p))
+    survivors = sorted(p for p in pids if alive(p))
     for pid in survivors:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in survivors):
+    while time.monotonic() < deadline and any(alive(p) for p in survivors):
         time.sleep(0.02)
     return [(p, names[p]) for p in survivors] if grace_s > 0 else []

@@ -68,10 +68,18 @@ from steadytrain.testing.tmpfs import TmpfsUnavailable, tmpfs
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
-__all__ = ["MARK_ENV", "Node", "NodeHarness"]
+__all__ = ["MARK_ENV", "Node", "NodeHarness", "env_without_proxies"]
 
 MARK_ENV = "STEADYTRAIN_NODE_HARNESS"
 _PROXY_VARS = {"http_proxy", "https_proxy", "all_proxy", "ftp_proxy"}
+
+
+def env_without_proxies() -> dict[str, str]:
+    """This process's environment less any HTTP proxy variable: node traffic stays on the
+    harness's own addresses (the bridge, loopback), never a proxy elsewhere."""
+    return {k: v for k, v in os.environ.items() if k.lower() not in _PROXY_VARS}
+
+
 Mode = Literal["auto", "netns", "loopback"]
 
 
@@ -222,7 +230,7 @@ class NodeHarness:
             self.log(f"[nodes] {name}: local disk is a plain directory ({e})")
             on_tmpfs = False
         link = SlowLink(self.server.ports["s3.port"], listen_host=self.host_addr)
-        env = {k: v for k, v in os.environ.items() if k.lower() not in _PROXY_VARS}
+        env = env_without_proxies()
         env.update(
             {
                 "STEADYTRAIN_NODE": name,
@@ -275,7 +283,7 @@ class NodeHarness:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            netns.kill_pids(self._tree(proc))
+            netns.kill_pids(self.process_tree(proc))
             proc.communicate()
             raise
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -321,11 +329,12 @@ class NodeHarness:
         if node.netns:
             found |= netns.netns_pids(node.netns)
         for proc in node.procs:
-            found |= self._tree(proc)
+            found |= self.process_tree(proc)
         return found
 
     @staticmethod
-    def _tree(proc: subprocess.Popen[Any]) -> set[int]:
+    def process_tree(proc: subprocess.Popen[Any]) -> set[int]:
+        """``proc`` and every descendant still running (empty once ``proc`` ended)."""
         if proc.poll() is not None:
             return set()
         try:

@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from steadytrain.testing import netns
-from steadytrain.testing.nodes import _PROXY_VARS, MARK_ENV, Node, NodeHarness
+from steadytrain.testing.nodes import MARK_ENV, Node, NodeHarness, env_without_proxies
 from steadytrain.testing.slurm_conf import hosts_file, slurm_conf, slurmctld_shell, slurmd_shell
 
 __all__ = ["BINARIES", "SlurmCluster", "SlurmStartError", "SlurmUnavailable", "missing_binaries"]
@@ -197,7 +197,7 @@ class SlurmCluster:
         nodes = [(n.name, n.addr) for n in self.h.nodes]
         for node in self.h.nodes:
             text = hosts_file(self.h.host_addr, nodes, node.name, socket.gethostname())
-            with open(os.path.join(netns._ETC_NETNS, node.netns or "", "hosts"), "r+") as f:
+            with open(os.path.join(netns.ETC_NETNS, node.netns or "", "hosts"), "r+") as f:
                 f.truncate()
                 f.write(text)
 
@@ -285,12 +285,12 @@ class SlurmCluster:
         munged, by PID: SIGTERM, and SIGKILL after the harness's grace."""
         for proc in self.slurmds.values():
             if proc.poll() is None:
-                netns.kill_pids(self.h._tree(proc), grace_s=self.h.grace_s)
+                netns.kill_pids(self.h.process_tree(proc), grace_s=self.h.grace_s)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5)
         for proc in (self.slurmctld, self.munged):
             if proc is not None and proc.poll() is None:
-                tree = self.h._tree(proc)  # slurmctld forks slurmscriptd, which has no path
+                tree = self.h.process_tree(proc)  # slurmctld forks slurmscriptd, which has no path
                 self._stopped |= tree
                 netns.kill_pids(tree, grace_s=self.h.grace_s)
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -306,7 +306,7 @@ class SlurmCluster:
         out = [f"{what} pid {p.pid}" for what, p in procs if p is not None and p.poll() is None]
         for pid in os.listdir("/proc"):  # anything started with our config, key or socket
             mine = pid.isdigit() and (self.dir in _cmdline(pid) or int(pid) in self._stopped)
-            if mine and netns._alive(int(pid)):  # a zombie has finished
+            if mine and netns.alive(int(pid)):  # a zombie has finished
                 out.append(f"process {pid}: {_cmdline(pid)[:200]}")
         return out
 
@@ -329,7 +329,7 @@ class SlurmCluster:
         one thread. No ``STEADYTRAIN_NODE``: ranks name their node by host name, the UTS
         name ``node-K`` here, as on a cluster."""
         assert self.h.server is not None, "start() the harness first"
-        env = {k: v for k, v in os.environ.items() if k.lower() not in _PROXY_VARS}
+        env = env_without_proxies()
         for drop in ("STEADYTRAIN_NODE", MARK_ENV, "NODE_CACHE", "NODE_ADDR"):
             env.pop(drop, None)
         env.update(
