@@ -36,8 +36,8 @@ def step(t, s, compute, cb=0.0):
     }
 
 
-def ckpt(t, s, ok=True):
-    return {"type": "checkpoint", "t": t, "step": s, "ok": ok, "durable_s": 1.0}
+def ckpt(t, s, ok=True, durable_s=1.0):
+    return {"type": "checkpoint", "t": t, "step": s, "ok": ok, "durable_s": durable_s}
 
 
 class Clock:
@@ -46,13 +46,19 @@ class Clock:
     def __init__(self) -> None:
         self.t = 100.0
         self.records: list[dict] = [start(self.t)]
+        self.saved_at: dict[int, float] = {}  # step -> when its save started
 
     def step(self, s: int, compute: float, cb: float = 0.0) -> None:
         self.t += compute + cb
         self.records.append(step(self.t, s, compute, cb))
+        if cb:
+            self.saved_at[s] = self.t - cb  # the block ends the step (the loop saves last)
 
-    def ckpt(self, s: int, ok: bool = True) -> None:
-        self.records.append(ckpt(self.t, s, ok))
+    def ckpt(self, s: int, ok: bool = True, ended_into: float = 0.0) -> None:
+        """The record of step ``s``'s save, delivered now (before the next step's record);
+        its write ended ``ended_into`` seconds into that next step (0: before it began)."""
+        durable = self.t + ended_into - self.saved_at.get(s, self.t - 1.0)
+        self.records.append(ckpt(self.t, s, ok, durable))
 
 
 def async_save_run(write_steps: list[float]) -> Clock:
@@ -91,6 +97,62 @@ def test_noise_around_the_baseline_cancels_within_one_write() -> None:
     b = compute_goodput(async_save_run([0.9, 1.1, 1.0]).records)
     assert b.badput_s["slowdown"] == pytest.approx(0.0)
     check_sums(b)
+
+
+def short_write_run(beside: list[float], found: float, ended_into: float) -> Clock:
+    """Baseline 1.0 (steps 2-5), a save at step 6 whose write runs beside ``beside`` and
+    ends ``ended_into`` seconds into the step that finds it finished (``found`` s long)."""
+    c = Clock()
+    for s in range(1, 6):
+        c.step(s, 1.0)
+    c.step(6, 1.0, cb=0.2)
+    for i, compute in enumerate(beside):
+        c.step(7 + i, compute)
+    c.ckpt(6, ended_into=ended_into)
+    c.step(7 + len(beside), found)
+    c.step(8 + len(beside), 1.0)
+    return c
+
+
+def test_a_write_shorter_than_a_step_is_charged_pro_rata_to_the_step_it_overlapped() -> None:
+    # The write ended 0.75 s into a 1.5 s step: half of that step ran beside it, so half
+    # of it counts: 0.5 x 1.5 - 0.5 x 1.0. Left out, as before, the write would be free.
+    b = compute_goodput(short_write_run([], 1.5, 0.75).records)
+    assert b.badput_s["slowdown"] == pytest.approx(0.25)
+    assert b.goodput_s == pytest.approx(5 * 1.0 + 1.0 + 1.5 + 1.0 - 0.25)
+    check_sums(b)
+    # Steps wholly beside it count whole, the last one its share: (1.2 + 1.3 + 0.2 x 1.5)
+    # - (2 + 0.2) x 1.0.
+    b = compute_goodput(short_write_run([1.2, 1.3], 1.5, 0.3).records)
+    assert b.badput_s["slowdown"] == pytest.approx(2.8 - 2.2)
+
+
+def test_a_record_without_durable_s_leaves_the_finding_step_out() -> None:
+    # An older ledger: no durable_s, so no end time; the step that found the write
+    # finished counts as neither, the steps wholly beside it still count.
+    for beside, want in (([], 0.0), ([1.2, 1.3], 0.5)):
+        records = short_write_run(beside, 1.5, 0.75).records
+        for r in records:
+            if r["type"] == "checkpoint":
+                del r["durable_s"]
+        assert compute_goodput(records).badput_s["slowdown"] == pytest.approx(want)
+
+
+def test_state_dict_between_the_record_and_the_finding_step_continues_exactly() -> None:
+    records = short_write_run([1.2], 1.5, 0.75).records
+    whole = compute_goodput(records).to_dict()
+    cut = next(i for i, r in enumerate(records) if r["type"] == "checkpoint") + 1
+    acc = GoodputAccumulator()
+    for rec in records[:cut]:
+        acc.add(rec)
+    sd = json.loads(json.dumps(acc.state_dict()))
+    assert sd["write_end_t"] is not None  # the write ended; its last step is still to come
+    resumed = GoodputAccumulator()
+    resumed.load_state_dict(sd)
+    for rec in records[cut:]:
+        resumed.add(rec)
+    assert resumed.breakdown().to_dict() == whole
+    assert whole["badput_s"]["slowdown"] == pytest.approx(1.2 + 0.75 - 1.5)
 
 
 def test_a_synchronous_save_opens_no_write() -> None:

@@ -23,9 +23,10 @@ Over the whole job (every attempt in the ledger):
   - ``checkpoint_block``: ``checkpoint_block_s`` of every step record (the part of a save
     the loop waited for; the background part of an async save is charged under ``slowdown``
     when it slows the steps that run beside it);
-  - ``slowdown``: productive time a background checkpoint write cost the steps wholly
-    beside it: ``max(0, their productive sum - n x baseline)`` per write, against the
-    attempt's baseline step (``monitor/slowdown.py`` says which steps make it). It leaves
+  - ``slowdown``: productive time a background checkpoint write cost the steps beside it
+    (the one that found it finished pro rata): ``max(0, their productive sum - n x
+    baseline)`` per write, against the attempt's baseline step (``monitor/slowdown.py``
+    says which steps make it). It leaves
     productive time: slowed compute is not booked as work (docs/monitoring.md, issue 13).
     Steps beside a write with no baseline at all are counted in
     ``Breakdown.slowdown_unmeasured_steps`` (unmeasured, not free);
@@ -175,7 +176,8 @@ class GoodputAccumulator:
         kind = rec.get("type")
         t = float(rec.get("t") or 0.0)
         if kind == "checkpoint":  # ok or not: its background write is over
-            self._write_ended(self._slow.write_ended(int(rec.get("step", 0))))
+            durable = rec.get("durable_s")
+            self._write_ended(self._slow.write_ended(int(rec.get("step", 0)), durable))
         if kind == "job_start":
             self._job_start(rec, t)
         elif kind == "step":
@@ -252,13 +254,20 @@ class GoodputAccumulator:
     def _step(self, rec: dict[str, Any]) -> None:
         step = int(rec.get("step", self.last_step + 1))
         p = productive_s(rec)
-        self._slow.step(step, p, float(rec.get("checkpoint_block_s") or 0.0))
+        block = float(rec.get("checkpoint_block_s") or 0.0)
+        t, step_s = rec.get("t"), rec.get("step_s")
+        closed = self._slow.step(
+            step, p, block, None if t is None else float(t), float(step_s or 0.0) or None
+        )
         self.productive_all += p
         self.sums["data_wait"] += float(rec.get("data_wait_s") or 0.0)
-        self.sums["checkpoint_block"] += float(rec.get("checkpoint_block_s") or 0.0)
+        self.sums["checkpoint_block"] += block
         self.steps_recorded += 1
         c = self.cum
         self.cum = (c[0] + p, c[1] + int(rec.get("tokens") or 0), c[2] + 1)
+        self._write_ended(
+            closed
+        )  # a write this step found finished: its excess, this step's share included
         self.last_step = step
         self._recent.append((step, self.cum))
         if self._pending:
