@@ -23,21 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.errors import SteadyError
-from steadytrain.extras import require
 from steadytrain.monitor.goodput import BUCKETS, GoodputAccumulator
 from steadytrain.monitor.ledger import iter_ledger, ledger_path
+from steadytrain.monitor.report_plots import plots as _plots
 from steadytrain.monitor.report_ranks import (
     INCIDENT_KEYS,
     attach_ranks,
     charge_straggler_wait,
     crashes,
-    per_unit,
-    plot_heatmaps,
     rank_section,
     ranks_html,
     who,
 )
-from steadytrain.monitor.report_timeline import plot_timeline
 from steadytrain.redact import redact
 from steadytrain.storage.publish import publish_bytes
 
@@ -47,19 +44,6 @@ __all__ = ["build_report", "goodput_class", "slowdown_note", "GOODPUT_GOOD", "GO
 # reached ~91 % with 30-minute checkpoints), amber from 70 %, red below.
 GOODPUT_GOOD = 0.90
 GOODPUT_FAIR = 0.70
-
-_MAX_POINTS = 4000  # plot points; longer runs are averaged into time bins
-_COLORS = {
-    "goodput": "#2e7d32",
-    "startup": "#90a4ae",
-    "restore": "#607d8b",
-    "data_wait": "#ef6c00",
-    "checkpoint_block": "#6a1b9a",
-    "slowdown": "#ab47bc",
-    "lost_to_failures": "#c62828",
-    "restart_gap": "#424242",
-    "other": "#bdbdbd",
-}
 
 
 class _Series:
@@ -144,194 +128,6 @@ def _read(run_dir: Path) -> dict[str, Any]:
         "crashes": crashes(starts, ends, s),
         "band_kind": "expected" if band else ("learned" if band_learned else None),
     }
-
-
-def _unit(data: dict[str, Any]) -> tuple[float, str]:
-    total = data["breakdown"].total_s
-    if total < 600:
-        return 1.0, "seconds"
-    if total < 36_000:
-        return 60.0, "minutes"
-    return 3600.0, "hours"
-
-
-def _segments(s: _Series, y: array, t0: float, unit: float) -> list[tuple[list, list]]:
-    """One (x, y) line per attempt, so restart gaps are not drawn as slopes; long runs are
-    averaged into at most _MAX_POINTS bins, short noisy ones smoothed over a few steps."""
-    out = []
-    n = len(s.t)
-    k = max(1, -(-n // _MAX_POINTS), n // 100)
-    i = 0
-    while i < n:
-        j = i
-        while j < n and s.attempt[j] == s.attempt[i]:
-            j += 1
-        xs, ys = [], []
-        for a in range(i, j, k):
-            b = min(j, a + k)
-            xs.append((sum(s.t[a:b]) / (b - a) - t0) / unit)
-            ys.append(sum(y[a:b]) / (b - a))
-        out.append((xs, ys))
-        i = j
-    return out
-
-
-def _mark_events(ax: Any, data: dict[str, Any], label: bool, unit: float) -> None:
-    t0 = data["t0"]
-    for i, st in enumerate(data["starts"][1:], 1):
-        x = (st["t"] - t0) / unit
-        ax.axvline(x, color="#424242", ls="--", lw=1)
-        if label:
-            ax.annotate(
-                f"restart {i}\n(from step {st.get('restored_step', 0)})",
-                (x, 1),
-                xycoords=("data", "axes fraction"),
-                fontsize=7,
-                va="top",
-                ha="left",
-            )
-    for c in data.get("crashes", []):
-        if c.get("t") is None:
-            continue
-        x = (c["t"] - t0) / unit
-        ax.axvline(x, color="#212121", ls=":", lw=1.5)
-        if label:
-            ax.annotate(
-                f"crash\n(step {c['step']})",
-                (x, 0.75),
-                xycoords=("data", "axes fraction"),
-                fontsize=7,
-                ha="right",
-            )
-    # Incident labels sit at the bottom of the axes (the legend is outside them); labels
-    # of incidents closer than ~3 % of the width stack upwards instead of overprinting.
-    lo, hi = ax.get_xlim()
-    last_x, level = None, 0
-    marks = sorted(
-        ((a["t"] - t0) / unit, j)
-        for j, a in enumerate(data["alerts"], 1)
-        if a.get("t") is not None  # a post-hoc finding past the ledger's last step
-    )
-    for x, j in marks:
-        ax.axvline(x, color="#c62828", lw=1, alpha=0.7)
-        if not label:
-            continue
-        close = last_x is not None and x - last_x < 0.03 * (hi - lo)
-        level = level + 1 if close else 0
-        last_x = x
-        ax.annotate(
-            f"#{j}",
-            (x, 0.02 + 0.07 * (level % 6)),
-            xycoords=("data", "axes fraction"),
-            xytext=(2, 0),
-            textcoords="offset points",
-            color="#c62828",
-            fontsize=8,
-        )
-
-
-def _shade_bands(ax: Any, data: dict[str, Any], top: float, unit: float) -> None:
-    """Each attempt's band over that attempt's steps only (see ``_read``)."""
-    t0, starts, s = data["t0"], data["starts"], data["series"]
-    last = {a: t for a, t in zip(s.attempt, s.t, strict=True)}  # each attempt's last step
-    labelled = set()
-    for i, entry in enumerate(data["bands"]):
-        if entry is None or i not in last:
-            continue
-        lo, hi = entry["band"]
-        x0, x1 = (starts[i]["t"] - t0) / unit, (last[i] - t0) / unit
-        kind = entry["kind"]
-        ax.fill_between(
-            [x0, x1],
-            lo,
-            hi if hi is not None else max(top, lo) * 1.05,
-            color="#2e7d32",
-            alpha=0.12,
-            lw=0,
-            label=None
-            if kind in labelled
-            else f"{kind} band" + (" (each attempt's own)" if kind == "learned" else ""),
-        )
-        labelled.add(kind)
-
-
-def _plots(data: dict[str, Any], out: Path) -> dict[str, str]:
-    matplotlib = require("matplotlib", "the report's plots")
-
-    matplotlib.use("Agg")  # no display; safe in threads and on servers
-    import matplotlib.pyplot as plt
-
-    s, t0 = data["series"], data["t0"]
-    unit, unit_name = _unit(data)
-    paths = {}
-
-    per = f"tokens/s per {per_unit(data['device'])}"  # "per GPU" only on a CUDA run
-    fig, ax = plt.subplots(figsize=(11, 4))
-    top = 0.0
-    for i, (xs, ys) in enumerate(_segments(s, s.tps, t0, unit)):
-        ax.plot(xs, ys, lw=1.2, color="#1565c0", label=per if i == 0 else None)
-        top = max([top, *ys])
-    _shade_bands(ax, data, top, unit)
-    _mark_events(ax, data, label=True, unit=unit)
-    ax.set_xlabel(f"{unit_name} since job start")
-    ax.set_ylabel(per)
-    ax.set_ylim(bottom=0)
-    ax.set_title("Throughput (red lines: incidents #n, dashed: restarts, dotted: crashes)")
-    # Outside the axes: inside, it covered the incident labels along the bottom.
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)
-    paths["throughput"] = out / "throughput.png"
-    fig.tight_layout()
-    fig.savefig(paths["throughput"], dpi=100, bbox_inches="tight")
-    plt.close(fig)
-
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
-    for xs, ys in _segments(s, s.data, t0, unit):
-        a1.plot(xs, ys, lw=1.2, color=_COLORS["data_wait"])
-    a1.set_ylabel("data wait (s/step)")
-    for xs, ys in _segments(s, s.ckpt, t0, unit):
-        a2.plot(xs, ys, lw=1.2, color=_COLORS["checkpoint_block"])
-    a2.set_ylabel("checkpoint block (s/step)")
-    a2.set_xlabel(f"{unit_name} since job start")
-    for ax in (a1, a2):
-        _mark_events(ax, data, label=ax is a1, unit=unit)
-        ax.set_ylim(bottom=0)
-    a1.set_title("Where the loop waited")
-    paths["waits"] = out / "waits.png"
-    fig.tight_layout()
-    fig.savefig(paths["waits"], dpi=100)
-    plt.close(fig)
-
-    b = data["breakdown"]
-    fig, ax = plt.subplots(figsize=(10, 3))
-    left = 0.0
-    parts = [("goodput", b.goodput)] + list(b.badput_fraction().items())
-    for name, frac in parts:
-        if frac <= 0:
-            continue
-        ax.barh(0, frac, left=left, color=_COLORS[name], label=f"{name} {frac:.1%}")
-        left += frac
-    ax.set_xlim(0, 1)
-    ax.set_yticks([])
-    ax.set_xlabel("share of job wall time")
-    ax.set_title(f"Goodput {b.goodput:.1%} over {b.total_s / 60:.1f} min, {b.attempts} attempt(s)")
-    # The legend goes in its own strip under the axis label (inside the axes it would hide
-    # the thin segments; overlapping the axis it hides the tick labels).
-    fig.subplots_adjust(left=0.03, right=0.97, top=0.85, bottom=0.5)
-    fig.legend(loc="lower center", ncol=4, fontsize=8, frameon=False)
-    paths["goodput"] = out / "goodput.png"
-    fig.savefig(paths["goodput"], dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    marks = {
-        "restarts": [int(st.get("restored_step") or 0) for st in data["starts"][1:]],
-        "crashes": [c["step"] for c in data.get("crashes", [])],
-    }
-    heat = plot_heatmaps(data["ranks"], marks, data["device"], out, plt)
-    if heat is not None:
-        paths["ranks"] = Path(heat)
-    timeline = plot_timeline(data, out, plt)  # per node: attempts, crashes, incidents
-    if timeline is not None:
-        paths["timeline"] = Path(timeline)
-    return {k: str(v) for k, v in paths.items()}
 
 
 def slowdown_note(summary: dict[str, Any]) -> str | None:
