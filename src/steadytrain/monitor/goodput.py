@@ -26,8 +26,8 @@ Over the whole job (every attempt in the ledger):
   - ``slowdown``: productive time a background checkpoint write cost the steps beside it
     (the one that found it finished pro rata): ``max(0, their productive sum - n x
     baseline)`` per write, against the attempt's baseline step (``monitor/slowdown.py``
-    says which steps make it). It leaves
-    productive time: slowed compute is not booked as work (docs/monitoring.md, issue 13).
+    says which steps make it). It leaves productive time: slowed compute is not booked as
+    work (docs/monitoring.md, issue 13).
     Steps beside a write with no baseline at all are counted in
     ``Breakdown.slowdown_unmeasured_steps`` (unmeasured, not free);
   - ``lost_to_failures``: productive time of superseded steps (the work redone after a
@@ -177,7 +177,7 @@ class GoodputAccumulator:
         t = float(rec.get("t") or 0.0)
         if kind == "checkpoint":  # ok or not: its background write is over
             durable = rec.get("durable_s")
-            self._write_ended(self._slow.write_ended(int(rec.get("step", 0)), durable))
+            self._book_slowdown(self._slow.write_ended(int(rec.get("step", 0)), durable))
         if kind == "job_start":
             self._job_start(rec, t)
         elif kind == "step":
@@ -212,7 +212,7 @@ class GoodputAccumulator:
         self.sums["restore"] += restore
         self.attempts += 1
         # The attempt died mid-write: charge what its steps showed.
-        self._write_ended(self._slow.write_ended(None))
+        self._book_slowdown(self._slow.write_ended(None))
         self._slow.attempt_started()
         self._rollback(int(rec.get("restored_step") or 0))
         self._attempt = {
@@ -257,7 +257,7 @@ class GoodputAccumulator:
         block = float(rec.get("checkpoint_block_s") or 0.0)
         t, step_s = rec.get("t"), rec.get("step_s")
         closed = self._slow.step(
-            step, p, block, None if t is None else float(t), float(step_s or 0.0) or None
+            step, p, block, None if t is None else float(t), float(step_s or 0)
         )
         self.productive_all += p
         self.sums["data_wait"] += float(rec.get("data_wait_s") or 0.0)
@@ -265,9 +265,8 @@ class GoodputAccumulator:
         self.steps_recorded += 1
         c = self.cum
         self.cum = (c[0] + p, c[1] + int(rec.get("tokens") or 0), c[2] + 1)
-        self._write_ended(
-            closed
-        )  # a write this step found finished: its excess, this step's share included
+        # A write this step found finished: its excess, this step's share included.
+        self._book_slowdown(closed)
         self.last_step = step
         self._recent.append((step, self.cum))
         if self._pending:
@@ -281,7 +280,7 @@ class GoodputAccumulator:
             if a["first_step"] is None:
                 a["first_step"] = step
 
-    def _write_ended(self, excess: float) -> None:
+    def _book_slowdown(self, excess: float) -> None:
         """A closed write's excess moves from productive time to ``slowdown``. Its steps are
         the newest of the timeline, so the kept cumulative time drops by the same amount."""
         self.sums["slowdown"] += excess

@@ -26,6 +26,7 @@ as unmeasured (the bucket reads 0 there because it could not be measured).
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 __all__ = ["BASELINE_STEPS", "SlowdownTracker"]
@@ -66,7 +67,7 @@ class SlowdownTracker:
         productive_s: float,
         checkpoint_block_s: float,
         t: float | None = None,
-        step_s: float | None = None,
+        step_s: float = 0.0,
     ) -> float:
         """One step record (``t``: when it was written, ``step_s``: its wall time): a sample
         of the baseline, a step beside the open write, or the step that found it finished.
@@ -107,11 +108,8 @@ class SlowdownTracker:
         other machines, and under elastic training the world size may change (and with it
         the per-rank step time), so the attempt's own baseline replaces it as soon as the
         attempt has one clean step."""
-        base = sorted(self.baseline or self.carried)
-        if not base:
-            return None
-        mid = len(base) // 2
-        return base[mid] if len(base) % 2 else (base[mid - 1] + base[mid]) / 2
+        base = self.baseline or self.carried
+        return statistics.median(base) if base else None
 
     def excess(self) -> float:
         """The open write's slowdown so far; 0 without a write or a baseline."""
