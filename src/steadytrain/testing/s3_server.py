@@ -8,11 +8,13 @@ started with (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` in its environme
 keeps its ports and data directory across ``kill()`` / ``start()``, so a client sees the same
 endpoint come back: that is how the restart tests simulate an object-store outage.
 
-Free ports are found by binding port 0 and closing the socket, so another process (another
-test session on the same machine) can take one before ``weed`` binds it. ``weed`` then exits
-("Port allocation failed"), and a readiness probe could even be answered by the *other*
-server. So the server counts as ready only once its own process listens on the S3 port, and
-a first start that lost a port race starts again on fresh ports.
+Free ports come from ``testing.ports`` (outside the kernel's ephemeral range, so no
+outgoing connection takes one), but are still only free when chosen: another process can
+take one before ``weed`` binds it. ``weed`` then exits ("Port allocation failed" when its
+own check sees it, or a listener's "bind: address already in use" when the port went in
+between), and a readiness probe could even be answered by the *other* server. So the server
+counts as ready only once its own process listens on the S3 port, and a first start that
+lost a port race starts again on fresh ports.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ from typing import Any
 import psutil
 
 from steadytrain.errors import StorageError
+from steadytrain.testing.ports import free_ports
 
 __all__ = ["SeaweedServer", "find_weed", "free_ports"]
 
@@ -47,7 +49,10 @@ _PORT_FLAGS = (
     "admin.port",
     "admin.port.grpc",
 )
-_PORT_TAKEN = "Port allocation failed"  # weed's log line when a flag's port is busy
+# weed's log lines when a port it was given is busy: its own check before listening, and a
+# listener that lost the port after that check.
+_PORT_TAKEN = ("Port allocation failed", "bind: address already in use")
+_LOG_TAIL_LINES = 5  # of weed's log, quoted in an error so CI output shows the cause
 _START_ATTEMPTS = 3  # fresh ports each time; losing the race 3 times running is a real fault
 
 
@@ -55,24 +60,20 @@ class _PortTaken(StorageError):
     """A port chosen for ``weed`` was taken before ``weed`` could bind it."""
 
 
+def exit_error(returncode: int, log_lines: list[str], log_path: str) -> StorageError:
+    """What a ``weed`` that exited while starting failed of, from this start's log lines: a
+    lost port race (``_PortTaken``: start again on fresh ports), or anything else, quoted."""
+    taken = [line for line in log_lines if any(m in line for m in _PORT_TAKEN)]
+    if taken:
+        return _PortTaken(taken[0].strip())
+    tail = "\n  ".join(line.strip() for line in log_lines[-_LOG_TAIL_LINES:] if line.strip())
+    return StorageError(f"weed exited with {returncode}; see {log_path}; its last lines:\n  {tail}")
+
+
 def find_weed() -> str | None:
     """The ``weed`` binary: next to this Python (the venv's bin/), else on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), "weed")
     return here if os.access(here, os.X_OK) else shutil.which("weed")
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class SeaweedServer:
@@ -195,10 +196,7 @@ class SeaweedServer:
                 with open(self.log_path, "rb") as f:
                     f.seek(log_start)
                     lines = f.read().decode(errors="replace").splitlines()
-                taken = [line for line in lines if _PORT_TAKEN in line]
-                if taken:
-                    raise _PortTaken(taken[0].strip())
-                raise StorageError(f"weed exited with {self.proc.returncode}; see {self.log_path}")
+                raise exit_error(self.proc.returncode, lines, self.log_path)
             # Only our own process counts: a stranger that took the port would answer too.
             if self.ports["s3.port"] in self._listening_ports():
                 try:

@@ -49,6 +49,7 @@ from typing import Any
 
 from steadytrain.testing import netns
 from steadytrain.testing.nodes import MARK_ENV, Node, NodeHarness, env_without_proxies
+from steadytrain.testing.ports import free_ports
 from steadytrain.testing.slurm_conf import hosts_file, slurm_conf, slurmctld_shell, slurmd_shell
 
 __all__ = ["BINARIES", "SlurmCluster", "SlurmStartError", "SlurmUnavailable", "missing_binaries"]
@@ -80,12 +81,6 @@ def _cmdline(pid: str) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class SlurmCluster:
@@ -202,7 +197,7 @@ class SlurmCluster:
                 f.write(text)
 
     def _write_conf(self) -> None:
-        self.ctld_port = _free_port(self.h.host_addr)
+        self.ctld_port = free_ports(1, self.h.host_addr)[0]
         text = slurm_conf(
             root=self.dir,
             cluster=f"steady{self.h.tag}",

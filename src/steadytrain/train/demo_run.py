@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from steadytrain.testing.ports import free_ports
 
 __all__ = ["run_demo_training", "demo_crash_steps"]
 
@@ -38,12 +39,6 @@ def demo_crash_steps(steps: int, every_steps: int) -> tuple[int, int]:
     if save_kill <= kill:
         save_kill = (kill // every_steps + 1) * every_steps
     return kill, min(save_kill, steps - 1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_demo_training(
@@ -93,7 +88,7 @@ def run_demo_training(
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        f"--rdzv-endpoint=127.0.0.1:{free_ports(1)[0]}",
         "--monitor-interval=0.2",
         "-m",
         "steadytrain.cli",
