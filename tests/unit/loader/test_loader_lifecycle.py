@@ -29,10 +29,15 @@ def loader(ds, **kw) -> TokenLoader:
     return TokenLoader(ds, **args)
 
 
-def _counts() -> tuple[int, int]:
-    """Python threads of this process, and its live child processes."""
-    children = [c for c in psutil.Process().children(recursive=True) if _alive(c)]
-    return threading.active_count(), len(children)
+Alive = tuple[frozenset[threading.Thread], frozenset[int]]
+
+
+def _alive_now() -> Alive:
+    """This process's Python threads, and the pids of its live child processes.
+    Sets, not counts: threads that other tests left running in this process (a background
+    replay's worker, say) may end during a test, which is no loader's doing."""
+    children = [c.pid for c in psutil.Process().children(recursive=True) if _alive(c)]
+    return frozenset(threading.enumerate()), frozenset(children)
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -42,14 +47,16 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def _settle(want: tuple[int, int]) -> tuple[int, int]:
-    """Collect garbage and poll until the counts are back to ``want`` (or the bound passes)."""
+def _left_behind(before: Alive) -> tuple[int, int]:
+    """Collect garbage and poll until no thread or child process is alive that was not
+    alive ``before`` (or the bound passes); how many such threads and processes remain."""
     deadline = time.monotonic() + SETTLE_S
     while True:
         gc.collect()
-        now = _counts()
-        if now == want or time.monotonic() > deadline:
-            return now
+        threads, procs = _alive_now()
+        new = (len(threads - before[0]), len(procs - before[1]))
+        if new == (0, 0) or time.monotonic() > deadline:
+            return new
         time.sleep(0.05)
 
 
@@ -59,12 +66,12 @@ def _running(producer) -> bool:
     return producer._thread.is_alive() or any(p.is_alive() for p in procs)
 
 
-def _baseline(ds, num_workers: int) -> tuple[int, int]:
+def _baseline(ds, num_workers: int) -> Alive:
     # One loader started and closed first: spawning workers starts multiprocessing's
     # resource tracker once per process, which is not a leak.
     with loader(ds, num_workers=num_workers) as ld:
         next(ld)
-    return _settle(_counts())
+    return _alive_now()
 
 
 @pytest.mark.timeout(180)
@@ -86,7 +93,7 @@ def test_dropped_loaders_stop_their_threads_and_workers(ds_a, num_workers):
             assert len(ld._producer.pids) == num_workers
         refs.append(weakref.ref(ld))
         del ld, holder, on_step
-    assert _settle(base) == base, "threads / child processes left behind by dropped loaders"
+    assert _left_behind(base) == (0, 0), "threads / child processes left behind by dropped loaders"
     assert all(r() is None for r in refs), "a dropped loader is still referenced"
     assert not [t.name for t in threading.enumerate() if t.name.startswith("steadytrain-loader")]
 
@@ -107,7 +114,7 @@ def test_a_dropped_loader_is_freed_at_once_without_the_collector(ds_a):
         gc.enable()
     producer._thread.join(SETTLE_S)
     assert not _running(producer)
-    assert _settle(base) == base
+    assert _left_behind(base) == (0, 0)
 
 
 def _failing_dataset(ds_a) -> TokenDataset:
@@ -136,7 +143,7 @@ def test_a_pending_read_error_does_not_keep_a_dropped_loader_alive(ds_a):
     while _running(producer) and time.monotonic() < deadline:  # it stops once the error is queued
         time.sleep(0.02)  # (or blocks on the full queue, holding the error)
     del ld
-    assert _settle(base) == base
+    assert _left_behind(base) == (0, 0)
     assert ref() is None
 
 
