@@ -52,8 +52,9 @@ def bench_restore(ck_dir: str, step: int, states: dict, rank: int, reps: int) ->
     - ``parallel_read``: each rank reads the files its rank wrote, both ranks at once (the
       I/O a 2-rank restore cannot avoid),
     - ``restore_full`` / ``restore_overlap``: ``Checkpointer.restore_latest`` on both ranks,
-    - ``dcp_load_unverified``: plain ``dcp.load`` with DCP's ``FileSystemReader`` (no
-      checksums, no COMMIT, no JSON/RNG): what DCP alone costs, for reference,
+    - ``dcp_load_unverified``: plain ``dcp.load`` with ``raw_records.ShardReader`` (DCP's
+      ``FileSystemReader`` plus raw records, read as DCP reads its archives: into a fresh
+      tensor, then copied; no checksums, no COMMIT, no JSON/RNG): what DCP alone costs,
     - ``previous_full``: what ``verify='full'`` did before ``reader.py`` (every file hashed
       up front, split between the ranks, then plain ``dcp.load``), for the before/after.
     """
@@ -61,6 +62,7 @@ def bench_restore(ck_dir: str, step: int, states: dict, rank: int, reps: int) ->
     import torch.distributed.checkpoint as dcp
 
     from steadytrain.checkpoint import Checkpointer
+    from steadytrain.checkpoint.raw_records import ShardReader
 
     step_dir = os.path.join(ck_dir, f"step-{step:08d}")
     ckpts = {v: Checkpointer(ck_dir, async_mode="sync", verify=v) for v in ("full", "overlap")}
@@ -80,7 +82,7 @@ def bench_restore(ck_dir: str, step: int, states: dict, rank: int, reps: int) ->
     def previous_full() -> None:
         C.verify_local(step_dir, manifest, part=(rank, dist.get_world_size()))
         dist.barrier()
-        dcp.load({"blob": states["blob"].state_dict()}, checkpoint_id=step_dir)
+        dcp.load({"blob": states["blob"].state_dict()}, storage_reader=ShardReader(step_dir))
 
     from steadytrain.checkpoint.writer import rank_files
 
@@ -101,7 +103,7 @@ def bench_restore(ck_dir: str, step: int, states: dict, rank: int, reps: int) ->
         "restore_full": lambda: restore("full"),
         "restore_overlap": lambda: restore("overlap"),
         "dcp_load_unverified": lambda: dcp.load(
-            {"blob": states["blob"].state_dict()}, checkpoint_id=step_dir
+            {"blob": states["blob"].state_dict()}, storage_reader=ShardReader(step_dir)
         ),
         "previous_full": previous_full,
     }

@@ -36,8 +36,11 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=6, help="profiled saves")
     p.add_argument("--warmup", type=int, default=2, help="saves before them, not profiled")
     p.add_argument("--ballast-mib", type=int, default=64)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "writer_profile.json"))
+    p.add_argument("--tensor-format", default="raw", choices=["raw", "torch_save"])
+    p.add_argument("--out", default=None, help="default: results/writer_profile[_FORMAT].json")
     args = p.parse_args()
+    suffix = "" if args.tensor_format == "raw" else f"_{args.tensor_format}"
+    args.out = args.out or os.path.join(HERE, "results", f"writer_profile{suffix}.json")
 
     import torch
 
@@ -77,7 +80,9 @@ def main() -> None:
 
     C.Checkpointer._run = measured
     with tempfile.TemporaryDirectory(prefix="writer-profile-") as tmp:
-        ck = Checkpointer(tmp, every_steps=0, keep_last=2, async_mode="thread")
+        ck = Checkpointer(
+            tmp, every_steps=0, keep_last=2, async_mode="thread", tensor_format=args.tensor_format
+        )
         try:
             plan = ["warmup"] * args.warmup + ["measure"] * args.saves + ["profile"] * args.saves
             for i, m in enumerate(plan):
@@ -90,7 +95,7 @@ def main() -> None:
 
     st = pstats.Stats(prof)
     # DCP writes one item per tensor (and one per non-tensor value): the per-item cost.
-    items = sum(v[0] for k, v in st.stats.items() if k[2] == "_write_item") // args.saves
+    items = sum(v[0] for k, v in st.stats.items() if k[2] == "resolve_data") // args.saves
 
     def med(i: int) -> float:
         return statistics.median(s[i] for s in per_save)
@@ -100,6 +105,7 @@ def main() -> None:
         "command": "python bench/writer_profile.py " + " ".join(sys.argv[1:]),
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_average": os.getloadavg(),
+        "tensor_format": args.tensor_format,
         "dcp_items_per_save": items,
         "saves": args.saves,
         "per_save": [{"wall_s": w, "user_s": u, "system_s": s} for w, u, s in per_save],

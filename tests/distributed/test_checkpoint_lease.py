@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from steadytrain.checkpoint.inspect import list_checkpoints
+from steadytrain.checkpoint.raw_records import ShardReader
 
 HERE = os.path.join(os.path.dirname(__file__), "checkpoint")
 WORKER = os.path.join(HERE, "lease_worker.py")
@@ -71,7 +72,7 @@ def _values(root) -> dict[str, float]:
             continue
         assert row["verifies"], row
         sd = {"model": {"weight": torch.zeros(64, 64), "bias": torch.zeros(64)}}
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(row["path"]), no_dist=True)
+        dcp.load(sd, storage_reader=ShardReader(row["path"]), no_dist=True)
         values = torch.cat([sd["model"]["weight"].flatten(), sd["model"]["bias"]]).unique()
         assert values.numel() == 1, f"{row['name']} mixes two jobs: {values.tolist()}"
         out[row["name"]] = float(values[0])

@@ -66,7 +66,8 @@ def test_commit_manifest_is_written_last_and_complete(tmp_path):
     _save_steps(tmp_path, [5])
     d = tmp_path / "step-00000005"
     doc = json.loads((d / "COMMIT").read_text())
-    assert doc["format"] == "steadytrain-checkpoint" and doc["format_version"] == 2
+    assert doc["format"] == "steadytrain-checkpoint" and doc["format_version"] == 3
+    assert doc["world"]["tensor_format"] == "raw"
     assert doc["commit_checksum"].startswith("xxh3_128:")
     assert doc["step"] == 5 and doc["tokens_seen"] == 50
     assert doc["world"]["world_size"] == 1

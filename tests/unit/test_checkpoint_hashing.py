@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from steadytrain.checkpoint import Checkpointer
 from steadytrain.checkpoint.hashing_writer import HashingFileSystem, hashing_writer, rank_entries
+from steadytrain.checkpoint.raw_records import ShardReader
 from steadytrain.storage.publish import file_digest
 
 
@@ -45,7 +46,7 @@ def test_digests_taken_while_writing_match_the_files_on_disk(tmp_path):
     for name, (size, digest) in fs.digests.items():
         assert file_digest(str(tmp_path / "ck" / name)) == (size, digest), name
     out = {"blob": {k: torch.empty_like(v) for k, v in state["blob"].items()}}
-    dcp.load(out, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    dcp.load(out, storage_reader=ShardReader(str(tmp_path / "ck")), no_dist=True)
     assert all(torch.equal(out["blob"][k], v) for k, v in state["blob"].items())
 
 
@@ -136,13 +137,13 @@ def _archive_crcs(step_dir: str) -> set[int]:
 
 
 def test_shards_are_written_without_zip_crc_and_still_take_the_fast_restore_path(tmp_path):
-    """No zip CRC-32 in our shards (COMMIT's xxh3 covers them), and archive.py still parses
+    """tensor_format="torch_save": no zip CRC-32 in our shards (COMMIT's xxh3 covers them), and archive.py still parses
     every tensor's layout from them: restore keeps its single-pass path."""
     from steadytrain.checkpoint.archive import tensor_layout
     from steadytrain.checkpoint.torch_private import storage_infos
 
     assert torch.serialization.get_crc32_options()
-    ckpt = Checkpointer(str(tmp_path), async_mode="thread")
+    ckpt = Checkpointer(str(tmp_path), async_mode="thread", tensor_format="torch_save")
     ckpt.save(2, {"blob": Blob(2.0)})
     ckpt.close()
     assert torch.serialization.get_crc32_options()  # the caller's setting is back
@@ -186,7 +187,7 @@ def test_a_torch_save_on_another_thread_during_a_checkpoint_write_keeps_its_crc(
             yield stream
 
     monkeypatch.setattr(HashingFileSystem, "create_stream", pausing)
-    ckpt = Checkpointer(str(tmp_path), async_mode="thread")
+    ckpt = Checkpointer(str(tmp_path), async_mode="thread", tensor_format="torch_save")
     ckpt.save(4, {"blob": Blob(4.0)})
     assert writing.wait(30), "the writer thread never reached DCP's write"
     buf = io.BytesIO()

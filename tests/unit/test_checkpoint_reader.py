@@ -14,6 +14,7 @@ from torch import nn
 
 from steadytrain.checkpoint import Checkpointer
 from steadytrain.checkpoint import commit as C
+from steadytrain.checkpoint.hashing_writer import CheckpointWriter
 from steadytrain.checkpoint.reader import VerifyingReader, read_verified
 from steadytrain.checkpoint.writer import Group
 from steadytrain.errors import CheckpointError
@@ -32,13 +33,14 @@ def _tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def _save(directory: str, tensors: dict, threads: int = 1) -> dict:
-    """A DCP checkpoint plus the COMMIT-style manifest of its files."""
-    dcp.save(
-        {"s": tensors},
-        storage_writer=dcp.FileSystemWriter(directory, thread_count=threads),
-        no_dist=True,
-    )
+def _save(directory: str, tensors: dict, threads: int = 1, fmt: str = "torch_save") -> dict:
+    """A DCP checkpoint plus the COMMIT-style manifest of its files. ``fmt``: DCP's own
+    writer's ``torch.save`` archives, or our writer's raw records."""
+    if fmt == "raw":
+        writer = CheckpointWriter(directory, tensor_format="raw")
+    else:
+        writer = dcp.FileSystemWriter(directory, thread_count=threads)
+    dcp.save({"s": tensors}, storage_writer=writer, no_dist=True)
     files = [C.file_entry(directory, n, 0) for n in sorted(os.listdir(directory))]
     return {"files": files}
 
@@ -62,22 +64,26 @@ def _flip(path: str, at: int) -> None:
         f.write(bytes([b[0] ^ 0x10]))
 
 
+@pytest.mark.parametrize("fmt", ["torch_save", "raw"])
 @pytest.mark.parametrize("verify", ["before", "stream", "none"])
-def test_every_dtype_and_layout_loads_bit_identically(tmp_path, verify):
+def test_every_dtype_and_layout_loads_bit_identically(tmp_path, verify, fmt):
     src = _tensors()
-    manifest = _save(str(tmp_path), src)
+    manifest = _save(str(tmp_path), src, fmt=fmt)
     dst = _zeros_like(src)
     reader = _load(str(tmp_path), manifest, verify, dst)
     for k, v in src.items():
         assert torch.equal(dst[k], v), k
     assert reader.error is None and reader.touched
-    # Straight-into-place copies for the plain tensors; DCP's path for the transposed one.
-    assert reader.fast_items >= 6 and reader.slow_items >= 1
+    if fmt == "torch_save":  # straight into place, but DCP's path for the transposed one
+        assert reader.fast_items >= 6 and reader.slow_items >= 1
+    else:  # a raw record is written C-ordered: every one goes straight into place
+        assert (reader.fast_items, reader.slow_items) == (len(src), 0)
 
 
-def test_fast_path_writes_into_the_live_tensor_memory(tmp_path):
+@pytest.mark.parametrize("fmt", ["torch_save", "raw"])
+def test_fast_path_writes_into_the_live_tensor_memory(tmp_path, fmt):
     src = {"w": torch.randn(1024)}
-    manifest = _save(str(tmp_path), src)
+    manifest = _save(str(tmp_path), src, fmt=fmt)
     live = torch.zeros(1024)
     ptr = live.data_ptr()
     reader = _load(str(tmp_path), manifest, "before", {"w": live})
@@ -91,9 +97,10 @@ def _data_offset(directory: str) -> tuple[str, int]:
     return os.path.join(directory, shard), os.path.getsize(os.path.join(directory, shard)) // 2
 
 
-def test_before_mode_refuses_a_damaged_shard_without_touching_live_state(tmp_path):
+@pytest.mark.parametrize("fmt", ["torch_save", "raw"])
+def test_before_mode_refuses_a_damaged_shard_without_touching_live_state(tmp_path, fmt):
     src = {"w": torch.randn(4096)}
-    manifest = _save(str(tmp_path), src)
+    manifest = _save(str(tmp_path), src, fmt=fmt)
     _flip(*_data_offset(str(tmp_path)))
     live = torch.full((4096,), 7.0)
     meta = next(f for f in manifest["files"] if f["path"] == ".metadata")
@@ -106,9 +113,10 @@ def test_before_mode_refuses_a_damaged_shard_without_touching_live_state(tmp_pat
     assert torch.all(live == 7.0), "nothing may be written before the checksum matched"
 
 
-def test_stream_mode_reads_once_and_still_reports_the_damage(tmp_path):
+@pytest.mark.parametrize("fmt", ["torch_save", "raw"])
+def test_stream_mode_reads_once_and_still_reports_the_damage(tmp_path, fmt):
     src = {"w": torch.randn(4096)}
-    manifest = _save(str(tmp_path), src)
+    manifest = _save(str(tmp_path), src, fmt=fmt)
     _flip(*_data_offset(str(tmp_path)))
     meta = next(f for f in manifest["files"] if f["path"] == ".metadata")
     reader = VerifyingReader(

@@ -29,6 +29,7 @@ _CHECKS = (
     tp._check_stager,
     tp._daemon_module,
     tp._check_writer_fs,
+    tp._storage_classes,
     tp._check_crc_scope,
 )
 
@@ -44,7 +45,7 @@ def _fresh_checks():
 
 
 def test_every_fenced_api_is_present_in_this_torch():
-    assert len(tp.check_all()) == 7
+    assert len(tp.check_all()) == 8
 
 
 def _pickle_of(t: torch.Tensor) -> bytes:

@@ -84,6 +84,7 @@ class Checkpointer:
         verify: str | None = None,
         job_id: str | None = None,
         lease_timeout_s: float | None = None,
+        tensor_format: str | None = None,
         config: CheckpointerConfig | None = None,
     ) -> None:
         """``config=`` or keywords (a keyword given wins over ``config``); every default
@@ -204,6 +205,7 @@ class Checkpointer:
             rank_json=rank_json,
             tokens_seen=tokens_seen,
             async_mode=self.async_mode,
+            tensor_format=self.config.tensor_format,
             block_s=block_s,
             t_start=t0,
             state_names=sorted(states),

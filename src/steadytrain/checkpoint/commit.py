@@ -53,8 +53,12 @@ __all__ = [
 ]
 
 FORMAT = "steadytrain-checkpoint"
-FORMAT_VERSION = 2  # 2: adds commit_checksum; 1 still loads (validated, with a warning)
-READ_VERSIONS = (1, 2)
+# 3: shard files may hold raw tensor records (world.tensor_format "raw", raw_records.py),
+# which a reader that knows only DCP's archives would fail on; 2: adds commit_checksum (and
+# is still what a "torch_save" checkpoint says); 1 still loads (validated, with a warning).
+FORMAT_VERSION = 3
+TORCH_SAVE_VERSION = 2
+READ_VERSIONS = (1, 2, 3)
 COMMIT_NAME = "COMMIT"
 CHECKSUM_KEY = "commit_checksum"
 _CHECKSUM_PREFIX = "xxh3_128:"
@@ -105,6 +109,7 @@ def make_manifest(
     async_mode: str,
     states: list[str],
     block_s: float,
+    tensor_format: str = "raw",
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     names = [f["path"] for f in files]
@@ -113,13 +118,14 @@ def make_manifest(
     return seal(
         {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if tensor_format == "raw" else TORCH_SAVE_VERSION,
             "step": int(step),
             "tokens_seen": int(tokens_seen),
             "wall_time": time.time(),
             "world": {
                 "world_size": int(world_size),
                 "async_mode": async_mode,
+                "tensor_format": tensor_format,
                 "bytes_per_rank": [
                     sum(int(f["size"]) for f in files if f.get("rank") == r)
                     for r in range(world_size)
@@ -273,6 +279,11 @@ def commit_schema(doc: dict[str, Any]) -> str | None:
         return f"world.world_size={size!r} is not a positive integer"
     if not isinstance(world.get("async_mode"), str):
         return f"world.async_mode={world.get('async_mode')!r} is not a string"
+    if doc.get("format_version") == FORMAT_VERSION and world.get("tensor_format") not in (
+        "raw",
+        "torch_save",
+    ):
+        return f"world.tensor_format={world.get('tensor_format')!r} is neither raw nor torch_save"
     per_rank = world.get("bytes_per_rank")
     if not (isinstance(per_rank, list) and len(per_rank) == size):
         return f"world.bytes_per_rank is not a list of {size} integers"

@@ -31,6 +31,10 @@ class CheckpointerConfig:
     keep_last: int = 3
     keep_every: int = 0  # also keep every step that is a multiple of this (0: none)
     async_mode: Literal["sync", "thread", "process"] = "thread"
+    # How a tensor lies in a shard file: "raw", its bytes (one write() each: the background
+    # writer holds the GIL the training thread needs for ~1/10 as long), or "torch_save",
+    # DCP's own per-tensor archive, for readers without steadytrain (plain dcp.load).
+    tensor_format: Literal["raw", "torch_save"] = "raw"
     remote: str = ""  # an s3://... copy of every committed checkpoint ("": none)
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # for remote
     mtbf_s: float = 0.0  # the job's mean time between failures, for interval = "auto"

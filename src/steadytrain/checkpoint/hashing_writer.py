@@ -13,7 +13,9 @@ long as the bytes hashed. Anything else (and every file DCP writes in its daemon
 ``process`` mode, where these digests would stay in the daemon) is hashed by reading it back,
 as before: ``digests`` is a shortcut, never the authority.
 
-The writer (``CheckpointWriter``, in every mode) also skips the zip CRC-32 that
+The writer (``CheckpointWriter``, in every mode) writes tensors as raw records by default
+(``raw_records.py``). Where it writes ``torch.save`` archives (``tensor_format =
+"torch_save"``, or a tensor with no byte view) it skips the zip CRC-32 that
 ``torch.save`` computes for each tensor it archives: the largest single cost of a DCP
 write after the fsync, checked by no reader. Only in the thread that writes, and only while
 it writes: no other thread's ``torch.save`` loses its CRC.
@@ -33,10 +35,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
+from torch.futures import Future
 
 from steadytrain.checkpoint import commit as C
-from steadytrain.checkpoint.torch_private import file_system_writer, zip_crc_off_in_this_thread
+from steadytrain.checkpoint.raw_records import TENSOR_FORMATS, write_records
+from steadytrain.checkpoint.torch_private import (
+    file_prefix,
+    file_system_writer,
+    zip_crc_off_in_this_thread,
+)
 from steadytrain.storage.publish import Hasher, digest_bytes
 
 __all__ = [
@@ -130,8 +138,10 @@ class HashingFileSystem(FileSystem):
 
 
 class CheckpointWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` that writes its data files without torch's zip CRC-32;
-    also what DCP's checkpoint daemon runs in ``process`` mode.
+    """DCP's ``FileSystemWriter`` that writes each rank's tensors as raw records
+    (``tensor_format="raw"``, ``raw_records.py``: no Python per tensor beyond one
+    ``write()``), or as DCP's ``torch.save`` archives without torch's zip CRC-32
+    (``"torch_save"``); also what DCP's checkpoint daemon runs in ``process`` mode.
 
     DCP stores each tensor as a ``torch.save`` archive, and torch computes a CRC-32 of every
     record at ~1 GB/s on a 2-core host: 60-140 ms of a 128 MiB shard, the largest cost
@@ -143,9 +153,25 @@ class CheckpointWriter(FileSystemWriter):
     (``torch_private.zip_crc_off_in_this_thread``): a ``torch.save`` on any other thread
     during a checkpoint write keeps its CRC."""
 
+    def __init__(self, path: str, *, tensor_format: str = "raw", **kwargs: Any) -> None:
+        if tensor_format not in TENSOR_FORMATS:
+            raise ValueError(f"tensor_format={tensor_format!r}: one of {TENSOR_FORMATS}")
+        super().__init__(path, **kwargs)
+        self.tensor_format = tensor_format
+
     def write_data(self, plan: Any, planner: Any) -> Any:
-        with zip_crc_off_in_this_thread():
-            return super().write_data(plan, planner)
+        with zip_crc_off_in_this_thread():  # archives that remain (torch_save, odd tensors)
+            if self.tensor_format == "torch_save":
+                return super().write_data(plan, planner)
+            name = f"{file_prefix(plan)}0{DEFAULT_SUFFIX}"  # one file per rank, like DCP's
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+                results = write_records(stream, name, plan.items, planner)
+                if self.sync_files:
+                    stream.flush()
+                    os.fsync(stream.fileno())
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
 
 
 def hashing_writer(path: str, **kwargs: Any) -> tuple[Any, HashingFileSystem]:

@@ -1,7 +1,8 @@
 """Read a checkpoint's shards from disk once, checksummed, with tensor bytes copied into place.
 
 ``VerifyingReader`` is a ``torch.distributed.checkpoint.FileSystemReader`` (the public DCP
-storage-reader API) with these changes:
+storage-reader API; through ``raw_records.ShardReader``, which reads raw tensor records)
+with these changes:
 
 1. ``.metadata`` (a pickle) is unpickled from bytes the caller read once and checked against
    COMMIT (``read_verified``): the bytes checked are the bytes unpickled.
@@ -13,12 +14,17 @@ storage-reader API) with these changes:
    ``verify="stream"`` (``verify="overlap"``): one pass per file, in order, every byte hashed;
    tensor bytes are read from disk straight into the destination tensors (and hashed
    there). A mismatch is reported after the live state was written.
-3. Serving a tensor: its ``torch.save`` archive is parsed (zip headers, and the pickle with
-   torch's weights-only unpickler onto the ``meta`` device: layout only, no data), then its
-   bytes are ``preadv``-ed into the destination tensor's memory. DCP's own path allocates a
-   fresh tensor per item (``torch.load``), copies into it, then copies into the destination.
-   Anything else (non-tensor items, a non-contiguous source or destination, a dtype change,
-   another byte order, transforms) takes DCP's normal path.
+3. Serving a tensor: a raw record (``raw_records.py``, what steadytrain writes by default)
+   says its dtype and shape in ``.metadata``, and its bytes are ``preadv``-ed straight into
+   the destination; one that cannot go straight there (a dtype change, a destination
+   without a byte view) is read into a fresh tensor and copied, as DCP does. A
+   ``torch.save`` archive (older checkpoints, ``tensor_format="torch_save"``) is parsed
+   (zip headers, and the pickle with torch's weights-only unpickler onto the ``meta``
+   device: layout only, no data), then its bytes are ``preadv``-ed into the destination
+   tensor's memory. DCP's own path allocates a fresh tensor per item (``torch.load``),
+   copies into it, then copies into the destination. Any other archive or item (non-tensor
+   items, a non-contiguous source or destination, a dtype change, another byte order,
+   transforms) takes DCP's normal path.
 
 Measured on the 2-core VM (bench/checkpoint_block.py): ``readinto`` a fresh 512 MiB buffer
 ran at ~0.6 GB/s against ~1.6-2.3 GB/s for a loop reusing a 16 MiB buffer (every fresh page
@@ -39,13 +45,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.futures import Future
 
 from steadytrain.checkpoint.archive import dest_bytes, narrow, pread_exact, tensor_layout
 from steadytrain.checkpoint.commit import is_shard, safe_name
+from steadytrain.checkpoint.raw_records import ShardReader, raw_layout
 from steadytrain.checkpoint.torch_private import storage_infos
 from steadytrain.errors import CheckpointError
 from steadytrain.storage.publish import Hasher, digest_bytes
@@ -104,7 +110,7 @@ def check_files(directory: str, entries: list[dict[str, Any]], threads: int = 2)
             fut.result()
 
 
-class VerifyingReader(FileSystemReader):
+class VerifyingReader(ShardReader):
     """See the module docstring. ``group`` is the checkpointer's ``Group`` (same process
     group as the one given to ``dcp.load``): ``read_data`` runs all-gathers on it.
 
@@ -201,7 +207,7 @@ class VerifyingReader(FileSystemReader):
                 slow += self._serve_file(rel, per_file[rel], planner, stream=False)
         self.fast_items += len(plan.items) - len(slow)
         self.slow_items += len(slow)
-        if slow:  # DCP's own path (the files are verified and in the page cache)
+        if slow:  # ShardReader's, then DCP's path (the files are verified and in the cache)
             return super().read_data(LoadPlan(slow), planner)
         fut: Future = Future()
         fut.set_result(None)
@@ -232,8 +238,8 @@ class VerifyingReader(FileSystemReader):
             for offset in sorted(by_record):
                 group = by_record[offset]
                 md = infos[group[0].storage_index]
-                layout = None
-                if not md.transform_descriptors:
+                layout = raw_layout(md, where)
+                if layout is None and not md.transform_descriptors:
                     if reader is not None:
                         reader.skip_to(md.offset)  # parse what the stream is about to read
                     layout = tensor_layout(fd, md.offset, md.length)

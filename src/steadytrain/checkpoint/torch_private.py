@@ -21,6 +21,11 @@ it, so that callers (``archive``, ``reader``, ``writer``) import them from this 
   the life of the process and never notices its death, so every later save fails with
   ``BrokenPipeError``; ``writer.py`` reads whether it is alive and forgets a dead one so the
   next save starts a new daemon.
+- ``_StorageInfo(...)`` built, and ``_StoragePrefix.prefix`` read, by a writer: a DCP
+  ``StorageWriter`` returns one ``_StorageInfo`` per item it wrote (``WriteResult``'s
+  ``storage_data``), which is what ``.metadata`` records and every ``FileSystemReader``
+  looks up; the plan's ``_StoragePrefix`` names this rank's files (``__R_``). The raw-record
+  writer (``raw_records.py``) writes its own records and must speak both.
 - ``FileSystemWriter.fs``: the ``FileSystem`` a DCP writer creates and renames its files
   through (torch's own ``FsspecWriter`` swaps it the same way). ``hashing_writer.py`` puts
   one there that hashes each file as DCP writes it, so COMMIT's checksums need no re-read.
@@ -66,6 +71,8 @@ __all__ = [
     "checkpoint_daemon",
     "forget_checkpoint_daemon",
     "file_system_writer",
+    "storage_info",
+    "file_prefix",
     "zip_crc_off_in_this_thread",
     "check_all",
 ]
@@ -283,6 +290,44 @@ def forget_checkpoint_daemon(timeout_s: float = 5.0) -> None:
     proc.join(timeout_s)
 
 
+# -- _StorageInfo / _StoragePrefix, from a writer ------------------------------------------
+_WRITES = "torch.distributed.checkpoint.filesystem._StorageInfo and _StoragePrefix"
+_WRITES_WHY = "to record where a raw tensor record sits in its .distcp file"
+
+
+@functools.cache
+def _storage_classes() -> tuple[type, type]:
+    _check_storage_info()
+    fs = "torch.distributed.checkpoint.filesystem"
+    prefix = _attr(fs, "_StoragePrefix", _WRITES, _WRITES_WHY)
+    if not dataclasses.is_dataclass(prefix) or "prefix" not in {
+        f.name for f in dataclasses.fields(prefix)
+    }:
+        raise _fail(_WRITES, _WRITES_WHY, "changed (_StoragePrefix has no prefix)")
+    return _attr(fs, "_StorageInfo", _WRITES, _WRITES_WHY), prefix
+
+
+def storage_info(
+    relative_path: str, offset: int, length: int, descriptors: Sequence[str] | None
+) -> StorageInfo:
+    """DCP's record of one item: in ``relative_path`` at ``offset``, ``length`` bytes."""
+    info = _storage_classes()[0]
+    return info(
+        relative_path=relative_path,
+        offset=offset,
+        length=length,
+        transform_descriptors=descriptors,
+    )
+
+
+def file_prefix(plan: Any) -> str:
+    """The file name prefix DCP's global plan gave this rank (``__R_``)."""
+    prefix = plan.storage_data
+    if not isinstance(prefix, _storage_classes()[1]):
+        raise _fail(_WRITES, _WRITES_WHY, f"changed (plan.storage_data is {type(prefix)})")
+    return str(prefix.prefix)
+
+
 # -- FileSystemWriter.fs -------------------------------------------------------------------
 _WRITER_FS = "torch.distributed.checkpoint.FileSystemWriter.fs"
 _WRITER_FS_WHY = "to checksum each checkpoint file while DCP writes it, not by reading it back"
@@ -369,5 +414,6 @@ def check_all() -> list[str]:
     _check_stager()
     _daemon_module()
     _check_writer_fs()
+    _storage_classes()
     _check_crc_scope()
-    return [_UNPICKLER, _TYPED, _STORAGE, _STAGER, _DAEMON, _WRITER_FS, _CRC]
+    return [_UNPICKLER, _TYPED, _STORAGE, _STAGER, _DAEMON, _WRITER_FS, _WRITES, _CRC]

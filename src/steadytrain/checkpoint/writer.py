@@ -113,6 +113,7 @@ class SaveRequest:
     nbytes: int = 0  # staged tensor bytes (to diagnose a full disk)
     daemon_restarts_left: int = 0  # process mode: new daemons allowed before thread mode
     job: str = ""  # the job identity, written into remote CLAIMs for whoever reads them
+    tensor_format: str = "raw"  # CheckpointWriter's: raw records or torch.save archives
 
 
 def _recover_daemon(group: Group, req: SaveRequest) -> dict[str, Any] | None:
@@ -146,7 +147,8 @@ def _dcp_write(req: SaveRequest, path: str, group: Group, mode: str) -> dict[str
     import torch.distributed.checkpoint as dcp
 
     if mode == "process":
-        writer = CheckpointWriter(path)  # pickled to the daemon: no digests come back
+        # pickled to the daemon: no digests come back
+        writer = CheckpointWriter(path, tensor_format=req.tensor_format)
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         fut = dcp.async_save(
@@ -158,7 +160,7 @@ def _dcp_write(req: SaveRequest, path: str, group: Group, mode: str) -> dict[str
         )
         fut.result()
         return {}
-    writer, fs = hashing_writer(path)
+    writer, fs = hashing_writer(path, tensor_format=req.tensor_format)
     dcp.save(req.staged, storage_writer=writer, process_group=group.pg, no_dist=not group.dist)
     return fs.digests
 
@@ -235,6 +237,7 @@ def run_save(
                     world_size=group.world,
                     tokens_seen=req.tokens_seen,
                     async_mode=req.async_mode,
+                    tensor_format=req.tensor_format,
                     states=req.state_names,
                     block_s=req.block_s,
                     extra={"remote": remote.url if remote is not None else None},
