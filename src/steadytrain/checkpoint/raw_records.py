@@ -69,7 +69,7 @@ def _dtype(name: str) -> torch.dtype | None:
 def _raw_view(t: torch.Tensor) -> memoryview | None:
     """The bytes of CPU tensor ``t`` in C order (a copy only when ``t`` is not contiguous),
     or None when ``t`` has no plain byte view (then it goes as a ``torch.save`` archive)."""
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+    if type(t) is not torch.Tensor:  # a subclass (DTensor, FakeTensor): its own archive
         return None
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
         return None
