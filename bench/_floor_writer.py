@@ -76,9 +76,10 @@ class FloorWriter:
             os.fsync(fd)
         finally:
             os.close(fd)
+        durable_s = time.perf_counter() - t0
         # Keep the real writer's pace: the same bytes per second, not more.
-        time.sleep(max(0.0, self.period_s - (time.perf_counter() - t0)))
-        self.on_event({"type": "checkpoint", "ok": True, "step": step})
+        time.sleep(max(0.0, self.period_s - durable_s))
+        self.on_event({"type": "checkpoint", "ok": True, "step": step, "durable_s": durable_s})
 
     def maybe_save(self, step: int, states: dict[str, Any]) -> None:
         """Never due (the benchmark starts saves itself); events are delivered by ``_write``."""

@@ -145,12 +145,16 @@ _SCHEDSTAT = f"/proc/self/task/{threading.get_native_id()}/schedstat"
 
 
 def _sched() -> tuple[float, float]:
-    """This (main) thread's (on-CPU s, run-queue s) from the kernel's schedstat: wall time
-    minus both is time blocked (waiting for the GIL here), which other machines' load does
-    not inflate the way it inflates wall time."""
+    """This (main) thread's (on-CPU s, run-queue s): wall time minus both is time blocked
+    (waiting for the GIL here), which other machines' load does not inflate the way it
+    inflates wall time. The run-queue time is the kernel's schedstat ``run_delay``, exact
+    while the thread runs (it grows only while the thread waits for a core). The CPU time is
+    ``time.thread_time()``: schedstat's own ``sum_exec_runtime`` of a running thread is only
+    brought up to date at a scheduler tick, so over a 15 ms step it is off by up to a tick
+    (it read ~1 ms more CPU than wall time per step on the 2026-12-01 VM)."""
     with open(_SCHEDSTAT) as f:
-        cpu_ns, runq_ns, _ = f.read().split()
-    return int(cpu_ns) / 1e9, int(runq_ns) / 1e9
+        _, runq_ns, _ = f.read().split()
+    return time.thread_time(), int(runq_ns) / 1e9
 
 
 class Contender:
@@ -165,6 +169,7 @@ class Contender:
         ckpt_dir: str,
         ballast: Any,
         period_s: float = 0.0,
+        save_every: int = 0,
     ):
         from _floor_writer import FloorWriter
         from steadytrain.checkpoint import Checkpointer
@@ -192,6 +197,9 @@ class Contender:
             self.batches = (fixed[i % len(fixed)] for i in range(1 << 62))
         self.events: list[dict[str, Any]] = []
         self.saves = 0
+        # 0: a save always in flight; N: a save starts every N steps (or, when the last one
+        # is not durable yet, at the first step after it is)
+        self.save_every, self.since_save = save_every, save_every
         self.save_s = 0.0  # median background time of a save (from save() to durable)
         if ckpt_mode == "floor":
             self.ckpt = FloorWriter(os.path.join(ckpt_dir, name), period_s, self.events.append)
@@ -209,6 +217,11 @@ class Contender:
                 self.ckpt.wait()
                 took.append(time.perf_counter() - t0)
             self.save_s = statistics.median(took)
+
+    def durable_s(self) -> float | None:
+        """Median background time of this contender's saves so far (save() to durable)."""
+        took = [e["durable_s"] for e in self.events if e["type"] == "checkpoint"]
+        return statistics.median(took[-8:]) if took else None
 
     def _save(self) -> None:
         assert self.ckpt is not None
@@ -228,8 +241,11 @@ class Contender:
         got: list[dict[str, float]] = []
         saves0 = self.saves
         for i in range(warmup + steps):
-            if self.ckpt is not None and not self._in_flight():
-                self._save()  # a save always in flight; its blocking copy is not timed
+            self.since_save += 1
+            due = self.since_save >= self.save_every
+            if self.ckpt is not None and due and not self._in_flight():
+                self._save()  # its blocking copy is not timed
+                self.since_save = 0
             step = self.trainer.step(self.batches)
             if i >= warmup:
                 got.append(step)
@@ -250,6 +266,32 @@ class Contender:
             self.ckpt.close()
         if self.loader is not None:
             self.loader.close()
+
+
+def _paired_round(
+    contenders: dict[str, Contender], order: list[str], args: argparse.Namespace
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """One round: every contender right after a baseline block of its own, and its slowdown
+    against that block. This VM's speed drifts by tens of percent over seconds; a baseline
+    a few hundred milliseconds away tracks it far better than one per round did. The
+    baseline's row is the A/A test: each of its blocks against the one before (the noise
+    any other row's figure carries), the median over the round."""
+    got: dict[str, dict[str, Any]] = {}
+    bases: list[dict[str, Any]] = []
+    for n in order:
+        base = contenders["baseline"].run(args.warmup, args.steps)
+        got[n] = contenders[n].run(args.warmup, args.steps)
+        got[n]["baseline_free_core_s"] = base["free_core_s"]
+        for view in VIEWS:
+            ratio = got[n][f"{view}_s"] / base[f"{view}_s"]
+            got[n][f"slowdown_{view}_pct"] = 100.0 * (ratio - 1.0)
+        bases.append(base)
+    got["baseline"] = dict(bases[0])
+    for view in VIEWS:
+        pairs = zip(bases, bases[1:], strict=False)
+        aa = [100.0 * (b[f"{view}_s"] / a[f"{view}_s"] - 1.0) for a, b in pairs]
+        got["baseline"][f"slowdown_{view}_pct"] = statistics.median(aa) if aa else 0.0
+    return got, bases
 
 
 def part_a(args: argparse.Namespace, tmp: str, dataset: str) -> dict[str, Any]:
@@ -278,18 +320,22 @@ def part_a(args: argparse.Namespace, tmp: str, dataset: str) -> dict[str, Any]:
     contenders: dict[str, Contender] = {}
     for n in names:  # ckpt_floor comes after ckpt_thread, whose pace it keeps
         pace = contenders["ckpt_thread"].save_s if "ckpt_thread" in contenders else 0.0
-        contenders[n] = Contender(n, trainer, ds, os.path.join(tmp, "ckpt"), ballast, pace)
+        pace = 0.0 if args.save_every else pace  # a fixed cadence paces every writer alike
+        contenders[n] = Contender(
+            n, trainer, ds, os.path.join(tmp, "ckpt"), ballast, pace, args.save_every
+        )
     rounds: list[dict[str, dict[str, Any]]] = []
     try:
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
-            got = {n: contenders[n].run(args.warmup, args.steps) for n in order}
-            base = got["baseline"]
-            for n in order:
-                for view in ("wall", "free_core"):
-                    ratio = got[n][f"{view}_s"] / base[f"{view}_s"]
-                    got[n][f"slowdown_{view}_pct"] = 100.0 * (ratio - 1.0)
-            rounds.append({"order": order, "load1": os.getloadavg()[0], "results": got})
+            thread, floor = contenders.get("ckpt_thread"), contenders.get("ckpt_floor")
+            if not args.save_every and thread and floor and thread.durable_s() is not None:
+                # the floor keeps the thread writer's pace as it is now, not at warm-up
+                floor.ckpt.period_s = thread.durable_s()
+            got, bases = _paired_round(contenders, [n for n in order if n != "baseline"], args)
+            rounds.append(
+                {"order": order, "load1": os.getloadavg()[0], "results": got, "baselines": bases}
+            )
             print(
                 f"[bench] round {r + 1}/{args.rounds} (load {os.getloadavg()[0]:.1f}): "
                 + ", ".join(f"{n} {got[n]['slowdown_free_core_pct']:+.1f}%" for n in names[1:]),
@@ -308,6 +354,7 @@ def part_a(args: argparse.Namespace, tmp: str, dataset: str) -> dict[str, Any]:
             summary[n][f"{k}_ms"] = spread([1e3 * p[f"{k}_s"] for p in per])
         summary[n]["saves_per_round"] = spread([float(p["saves"]) for p in per])
         summary[n]["save_background_s"] = contenders[n].save_s
+        summary[n]["durable_s_median"] = contenders[n].durable_s()
     return {"summary": summary, "rounds": rounds}
 
 
@@ -385,6 +432,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per contender and round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     p.add_argument("--ballast-mib", type=int, default=64, help="extra checkpointed state")
+    p.add_argument(
+        "--save-every", type=int, default=0,
+        help="part A: start a save every N steps (0: a save always in flight, the worst case)",
+    )  # fmt: skip
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--train-reps", type=int, default=2, help="0: skip part B")
     p.add_argument("--train-steps", type=int, default=60)
@@ -416,7 +467,7 @@ def main() -> None:
         "step": {"gpt": GPT_SHAPE, "seq_len": SEQ, "micro_batch": MICRO, "accum": ACCUM,
                  "threads": 1, "optimizer": "AdamW foreach=False, clip_grad_norm_"},
         "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-        "ballast_mib": args.ballast_mib,
+        "ballast_mib": args.ballast_mib, "save_every": args.save_every,
     }  # fmt: skip
     settings_b = {"model": TRAIN_MODEL, "steps": args.train_steps, "every_steps": args.every}
     if a is not None:
@@ -443,7 +494,8 @@ def main() -> None:
         for v in VIEWS:
             sd = s[f"slowdown_{v}_pct"]
             line += f" | {v} {sd['min']:+6.1f} / {sd['median']:+6.1f} / {sd['max']:+6.1f} %"
-        print(line + f" | blocked {s['blocked_ms']['median']:.2f} ms")
+        saves = s["saves_per_round"]["median"]
+        print(line + f" | blocked {s['blocked_ms']['median']:.2f} ms | saves/round {saves:g}")
 
 
 if __name__ == "__main__":

@@ -106,3 +106,21 @@ def test_floor_contender_writes_the_same_bytes_at_the_writers_pace(bench, tmp_pa
     # runs from the write thread's start; save_s from after save() returned, a thread start
     # later (measured 0.29997 s once): 10 ms of slack for that, far below a missing pace.
     assert contender.save_s >= 0.3 - 0.01 and took >= 0.3 * got["saves"]
+
+
+@pytest.mark.parametrize("every, most", [(1000, 1), (3, 3)])
+def test_checkpoint_contender_saves_at_a_fixed_cadence(bench, tmp_path, every, most):
+    """``--save-every N``: a save starts at the first step and then no sooner than N steps
+    after the last one started (later when that one is not durable yet)."""
+    trainer = bench.Trainer()
+    ballast = torch.nn.Module()
+    ballast.register_buffer("t", torch.randn(1 << 16))
+    contender = bench.Contender(
+        "ckpt_thread", trainer, None, str(tmp_path), ballast, save_every=every
+    )
+    try:
+        got = contender.run(warmup=0, steps=7)
+    finally:
+        contender.close()
+    assert 1 <= got["saves"] <= most
+    assert contender.durable_s() is not None and contender.durable_s() > 0

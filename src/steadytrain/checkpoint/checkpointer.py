@@ -45,6 +45,7 @@ from steadytrain.checkpoint.config import CheckpointerConfig
 from steadytrain.checkpoint.identity import job_identity
 from steadytrain.checkpoint.lease import Lease, acquire
 from steadytrain.checkpoint.remote import Root, discover
+from steadytrain.checkpoint.repeat_save import PlanCache
 from steadytrain.checkpoint.restore import restore_latest as _restore
 from steadytrain.checkpoint.staging import Stager
 from steadytrain.checkpoint.writer import FAILURES, Group, SaveRequest, run_save
@@ -85,6 +86,7 @@ class Checkpointer:
         job_id: str | None = None,
         lease_timeout_s: float | None = None,
         tensor_format: str | None = None,
+        reuse_plans: bool | None = None,
         config: CheckpointerConfig | None = None,
     ) -> None:
         """``config=`` or keywords (a keyword given wins over ``config``); every default
@@ -130,6 +132,8 @@ class Checkpointer:
         self.before_commit = before_commit
         self.verify = cfg.verify
         self._stager = Stager(shared_memory=async_mode == "process")
+        # the last planned save's layout, reused while it holds (raw records only)
+        self._plans = PlanCache() if cfg.tensor_format == "raw" and cfg.reuse_plans else None
         self._thread: threading.Thread | None = None
         self._results: list[dict[str, Any]] = []  # events of the finished save, in order
         self._leases: list[Lease] | None = None  # None: not taken yet (rank 0 holds them)
@@ -206,6 +210,8 @@ class Checkpointer:
             tokens_seen=tokens_seen,
             async_mode=self.async_mode,
             tensor_format=self.config.tensor_format,
+            plans=self._plans,
+            layout_version=self._stager.layout_version,
             block_s=block_s,
             t_start=t0,
             state_names=sorted(states),

@@ -35,6 +35,9 @@ class CheckpointerConfig:
     # writer holds the GIL the training thread needs for ~1/10 as long), or "torch_save",
     # DCP's own per-tensor archive, for readers without steadytrain (plain dcp.load).
     tensor_format: Literal["raw", "torch_save"] = "raw"
+    # Raw format, sync/thread modes: once DCP has planned a layout, write the saves that
+    # repeat it from that plan (the same files; repeat_save.py). False: DCP plans every save.
+    reuse_plans: bool = True
     remote: str = ""  # an s3://... copy of every committed checkpoint ("": none)
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # for remote
     mtbf_s: float = 0.0  # the job's mean time between failures, for interval = "auto"

@@ -158,6 +158,16 @@ class CheckpointWriter(FileSystemWriter):
             raise ValueError(f"tensor_format={tensor_format!r}: one of {TENSOR_FORMATS}")
         super().__init__(path, **kwargs)
         self.tensor_format = tensor_format
+        # (item, object, bytes) of every record this rank wrote, in file order (raw format)
+        self.written: list[tuple[Any, Any, memoryview | None]] = []
+        self.planner: Any = None
+        self.file_name = ""  # this rank's shard file (raw format)
+
+    def storage_meta(self) -> Any:
+        """None for raw checkpoints: DCP would put this save's path and a random save id into
+        ``.metadata``, which would make two saves of one layout differ for no reader's benefit
+        (every reader accepts None) and stop ``repeat_save`` from reusing the bytes."""
+        return super().storage_meta() if self.tensor_format == "torch_save" else None
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         with zip_crc_off_in_this_thread():  # archives that remain (torch_save, odd tensors)
@@ -165,7 +175,8 @@ class CheckpointWriter(FileSystemWriter):
                 return super().write_data(plan, planner)
             name = f"{file_prefix(plan)}0{DEFAULT_SUFFIX}"  # one file per rank, like DCP's
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
-                results = write_records(stream, name, plan.items, planner)
+                self.written, self.planner, self.file_name = [], planner, name
+                results = write_records(stream, name, plan.items, planner, self.written)
                 if self.sync_files:
                     stream.flush()
                     os.fsync(stream.fileno())

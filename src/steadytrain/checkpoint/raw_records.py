@@ -119,10 +119,18 @@ def meta_tensor(desc: Sequence[str] | None, where: str = "") -> torch.Tensor | N
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def write_records(stream: Any, file_name: str, items: Sequence[Any], planner: Any) -> list[Any]:
+def write_records(
+    stream: Any,
+    file_name: str,
+    items: Sequence[Any],
+    planner: Any,
+    seen: list[tuple[Any, Any, memoryview | None]] | None = None,
+) -> list[Any]:
     """Write ``items`` (a rank's ``WriteItem``s) into ``stream`` (a fresh binary file named
     ``file_name`` in the checkpoint), one record after another; DCP's ``WriteResult`` of
-    each. Tensors go as raw records where they can (module docstring)."""
+    each. Tensors go as raw records where they can (module docstring). ``seen``, when
+    given, gets (item, the object written, its bytes or None for an archive) per record,
+    in file order: what ``repeat_save`` learns the layout from."""
     results = []
     offset = 0
     for item in items:
@@ -143,6 +151,8 @@ def write_records(stream: Any, file_name: str, items: Sequence[Any], planner: An
         else:  # no byte view: DCP's own record, a torch.save archive
             torch.save(t, stream)
             length = stream.tell() - offset
+        if seen is not None:
+            seen.append((item, data, view))
         info = storage_info(file_name, offset, length, desc)
         results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         offset += length

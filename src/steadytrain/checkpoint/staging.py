@@ -17,6 +17,11 @@ the shared segment with CUDA): that mode stages through pageable memory.
 
 The snapshot is consistent: every tensor is copied before ``stage()`` returns, so a later
 optimizer step cannot leak into what is written.
+
+``layout_version`` changes whenever a snapshot's layout differs from the previous one's (a
+key added or gone, a value that changed kind, a buffer reallocated for a new shape or
+dtype): the writer reuses the previous save's plan only while it stays put
+(``repeat_save.py``). Comparing the walk's keys costs microseconds on the blocking path.
 """
 
 from __future__ import annotations
@@ -69,6 +74,9 @@ class Stager:
         self._in_flight: set[torch.device] = set()  # devices with queued async copies
         self.bytes_staged = 0
         self.allocations = 0  # buffers allocated so far: stays put once shapes settle
+        self.layout_version = 0  # +1 whenever a snapshot's layout differs from the last one's
+        self._layout: list[tuple] = []  # (key, kind) of every leaf of the last snapshot
+        self._walked: list[tuple] = []
 
     def _buffer(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -113,17 +121,25 @@ class Stager:
     def stage(self, state: Any) -> Any:
         """Return a deep snapshot of ``state`` with every tensor copied to a CPU buffer."""
         self.bytes_staged = 0
+        self._walked = []
+        allocations = self.allocations
         try:
-            return self._walk((), state)
+            staged = self._walk((), state)
         finally:
             # The snapshot must be complete when stage() returns: the caller's next optimizer
             # step may overwrite the sources as soon as it does.
             for device in self._in_flight:
                 torch.cuda.current_stream(device).synchronize()
             self._in_flight.clear()
+        if self._walked != self._layout or self.allocations != allocations:
+            self.layout_version += 1
+            self._layout = self._walked
+        return staged
 
     def _walk(self, key: tuple, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
+            # a plain tensor, or a subclass (DTensor) whose placement is part of the layout
+            self._walked.append((key, type(obj)))
             return self._copy(key, obj)
         if isinstance(obj, dict):
             return {k: self._walk(key + (k,), v) for k, v in obj.items()}
@@ -131,8 +147,10 @@ class Stager:
             return [self._walk(key + (i,), v) for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
             return tuple(self._walk(key + (i,), v) for i, v in enumerate(obj))
+        self._walked.append((key, type(obj)))
         return copy.deepcopy(obj)
 
     def release(self) -> None:
         """Drop all buffers (the next ``stage`` allocates again)."""
         self._buffers.clear()
+        self._layout = []

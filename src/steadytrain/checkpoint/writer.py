@@ -43,6 +43,7 @@ from steadytrain.checkpoint.hashing_writer import (
 )
 from steadytrain.checkpoint.lease import LeaseLostError
 from steadytrain.checkpoint.remote import Root
+from steadytrain.checkpoint.repeat_save import PlanCache
 from steadytrain.checkpoint.torch_private import (
     checkpoint_daemon,
     forget_checkpoint_daemon,
@@ -114,6 +115,8 @@ class SaveRequest:
     daemon_restarts_left: int = 0  # process mode: new daemons allowed before thread mode
     job: str = ""  # the job identity, written into remote CLAIMs for whoever reads them
     tensor_format: str = "raw"  # CheckpointWriter's: raw records or torch.save archives
+    plans: PlanCache | None = None  # the checkpointer's last planned layout (repeat_save.py)
+    layout_version: int = 0  # the Stager's, of ``staged``
 
 
 def _recover_daemon(group: Group, req: SaveRequest) -> dict[str, Any] | None:
@@ -140,10 +143,24 @@ def _recover_daemon(group: Group, req: SaveRequest) -> dict[str, Any] | None:
     return {"action": action, "reason": reason}
 
 
-def _dcp_write(req: SaveRequest, path: str, group: Group, mode: str) -> dict[str, tuple[int, str]]:
-    """DCP writes (and fsyncs) this rank's shards; returns the (size, xxh3-64) of each file
-    hashed on the way (``hashing_writer.py``; none in ``process`` mode, where DCP writes
-    in its daemon process)."""
+def _reusable(req: SaveRequest, group: Group, mode: str) -> list[Any] | None:
+    """Collective (when the checkpointer keeps plans): the bytes of this rank's records when
+    every rank can write the layout DCP planned for an earlier save (``repeat_save.py``),
+    else None on every rank, and DCP plans this save."""
+    if req.plans is None or mode == "process":
+        return None
+    chunks = req.plans.bind(req.staged, req.layout_version)
+    # the same collective on every rank, bound or not: all reuse, or DCP plans for all
+    return chunks if all(group.all_gather(chunks is not None)) else None
+
+
+def _dcp_write(
+    req: SaveRequest, path: str, group: Group, mode: str, chunks: list[Any] | None
+) -> dict[str, tuple[int, str]]:
+    """DCP writes (and fsyncs) this rank's shards, or, given ``chunks`` (``_reusable``),
+    the records of the layout it planned before; returns the (size, xxh3-64) of each file
+    hashed on the way (``hashing_writer.py``; none in ``process`` mode, where DCP writes in
+    its daemon process)."""
     import torch.distributed.checkpoint as dcp
 
     if mode == "process":
@@ -160,8 +177,17 @@ def _dcp_write(req: SaveRequest, path: str, group: Group, mode: str) -> dict[str
         )
         fut.result()
         return {}
+    plans = req.plans
+    if plans is not None and chunks is not None:
+        return plans.write(path, chunks, group.rank)
     writer, fs = hashing_writer(path, tensor_format=req.tensor_format)
     dcp.save(req.staged, storage_writer=writer, process_group=group.pg, no_dist=not group.dist)
+    if plans is not None:
+        try:
+            plans.learn(writer, req.staged, path, req.layout_version, group.rank)
+        except Exception:  # noqa: BLE001 - the save succeeded; the next one is planned again
+            plans.forget()
+            log.exception("could not keep the plan of the checkpoint in %s", path)
     return fs.digests
 
 
@@ -180,7 +206,7 @@ def run_save(
     another job took the root, and ``daemon`` when process mode replaced DCP's daemon.
     ``before_commit`` runs on rank 0 just before COMMIT (the ledger catches up to the step:
     ``Checkpointer``); if it fails, the checkpoint still commits."""
-    manifest, mode, daemon = None, req.async_mode, None
+    manifest, mode, daemon, planned = None, req.async_mode, None, ""
     if mode == "process":
         daemon = _recover_daemon(group, req)
         if daemon is not None and daemon["action"] == "fallback_thread":
@@ -206,7 +232,9 @@ def run_save(
         try:
             os.makedirs(path, exist_ok=True)  # rank 0 created (claimed) it; other nodes make theirs
             json_name, json_digest = write_rank_json(path, group.rank, req.rank_json)
-            known = _dcp_write(req, path, group, mode)
+            chunks = _reusable(req, group, mode)
+            planned = "dcp" if chunks is None else "reused"
+            known = _dcp_write(req, path, group, mode, chunks)
             known[json_name] = json_digest
             fsync_files(path, [json_name])
             entries = rank_entries(path, group.rank, known)
@@ -269,6 +297,7 @@ def run_save(
         "path": (remote.path(name) if remote is not None else path) if name else "",
         "error": err,
         "bytes": manifest["total_bytes"] if manifest else 0,
+        "plan": planned,  # "dcp", "reused" (repeat_save.py), "" when nothing was written
     }
 
 

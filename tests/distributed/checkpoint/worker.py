@@ -89,6 +89,10 @@ def run(action: str, kind: str, mode: str, directory: str, ref: str) -> None:
             ckpt.maybe_save(step, states, tokens_seen=step * 1000)
         ckpt.close()
         assert [e["ok"] for e in events] == [True, True], events
+        # DDP's second save repeats the first one's plan (repeat_save.py); FSDP2's DTensor
+        # shards are planned by DCP every save, and so is everything in process mode.
+        reuse = kind == "ddp" and mode != "process"
+        assert [e["plan"] for e in events] == ["dcp", "reused" if reuse else "dcp"], events
         full = full_state(model, optim)
         after = torch.rand(4)  # what this rank's restored RNG must produce next
         torch.save({"full": full, "rng": after}, f"{ref}.rank{rank}")
