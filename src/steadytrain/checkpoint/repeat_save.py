@@ -40,7 +40,7 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from steadytrain.checkpoint.torch_private import zip_crc_off_in_this_thread
-from steadytrain.storage.publish import Hasher, digest_bytes
+from steadytrain.storage.publish import Hasher, digest_bytes, publish_bytes
 
 __all__ = ["PlanCache"]
 
@@ -230,8 +230,6 @@ class PlanCache:
         digests = {self.file_name: _write_records(os.path.join(path, self.file_name), chunks)}
         if rank == 0:
             assert self.metadata is not None
-            tmp = os.path.join(path, _METADATA + ".tmp")
-            _write_records(tmp, [self.metadata])
-            os.rename(tmp, os.path.join(path, _METADATA))
+            publish_bytes(os.path.join(path, _METADATA), self.metadata)  # fsync'd, renamed
             digests[_METADATA] = (len(self.metadata), digest_bytes(self.metadata))
         return digests
