@@ -124,3 +124,23 @@ def test_checkpoint_contender_saves_at_a_fixed_cadence(bench, tmp_path, every, m
         contender.close()
     assert 1 <= got["saves"] <= most
     assert contender.durable_s() is not None and contender.durable_s() > 0
+
+
+@pytest.mark.parametrize("n,k", [(6, 1), (21, 6), (61, 23)])
+def test_median_interval_is_the_order_statistics_the_binomial_gives(bench, n, k):
+    """x_(k) and x_(n+1-k): the tabulated 95 % intervals for the median (k is 1-based)."""
+    xs = [float(i) for i in range(n, 0, -1)]  # unsorted on purpose
+    assert bench.median_ci(xs) == (float(k), float(n + 1 - k))
+    assert bench.median_ci(xs[:5]) is None  # 5 rounds cannot give 95 %
+
+
+def test_median_interval_covers_the_true_median_at_its_level(bench):
+    import random
+
+    rng = random.Random(7)
+    trials = 4000
+    hits = 0
+    for _ in range(trials):
+        lo, hi = bench.median_ci([rng.expovariate(1.0) for _ in range(21)])
+        hits += lo <= 0.6931471805599453 <= hi  # ln 2: the exponential's median
+    assert 0.95 <= hits / trials <= 0.99  # exact coverage for n=21 is 97.3 %
