@@ -16,17 +16,22 @@ holds the GIL (not a sleep). Contenders, each built once and kept warm:
 - ``loader_thread``: ``TokenLoader`` with its defaults (``num_workers=0``: one background
   thread, ``prefetch=4``), ``loader_w1`` / ``loader_w2``: 1 or 2 worker processes;
 - ``ckpt_thread`` / ``ckpt_process``: a ``Checkpointer`` (``async_mode`` thread or process)
-  with a save ALWAYS in flight: the next save starts at the step after the previous one is
-  durable; the state is the model, the optimizer and ``--ballast-mib`` of extra tensors so
-  that one save spans many steps, as a real model's does;
+  that starts a save every ``--save-every`` steps (0: a save ALWAYS in flight, the next one
+  at the step after the previous one is durable); the state is the model, the optimizer and
+  ``--ballast-mib`` of extra tensors so that one save spans many steps, as a real model's
+  does; ``ckpt_floor``: the same bytes written with nothing else (``_floor_writer.py``);
 - ``defaults``: loader thread and checkpoint thread together (the shipped defaults);
   ``w1_process``: 1 loader worker and process-mode checkpoints together.
 
 A step's time is its compute only: ``next()`` waits and a save's blocking copy are left
 out (the ledger books them as data wait and checkpoint block). Each round runs every
 contender once, in an order that rotates by one place per round, ``--warmup`` steps then
-``--steps`` timed ones; a contender's slowdown in a round is its median step time over the
-baseline's median in the SAME round, minus 1. Reported: min / median / max over rounds.
+``--steps`` timed ones, right after a baseline block of its own; a contender's slowdown in a
+round is its median step time over that baseline block's median, minus 1. Reported: min /
+median / max over rounds with a 95 % interval for the median; the median step of the steps
+that ran beside a save ("in flight"); and the throughput slowdown, every timed step's total
+over the paired baselines' total (what a job's wall time feels at this save cadence) with a
+bootstrap 95 % interval over rounds.
 
 **B. A short real run.** ``steadytrain train demo`` (the real loop, one process) per mode,
 in rotating order over ``--train-reps`` repetitions, checkpoints every ``--every`` steps:
@@ -91,6 +96,28 @@ TRAIN_MODES = {
 }
 
 
+def warm_memory(dest: str, gib: float) -> dict[str, float]:
+    """Write ``gib`` GiB through the page cache and delete it, before anything is timed.
+
+    Guest memory that a virtual machine has not touched (since boot, or since it reported
+    the pages free to its host) is not backed by the host: the first write to each page
+    faults to the host. On the 2026-12-01 VM a 70 MB checkpoint ``writev`` into such pages
+    took ~200 ms, against ~17 ms into pages just freed (a one-off check). Every contender,
+    the baseline included, starts after this warm-up; its rate goes into the JSON as a
+    reading of the machine's state (285-360 MB/s on untouched memory there, 1160 MB/s once
+    the whole memory had been written). A VM that hands free pages back to its host may
+    make them cold again, so this evens out the start, and no more."""
+    path, chunk = os.path.join(dest, "warm-memory"), np.zeros(16 << 20, dtype=np.uint8)
+    n = int(gib * (1 << 30)) // chunk.nbytes
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(n):
+            f.write(chunk)
+    os.unlink(path)
+    took = time.perf_counter() - t0
+    return {"gib": n * chunk.nbytes / (1 << 30), "s": took, "mb_per_s": n * 16.777216 / took}
+
+
 def make_dataset(dest: str) -> str:
     """The stdlib's email package as bytes tokens, in ~50k-token shards."""
     from steadytrain.data.ingest.writer import DatasetWriter
@@ -124,6 +151,21 @@ def spread(xs: list[float]) -> dict[str, Any]:
         "min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs),
         "median_ci95": list(ci) if ci else None,
     }  # fmt: skip
+
+
+def pooled_slowdown(pairs: list[tuple[float, float]], resamples: int = 2000) -> dict:
+    """Throughput slowdown over all rounds: total compute time over the paired baselines'
+    total, minus 1, in %; its 95 % interval resamples whole rounds (percentile bootstrap,
+    fixed seed). What a job's wall time feels at the benchmark's save cadence."""
+    import random
+
+    def pct(ps: list[tuple[float, float]]) -> float:
+        return 100.0 * (sum(c for c, _ in ps) / sum(b for _, b in ps) - 1.0)
+
+    rng = random.Random(0)
+    boot = sorted(pct(rng.choices(pairs, k=len(pairs))) for _ in range(resamples))
+    lo, hi = boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]
+    return {"estimate": pct(pairs), "ci95": [lo, hi], "rounds": len(pairs)}
 
 
 class Trainer:
@@ -260,13 +302,13 @@ class Contender:
         saves0 = self.saves
         for i in range(warmup + steps):
             self.since_save += 1
-            due = self.since_save >= self.save_every
-            if self.ckpt is not None and due and not self._in_flight():
+            flying = self.ckpt is not None and self._in_flight()  # as a loop's maybe_save()
+            if self.ckpt is not None and self.since_save >= self.save_every and not flying:
                 self._save()  # its blocking copy is not timed
-                self.since_save = 0
+                self.since_save, flying = 0, True
             step = self.trainer.step(self.batches)
             if i >= warmup:
-                got.append(step)
+                got.append(step | {"in_flight": flying})
         if self.ckpt is not None:
             self.ckpt.wait()
             self._in_flight()  # delivers (and checks) the last event
@@ -276,6 +318,12 @@ class Contender:
         # wall - run-queue: the step on a machine with a free core for everything else
         out["free_core_s"] = statistics.median(g["wall"] - g["runq"] for g in got)
         out["runq_s"] = statistics.median(g["runq"] for g in got)
+        # the block's whole compute time, for throughput: a median ignores the steps a
+        # sparse save slows, a job's wall time does not
+        out["total_free_core_s"] = sum(g["wall"] - g["runq"] for g in got)
+        flying = [g["wall"] - g["runq"] for g in got if g["in_flight"]]
+        out["in_flight_steps"], out["steps"] = len(flying), len(got)
+        out["in_flight_free_core_s"] = statistics.median(flying) if flying else None
         out["data_wait_s"] = statistics.mean(g["wait"] for g in got)
         return out | {"saves": self.saves - saves0}
 
@@ -300,11 +348,15 @@ def _paired_round(
         base = contenders["baseline"].run(args.warmup, args.steps)
         got[n] = contenders[n].run(args.warmup, args.steps)
         got[n]["baseline_free_core_s"] = base["free_core_s"]
+        got[n]["baseline_total_free_core_s"] = base["total_free_core_s"]
         for view in VIEWS:
             ratio = got[n][f"{view}_s"] / base[f"{view}_s"]
             got[n][f"slowdown_{view}_pct"] = 100.0 * (ratio - 1.0)
         bases.append(base)
     got["baseline"] = dict(bases[0])
+    # A/A for throughput too: each baseline block's total against the one before it
+    got["baseline"]["total_free_core_s"] = sum(b["total_free_core_s"] for b in bases[1:])
+    got["baseline"]["baseline_total_free_core_s"] = sum(b["total_free_core_s"] for b in bases[:-1])
     for view in VIEWS:
         pairs = zip(bases, bases[1:], strict=False)
         aa = [100.0 * (b[f"{view}_s"] / a[f"{view}_s"] - 1.0) for a, b in pairs]
@@ -371,6 +423,18 @@ def part_a(args: argparse.Namespace, tmp: str, dataset: str) -> dict[str, Any]:
         for k in ("wall", "free_core", "cpu", "blocked", "runq", "data_wait"):
             summary[n][f"{k}_ms"] = spread([1e3 * p[f"{k}_s"] for p in per])
         summary[n]["saves_per_round"] = spread([float(p["saves"]) for p in per])
+        summary[n]["throughput_slowdown_pct"] = pooled_slowdown(
+            [(p["total_free_core_s"], p["baseline_total_free_core_s"]) for p in per]
+        )
+        summary[n]["in_flight_share"] = sum(p["in_flight_steps"] for p in per) / sum(
+            p["steps"] for p in per
+        )
+        flying = [
+            100.0 * (p["in_flight_free_core_s"] / p["baseline_free_core_s"] - 1.0)
+            for p in per
+            if p["in_flight_free_core_s"] is not None
+        ]
+        summary[n]["slowdown_in_flight_pct"] = spread(flying) if flying else None
         summary[n]["save_background_s"] = contenders[n].save_s
         summary[n]["durable_s_median"] = contenders[n].durable_s()
     return {"summary": summary, "rounds": rounds}
@@ -455,6 +519,11 @@ def main() -> None:
         help="part A: start a save every N steps (0: a save always in flight, the worst case)",
     )  # fmt: skip
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument(
+        "--warm-gib", type=float, default=4.0,
+        help="write and delete this much first, so no contender pays a fresh VM's first "
+        "touches of its memory (0: off)",
+    )  # fmt: skip
     p.add_argument("--train-reps", type=int, default=2, help="0: skip part B")
     p.add_argument("--train-steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10, help="part B: checkpoint every N steps")
@@ -473,6 +542,9 @@ def main() -> None:
         )
     run = run_info()
     with tempfile.TemporaryDirectory(prefix="interference-") as tmp:
+        if args.warm_gib:
+            run["warm_memory"] = warm_memory(tmp, args.warm_gib)
+            print(f"[bench] memory warmed: {run['warm_memory']}", flush=True)
         dataset = make_dataset(os.path.join(tmp, "ds"))
         a = part_a(args, tmp, dataset) if args.rounds else None
         b = part_b(args, tmp, dataset) if args.train_reps else None
@@ -486,6 +558,7 @@ def main() -> None:
                  "threads": 1, "optimizer": "AdamW foreach=False, clip_grad_norm_"},
         "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
         "ballast_mib": args.ballast_mib, "save_every": args.save_every,
+        "warm_gib": args.warm_gib,
     }  # fmt: skip
     settings_b = {"model": TRAIN_MODEL, "steps": args.train_steps, "every_steps": args.every}
     if a is not None:
@@ -502,6 +575,11 @@ def main() -> None:
             n: a["summary"][n]["slowdown_free_core_pct"]["median_ci95"]
             for n in DEFAULTS
             if a is not None and n in a["summary"]
+        },
+        "defaults_throughput_pct": {
+            n: a["summary"][n]["throughput_slowdown_pct"]
+            for n in DEFAULTS
+            if a is not None and n in a["summary"] and "throughput_slowdown_pct" in a["summary"][n]
         },
         "defaults_met": {
             n: {v: a["summary"][n][f"slowdown_{v}_pct"]["median"] <= 2.0 for v in VIEWS}
@@ -521,7 +599,15 @@ def main() -> None:
             if sd.get("median_ci95"):
                 line += " (median {:+.1f} to {:+.1f})".format(*sd["median_ci95"])
         saves = s["saves_per_round"]["median"]
-        print(line + f" | blocked {s['blocked_ms']['median']:.2f} ms | saves/round {saves:g}")
+        line += f" | blocked {s['blocked_ms']['median']:.2f} ms | saves/round {saves:g}"
+        if "throughput_slowdown_pct" in s:
+            tp, fly = s["throughput_slowdown_pct"], s["slowdown_in_flight_pct"]
+            line += " | throughput {:+.1f} % ({:+.1f} to {:+.1f})".format(
+                tp["estimate"], *tp["ci95"]
+            )
+            line += f" | in flight {100 * s['in_flight_share']:.0f} % of steps"
+            line += f", those {fly['median']:+.1f} %" if fly else ""
+        print(line)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,10 @@ def test_checkpoint_contender_saves_at_a_fixed_cadence(bench, tmp_path, every, m
     finally:
         contender.close()
     assert 1 <= got["saves"] <= most
+    # the first step starts a save, so it ran beside one; the throughput total is every step's
+    assert 1 <= got["in_flight_steps"] <= got["steps"] == 7
+    assert got["in_flight_free_core_s"] is not None
+    assert got["total_free_core_s"] >= 7 * 0.5 * got["free_core_s"]
     assert contender.durable_s() is not None and contender.durable_s() > 0
 
 
@@ -144,3 +148,28 @@ def test_median_interval_covers_the_true_median_at_its_level(bench):
         lo, hi = bench.median_ci([rng.expovariate(1.0) for _ in range(21)])
         hits += lo <= 0.6931471805599453 <= hi  # ln 2: the exponential's median
     assert 0.95 <= hits / trials <= 0.99  # exact coverage for n=21 is 97.3 %
+
+
+def test_pooled_slowdown_is_the_ratio_of_totals_with_an_interval_around_it(bench):
+    """Throughput: total time over total baseline, so one slow round of a sparse save counts
+    by its length (a median of ratios would drop it); the interval comes from resampling."""
+    import random
+
+    rng = random.Random(3)
+    pairs = [(b * rng.uniform(1.0, 1.1), b) for b in (rng.uniform(0.5, 1.0) for _ in range(40))]
+    pairs.append((10.0, 1.0))  # the one round with a slow save
+    got = bench.pooled_slowdown(pairs)
+    want = 100.0 * (sum(c for c, _ in pairs) / sum(b for _, b in pairs) - 1.0)
+    assert got["estimate"] == pytest.approx(want) and got["rounds"] == 41
+    ratios = sorted(c / b for c, b in pairs)
+    assert 100.0 * (ratios[20] - 1.0) < 10.0 < want  # the median of ratios misses the save
+    lo, hi = got["ci95"]
+    assert lo < want < hi
+    same = bench.pooled_slowdown([(1.05 * b, b) for b in (1.0, 2.0, 3.0)])
+    assert same["ci95"] == pytest.approx([5.0, 5.0]) and same["estimate"] == pytest.approx(5.0)
+
+
+def test_memory_warm_up_writes_what_it_is_asked_and_leaves_nothing(bench, tmp_path):
+    got = bench.warm_memory(str(tmp_path), 0.0625)  # 64 MiB: four 16 MiB chunks
+    assert got["gib"] == 0.0625 and got["s"] > 0 and got["mb_per_s"] > 0
+    assert list(tmp_path.iterdir()) == []  # deleted: the point is the freed pages
