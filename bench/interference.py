@@ -110,12 +110,21 @@ def warm_memory(dest: str, gib: float) -> dict[str, float]:
     path, chunk = os.path.join(dest, "warm-memory"), np.zeros(16 << 20, dtype=np.uint8)
     n = int(gib * (1 << 30)) // chunk.nbytes
     t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(n):
-            f.write(chunk)
-    os.unlink(path)
+    try:
+        with open(path, "wb") as f:
+            for _ in range(n):
+                f.write(chunk)
+    except OSError as e:
+        raise SystemExit(
+            f"memory warm-up: writing {gib:g} GiB to {path} failed ({e.strerror}); "
+            "free space there (TMPDIR), or pass a smaller --warm-gib (0: no warm-up)"
+        ) from e
+    finally:
+        if os.path.lexists(path):
+            os.unlink(path)
     took = time.perf_counter() - t0
-    return {"gib": n * chunk.nbytes / (1 << 30), "s": took, "mb_per_s": n * 16.777216 / took}
+    written = n * chunk.nbytes
+    return {"gib": written / (1 << 30), "s": took, "mb_per_s": written / 1e6 / took}
 
 
 def make_dataset(dest: str) -> str:
@@ -540,6 +549,10 @@ def main() -> None:
             f"unknown contenders/modes {unknown} (use {sorted(CONTENDERS)} and "
             f"{sorted(TRAIN_MODES)}); --contenders must include baseline"
         )
+    if not args.rounds and not args.train_reps:
+        p.error(f"--rounds 0 and --train-reps 0: nothing to run (and {args.out} is kept)")
+    if args.warm_gib < 0:
+        p.error(f"--warm-gib {args.warm_gib:g}: use 0 (no warm-up) or more")
     run = run_info()
     with tempfile.TemporaryDirectory(prefix="interference-") as tmp:
         if args.warm_gib:

@@ -173,3 +173,27 @@ def test_memory_warm_up_writes_what_it_is_asked_and_leaves_nothing(bench, tmp_pa
     got = bench.warm_memory(str(tmp_path), 0.0625)  # 64 MiB: four 16 MiB chunks
     assert got["gib"] == 0.0625 and got["s"] > 0 and got["mb_per_s"] > 0
     assert list(tmp_path.iterdir()) == []  # deleted: the point is the freed pages
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_memory_warm_up_on_a_full_disk_says_where_and_how_and_leaves_nothing(bench, tmp_path):
+    (tmp_path / "warm-memory").symlink_to("/dev/full")  # every write: ENOSPC
+    with pytest.raises(SystemExit, match=r"warm-memory failed \(No space left.*--warm-gib"):
+        bench.warm_memory(str(tmp_path), 0.0625)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [(["--rounds", "0", "--train-reps", "0"], "nothing to run"), (["--warm-gib", "-1"], "use 0")],
+)
+def test_arguments_that_would_measure_nothing_are_refused_before_any_file_is_written(
+    bench, tmp_path, monkeypatch, capsys, argv, says
+):
+    out = tmp_path / "interference.json"
+    out.write_text("{}")  # an earlier run's results, to be kept
+    monkeypatch.setattr(sys, "argv", ["interference.py", *argv, "--out", str(out)])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert out.read_text() == "{}"
