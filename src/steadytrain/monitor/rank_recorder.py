@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from steadytrain.monitor.appender import open_regular
 from steadytrain.monitor.ranks import RankFile, node_name, rank_files, rank_step_record
 
 __all__ = ["RankRecorder", "RankPoller", "RankTail", "rank_windows", "Consumer"]
@@ -141,8 +142,8 @@ class RankTail:
         out: dict[int, list[dict[str, Any]]] = {}
         for rank, path in rank_files(self.run_dir):
             pos = self._pos.get(rank, 0)
-            try:
-                with open(path, "rb") as f:
+            try:  # a FIFO, device or symlink in a rank file's place is not read (no hang)
+                with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
                     f.seek(pos)
                     data = f.read(max_bytes)
             except OSError:

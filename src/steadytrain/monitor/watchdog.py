@@ -56,6 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from steadytrain.monitor.appender import open_regular
 from steadytrain.monitor.hangs import (
     RECORDED,
     STACK_FRAMES,
@@ -297,14 +298,19 @@ class HangWatchdog:
             "stack": [where(*f) for f in frames[:STACK_FRAMES]],
         }
         self.fired = verdict
-        with open(d / f"rank-{self.rank}.txt", "w") as f:
-            f.write(
-                f"# rank {self.rank} on {self.node}, pid {os.getpid()}: no progress for "
-                f"{seen['since_progress_s']:.1f}s after step {seen['step']} "
-                f"({seen['phase']}, deadline {seen['deadline_s']:.1f}s)\n"
-            )
-            f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
+        txt = d / f"rank-{self.rank}.txt"
+        try:  # never through a symlink, never into a FIFO; a full disk skips only the stacks
+            with os.fdopen(open_regular(txt, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
+                f.write(
+                    f"# rank {self.rank} on {self.node}, pid {os.getpid()}: no progress for "
+                    f"{seen['since_progress_s']:.1f}s after step {seen['step']} "
+                    f"({seen['phase']}, deadline {seen['deadline_s']:.1f}s)\n"
+                )
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        except OSError as e:
+            log.warning("hang watchdog: %s not written (%s); stacks follow on stderr", txt, e)
+            faulthandler.dump_traceback(all_threads=True)
         publish_bytes(str(d / f"rank-{self.rank}.json"), json.dumps(verdict))
         print(
             f"[watchdog] rank {self.rank}: no progress for {seen['since_progress_s']:.1f}s "

@@ -379,5 +379,8 @@ def run_training(
         weights = weights_digest(model)
         if rank == 0:  # atomic: a reader (the demo, a test) never parses half of it
             final = {"step": step, "tokens": state.tokens, "weights": weights}
-            publish_bytes(os.path.join(run_dir, "final.json"), json.dumps(final))
+            try:
+                publish_bytes(os.path.join(run_dir, "final.json"), json.dumps(final))
+            except OSError as e:  # the run directory's disk failed: the training did not
+                say(f"warning: {run_dir}/final.json not written ({e}); trained to step {step}")
     return {"step": step, "tokens": state.tokens, "weights": weights, "run_dir": run_dir}

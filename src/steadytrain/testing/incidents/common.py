@@ -89,11 +89,13 @@ def train_args(settings: Sequence[str]) -> list[str]:
 
 
 def read_trace(run_dir: str) -> list[dict[str, Any]]:
-    """Every trace record of every rank and attempt, in the order each rank wrote them."""
+    """Every trace record of every rank and attempt, in the order each rank wrote them
+    (a ``records_lost`` line, left by a failing disk, is not a step: skipped)."""
     out = []
     for path in sorted(glob.glob(os.path.join(run_dir, "trace-rank*.jsonl"))):
         with open(path) as f:
-            out.extend(json.loads(line) for line in f if line.strip())
+            recs = (json.loads(line) for line in f if line.strip())
+            out.extend(r for r in recs if "type" not in r)
     return out
 
 
