@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from steadytrain.commands._util import print_json
-    from steadytrain.monitor.report import build_report, slowdown_note
+    from steadytrain.monitor.records_lost import lost_warning
+    from steadytrain.monitor.report import build_report, rejected_lines, slowdown_note
     from steadytrain.monitor.report_ranks import who
 
     s = build_report(args.run_dir, args.out)
@@ -28,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
         print_json(s)
         return 0
     print(f"goodput {s['goodput']:.1%} of {s['total_s'] / 60:.1f} min, {s['attempts']} attempt(s)")
+    for line in lost_warning(s.get("records_lost") or []):  # a failing disk's gaps
+        print(f"  {line}")
     for k, v in s["badput"].items():
         if v > 0:
             print(f"  {k:<18} {v:6.1%}  ({s['badput_s'][k]:.1f} s)")
@@ -50,5 +53,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"missing: rank {m['rank']} of attempt {m['attempt']} ({m['reason']})")
     if s["torn_lines"]:
         print(f"rank files: {s['torn_lines']} torn line(s) skipped (a rank killed mid-write)")
+    for line in rejected_lines(s):  # records skipped as invalid (monitor/records.py)
+        print(line)
     print(f"report: {s['html']}")
     return 0

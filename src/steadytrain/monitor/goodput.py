@@ -51,6 +51,7 @@ last one), so the live meter and the offline report share this code.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -91,15 +92,34 @@ STATE_VERSION = 3
 _LOADABLE_VERSIONS = (2, 3)
 
 
+def _sec(v: Any) -> float:
+    """A duration field as seconds: anything but a finite number >= 0 counts as 0. The file
+    readers already skip such records (monitor/records.py); this keeps a record handed to
+    the live meter by a caller from making a bucket negative or infinite."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return 0.0
+    f = float(v) if -1e300 < v < 1e300 else math.inf
+    return f if 0.0 <= f < math.inf else 0.0
+
+
+def _int(v: Any, default: int = 0) -> int:
+    """A step, attempt or token count: ``default`` unless a finite number >= 0."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return default
+    if isinstance(v, float) and not math.isfinite(v):
+        return default
+    return int(v) if v >= 0 else default
+
+
 def productive_s(rec: dict[str, Any]) -> float:
     """Productive seconds of one step record (see module docstring)."""
-    step_s = float(rec.get("step_s") or 0.0)
-    waits = float(rec.get("data_wait_s") or 0.0) + float(rec.get("checkpoint_block_s") or 0.0)
+    step_s = _sec(rec.get("step_s"))
+    waits = _sec(rec.get("data_wait_s")) + _sec(rec.get("checkpoint_block_s"))
     cap = max(0.0, step_s - waits)
     compute = rec.get("compute_s")
     if compute is None:
         return cap
-    return min(max(0.0, float(compute)), cap)
+    return min(_sec(compute), cap)
 
 
 @dataclass
@@ -118,6 +138,9 @@ class Breakdown:
     # Steps that ran beside a background write while no baseline existed (neither the
     # attempt's own nor one carried from an earlier attempt): their slowdown is unmeasured.
     slowdown_unmeasured_steps: int = 0
+    # Seconds the records claimed beyond the wall time (durations that cannot all have
+    # happened between the first and last timestamps): the figures were scaled to fit.
+    overbooked_s: float = 0.0
 
     @property
     def goodput(self) -> float:
@@ -144,6 +167,7 @@ class Breakdown:
             "recovery_point_age_s": self.recovery_point_age_s,
             "attempt_summaries": list(self.attempt_summaries),
             "slowdown_unmeasured_steps": self.slowdown_unmeasured_steps,
+            "overbooked_s": self.overbooked_s,
         }
 
 
@@ -174,16 +198,17 @@ class GoodputAccumulator:
     # -- records ---------------------------------------------------------------------------
     def add(self, rec: dict[str, Any]) -> None:
         kind = rec.get("type")
-        t = float(rec.get("t") or 0.0)
+        t = _sec(rec.get("t"))  # a Unix time: finite and >= 0 like a duration
         if kind == "checkpoint":  # ok or not: its background write is over
             durable = rec.get("durable_s")
-            self._book_slowdown(self._slow.write_ended(int(rec.get("step", 0)), durable))
+            durable = None if durable is None else _sec(durable)
+            self._book_slowdown(self._slow.write_ended(_int(rec.get("step")), durable))
         if kind == "job_start":
             self._job_start(rec, t)
         elif kind == "step":
             self._step(rec)
         elif kind == "checkpoint" and rec.get("ok", True):
-            self._checkpoint(int(rec.get("step", 0)), t)
+            self._checkpoint(_int(rec.get("step")), t)
         elif kind == "job_end" and self._attempt is not None:
             self._attempt["reason"] = rec.get("reason", "finished")
         elif kind == "hang":
@@ -201,8 +226,8 @@ class GoodputAccumulator:
                 self._attempt["end_t"] = max(self._attempt["end_t"], t)
 
     def _job_start(self, rec: dict[str, Any], t: float) -> None:
-        startup = float(rec.get("startup_s") or 0.0)
-        restore = float(rec.get("restore_s") or 0.0)
+        startup = _sec(rec.get("startup_s"))
+        restore = _sec(rec.get("restore_s"))
         began = t - startup - restore
         if self.start is None:
             self.start = began
@@ -214,12 +239,12 @@ class GoodputAccumulator:
         # The attempt died mid-write: charge what its steps showed.
         self._book_slowdown(self._slow.write_ended(None))
         self._slow.attempt_started()
-        self._rollback(int(rec.get("restored_step") or 0))
+        self._rollback(_int(rec.get("restored_step")))
         self._attempt = {
             "attempt": rec.get("attempt", self.attempts - 1),
             "start_t": began,
             "end_t": t,
-            "restored_step": int(rec.get("restored_step") or 0),
+            "restored_step": _int(rec.get("restored_step")),
             "first_step": None,
             "last_step": None,
             "steps": 0,
@@ -252,19 +277,17 @@ class GoodputAccumulator:
             del self._ckpt[s]  # checkpoints of the abandoned timeline
 
     def _step(self, rec: dict[str, Any]) -> None:
-        step = int(rec.get("step", self.last_step + 1))
+        step = _int(rec.get("step"), self.last_step + 1)
         p = productive_s(rec)
-        block = float(rec.get("checkpoint_block_s") or 0.0)
-        t, step_s = rec.get("t"), rec.get("step_s")
-        closed = self._slow.step(
-            step, p, block, None if t is None else float(t), float(step_s or 0)
-        )
+        block = _sec(rec.get("checkpoint_block_s"))
+        t, step_s = rec.get("t"), _sec(rec.get("step_s"))
+        closed = self._slow.step(step, p, block, None if t is None else _sec(t), step_s)
         self.productive_all += p
-        self.sums["data_wait"] += float(rec.get("data_wait_s") or 0.0)
+        self.sums["data_wait"] += _sec(rec.get("data_wait_s"))
         self.sums["checkpoint_block"] += block
         self.steps_recorded += 1
         c = self.cum
-        self.cum = (c[0] + p, c[1] + int(rec.get("tokens") or 0), c[2] + 1)
+        self.cum = (c[0] + p, c[1] + _int(rec.get("tokens")), c[2] + 1)
         # A write this step found finished: its excess, this step's share included.
         self._book_slowdown(closed)
         self.last_step = step
@@ -369,10 +392,10 @@ class GoodputAccumulator:
         end = max(now if now is not None else 0.0, self.last_t or self.start)
         total = max(0.0, end - self.start)
         pending = self._slow.excess()  # a write still in flight: its slowdown so far
-        goodput_s = self.productive_all - pending - self.sums["lost_to_failures"]
-        bad = dict(self.sums)
+        goodput_s = max(0.0, self.productive_all - pending - self.sums["lost_to_failures"])
+        bad = {k: max(0.0, v) for k, v in self.sums.items()}
         bad["slowdown"] += pending
-        bad["other"] = max(0.0, total - goodput_s - sum(v for k, v in bad.items() if k != "other"))
+        goodput_s, overbooked = _fit(total, goodput_s, bad)
         age_from = self.last_ckpt_t if self.last_ckpt_t is not None else self.start
         return Breakdown(
             total_s=total,
@@ -387,7 +410,25 @@ class GoodputAccumulator:
             recovery_point_age_s=max(0.0, end - age_from),
             attempt_summaries=[dict(a) for a in self.attempt_summaries],
             slowdown_unmeasured_steps=self._slow.unmeasured,
+            overbooked_s=overbooked,
         )
+
+
+def _fit(total: float, goodput_s: float, bad: dict[str, float]) -> tuple[float, float]:
+    """Make goodput and the buckets sum to ``total`` (``bad`` in place; returns goodput and
+    the seconds overbooked). ``other`` takes what no record claims; when the records claim
+    more than the wall time (a hostile or clock-broken ledger: a step of 1e8 s in a 10 s
+    run), every figure is scaled down by the same factor, so goodput stays in [0, 1] and
+    each bucket keeps its share of what was claimed."""
+    claimed = goodput_s + sum(v for k, v in bad.items() if k != "other")
+    over = claimed - total
+    if over <= 1e-9 * max(1.0, total):  # float noise is not overbooking
+        bad["other"] = max(0.0, total - claimed)
+        return goodput_s, 0.0
+    scale = total / claimed if claimed > 0 else 0.0
+    for k in bad:
+        bad[k] = 0.0 if k == "other" else bad[k] * scale
+    return goodput_s * scale, over
 
 
 def compute_goodput(records: Iterable[dict[str, Any]], now: float | None = None) -> Breakdown:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from steadytrain.monitor.records import VERDICT_FIELDS, Rejects, check_fields, read_json
 from steadytrain.storage.publish import publish_bytes
 
 __all__ = [
@@ -98,8 +99,8 @@ def decide(verdicts: Mapping[int, dict[str, Any]], world_size: int) -> dict[str,
         culprits = sorted(set(stuck) | set(missing))
         cause = "no response" if not stuck else "not in a collective"
     else:  # everyone waits: a desync (some ranks behind) or the collective itself
-        low = min(int(v.get("step", 0)) for v in verdicts.values())
-        behind = sorted(r for r, v in verdicts.items() if int(v.get("step", 0)) == low)
+        low = min(int(v.get("step") or 0) for v in verdicts.values())
+        behind = sorted(r for r, v in verdicts.items() if int(v.get("step") or 0) == low)
         if len(behind) < len(verdicts):
             culprits, cause = behind, "behind the other ranks (desync)"
         else:
@@ -127,14 +128,27 @@ def hang_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
     return Path(run_dir) / HANGS_DIR / f"attempt-{attempt}"
 
 
-def read_verdicts(d: Path) -> dict[int, dict[str, Any]]:
+def read_verdicts(d: Path, rejects: Rejects | None = None) -> dict[int, dict[str, Any]]:
+    """The verdicts in hang dump directory ``d`` by rank. Each file goes through
+    ``monitor/records.py``: a regular file of bounded size inside the run directory, holding
+    an object with the fields ``hang_record`` reads (``VERDICT_FIELDS``); anything else is
+    skipped with a warning naming it (and counted in ``rejects``): that rank counts as "no
+    response", never a crash of the watchdog or of the next attempt's start-up."""
     out = {}
-    for path in d.glob("rank-*.json"):
-        try:
-            v = json.loads(path.read_text())
-            out[int(v["rank"])] = v
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("hang verdict %s unreadable (%s): counted as no response", path, e)
+    root = d.parent.parent  # the run directory
+    for path in sorted(d.glob("rank-*.json")):
+        label = f"{HANGS_DIR}/{d.name}/{path.name}"
+        v = read_json(path, root=root, rejects=rejects, label=label)
+        if v is None:
+            continue  # missing, or refused and logged by read_json
+        why = "not a JSON object" if not isinstance(v, dict) else None
+        why = why or check_fields(v, VERDICT_FIELDS, "hang verdict")
+        if why is not None:
+            if rejects is not None:
+                rejects.add(label, why, str(path))
+            log.warning("hang verdict %s unusable (%s): counted as no response", path, why)
+            continue
+        out[int(v["rank"])] = v
     return out
 
 
@@ -154,7 +168,7 @@ def hang_record(
         "type": "hang",
         "t": detect_t,
         "attempt": attempt,
-        "step": min((int(v.get("step", 0)) for v in vs), default=0),
+        "step": min((int(v.get("step") or 0) for v in vs), default=0),
         "phase": vs[0].get("phase") if vs else None,
         "stuck_ranks": decision["stuck_ranks"],
         "nodes": sorted({e["node"] for e in decision["stuck"] if e.get("node")}),
@@ -192,7 +206,7 @@ def recover_hang_records(run_dir: str | os.PathLike[str], meter: Any) -> int:
             attempt = int(d.name.split("-", 1)[1])
         except ValueError:
             continue
-        world = max(int(v.get("world_size", 1)) for v in verdicts.values())
+        world = max(int(v.get("world_size") or 1) for v in verdicts.values())
         rec = hang_record(
             attempt, verdicts, decide(verdicts, world), world, recovered=True, kill_t=None
         )

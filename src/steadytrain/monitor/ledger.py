@@ -23,11 +23,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from steadytrain.storage.publish import atomic_writer, fsync_dir
+from steadytrain.monitor.appender import Appender
+from steadytrain.monitor.records import LEDGER_FIELDS, Rejects, iter_records, read_json
+from steadytrain.storage.publish import atomic_writer
 
 __all__ = [
     "step_record",
@@ -49,7 +52,16 @@ LEDGER_NAME = "ledger.jsonl"
 SNAPSHOT_NAME = "ledger.snapshot.json"
 SNAPSHOT_VERSION = 1
 _TAIL_BYTES = 64  # bytes before the offset kept in the snapshot to recognise the ledger
-RECORD_TYPES = ("job_start", "step", "checkpoint", "restore", "alert", "hang", "job_end")
+RECORD_TYPES = (
+    "job_start",
+    "step",
+    "checkpoint",
+    "restore",
+    "alert",
+    "hang",
+    "job_end",
+    "records_lost",  # lines the writer had to drop while the disk failed (monitor/appender.py)
+)
 
 log = logging.getLogger("steadytrain.monitor")
 
@@ -68,94 +80,88 @@ def _default(obj: Any) -> Any:
 
 
 class Ledger:
-    """Appends records to ``RUN_DIR/ledger.jsonl``; only the background writer calls it."""
+    """Appends records to ``RUN_DIR/ledger.jsonl``; only the background writer calls it.
+
+    It never raises ``OSError``: a full, read-only or failing disk, or a symlink, FIFO or
+    device in the file's place, queues the records in a bounded buffer that is written when
+    the file works again, and the lines dropped past that bound leave one ``records_lost``
+    record (``monitor/appender.py``; docs/operations.md, "The run directory's disk fills").
+    ``ok`` is False while records wait or after any were dropped: a snapshot of the reader's
+    state must not be taken then (it would count records the file does not hold)."""
 
     def __init__(
         self, run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None = None
     ) -> None:
         # ``path``: another append-only file of the run (a rank's own ledger, monitor/ranks.py)
         self.path = Path(path) if path is not None else ledger_path(run_dir)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fix_torn_tail()
-        # Append mode: restarts add to the history, never rewrite it.
-        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._dir_synced = False
+        # Append only (O_APPEND, never through a symlink): restarts add to the history.
+        self._out = Appender(self.path, self.path.name, default=_default)
 
-    def _fix_torn_tail(self) -> None:
-        # A crash mid-write can leave a last line without its newline; start ours on a
-        # fresh line so the torn record stays isolated (and skipped) instead of corrupting
-        # the first record of this attempt.
-        try:
-            with open(self.path, "rb+") as f:
-                f.seek(0, os.SEEK_END)
-                if f.tell() == 0:
-                    return
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    f.write(b"\n")
-        except FileNotFoundError:
-            return
+    @property
+    def ok(self) -> bool:
+        return self._out.ok
 
-    def write(self, records: Iterable[dict[str, Any]], durable: bool = False) -> None:
-        lines = [json.dumps(r, default=_default, separators=(",", ":")) for r in records]
-        if lines:
-            self._f.write("\n".join(lines) + "\n")
-        self._f.flush()
+    @property
+    def pending(self) -> int:
+        return self._out.pending
+
+    @property
+    def dropped(self) -> int:
+        return self._out.dropped
+
+    def write(self, records: Iterable[dict[str, Any]], durable: bool = False) -> bool:
+        """Write ``records`` (and any that waited); ``durable``: fsync too. True when every
+        record so far is in the file (and synced, when asked)."""
+        done = self._out.append(records)
         if durable:
-            self._fsync()
-
-    def _fsync(self) -> None:
-        """Make every line written so far durable (the caller flushed)."""
-        os.fsync(self._f.fileno())
-        if not self._dir_synced:  # the file may be new: its directory entry must last too
-            fsync_dir(str(self.path.parent))
-            self._dir_synced = True
+            done = self._out.sync() and done
+        return done
 
     def offset(self) -> int:
         """Bytes written so far (the file is only ever appended to, by this writer)."""
-        self._f.flush()
-        return os.fstat(self._f.fileno()).st_size
+        return self._out.offset()
 
-    def sync(self) -> None:
-        self._f.flush()
-        self._fsync()
+    def sync(self) -> bool:
+        return self._out.sync()
 
     def close(self) -> None:
-        if not self._f.closed:
-            self._f.flush()
-            self._fsync()
-            self._f.close()
+        self._out.close()
 
 
 def iter_ledger(
-    path: str | os.PathLike[str], offset: int = 0, skipped: list[int] | None = None
+    path: str | os.PathLike[str],
+    offset: int = 0,
+    skipped: list[int] | None = None,
+    *,
+    rejects: Rejects | None = None,
+    fields: dict[str, dict[str, str]] | None = None,
+    root: str | os.PathLike[str] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Yield the records of a ledger file (or of ``RUN_DIR/ledger.jsonl``), in order,
+    """Yield the valid records of a ledger file (or of ``RUN_DIR/ledger.jsonl``), in order,
     starting at byte ``offset`` (a line boundary).
 
-    Lines that do not parse (the torn tail of a crashed writer) are skipped with a warning
-    (and their line numbers appended to ``skipped``, when given).
+    Every line goes through ``monitor/records.py``: a line that does not parse (the torn
+    tail of a crashed writer), is too long or too deeply nested, or a record whose fields
+    have the wrong types or non-finite / negative / out-of-range numbers (``fields``: per
+    record type, default ``LEDGER_FIELDS``) is skipped with a warning, counted in
+    ``rejects`` by file and reason, and (when it does not parse) its line number appended
+    to ``skipped``. A ledger that is not a regular file (a FIFO, a device) or a symlink
+    leaving ``root`` (default: the file's directory) yields nothing. Never raises for what
+    the file holds.
     """
     p = Path(path)
     if p.is_dir():
         p = p / LEDGER_NAME
-    with open(p, "rb") as f:
-        if offset:
-            f.seek(offset)
-        for n, raw in enumerate(f, 1):
-            line = raw.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:  # JSONDecodeError, or a torn multi-byte character
-                where = f"{p}:{n}" if not offset else f"{p}:+{offset}:{n}"
-                log.warning("%s: skipping a torn ledger line (a crash mid-write)", where)
-                if skipped is not None:
-                    skipped.append(n)
-                continue
-            if isinstance(rec, dict) and "type" in rec:
-                yield rec
+    label = f"{p.parent.name}/{p.name}" if p.parent.name == "ranks" else p.name
+    yield from iter_records(
+        p,
+        LEDGER_FIELDS if fields is None else fields,
+        offset=offset,
+        root=p.parent if root is None else root,
+        rejects=rejects,
+        label=label,
+        skipped=skipped,
+    )
 
 
 def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -165,7 +171,8 @@ def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def next_attempt(run_dir: str | os.PathLike[str]) -> int:
     """The number of the next attempt: 0 for a fresh run directory, else last + 1.
 
-    Numbered from 0 like torchelastic's ``TORCHELASTIC_RESTART_COUNT``.
+    Numbered from 0 like torchelastic's ``TORCHELASTIC_RESTART_COUNT``. A ``job_start``
+    whose ``attempt`` is not a valid integer is skipped by the reader (never fatal).
     """
     p = ledger_path(run_dir)
     if not p.exists():
@@ -218,11 +225,18 @@ def load_snapshot_of(
     path, lp = Path(sp), Path(lp)
     why = None
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        # Bounded, regular files only (records.py): a FIFO or a huge file is not a snapshot.
+        doc = read_json(path, root=path.parent)
+        if doc is None:
+            raise FileNotFoundError(path)
         meta = doc["ledger"]
         offset, tail = int(meta["offset"]), bytes.fromhex(meta["tail"])
         st = os.stat(lp)
-        if doc.get("version") != SNAPSHOT_VERSION:
+        if not stat.S_ISREG(st.st_mode):
+            why = "the ledger is not a regular file"
+        elif offset < 0:
+            why = f"negative offset {offset}"
+        elif doc.get("version") != SNAPSHOT_VERSION:
             why = f"version {doc.get('version')!r}"
         elif (st.st_ino, st.st_dev) != (meta["inode"], meta["dev"]):
             why = "the ledger was replaced (inode changed)"

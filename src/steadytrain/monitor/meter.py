@@ -46,6 +46,7 @@ from steadytrain.monitor.ledger import (
 from steadytrain.monitor.memory import RssReader, shm_used_bytes
 from steadytrain.monitor.meter_config import MeterConfig
 from steadytrain.monitor.rank_recorder import RankPoller, RankRecorder, rank_windows
+from steadytrain.monitor.records import MAX_INT, Rejects, finite_tree
 from steadytrain.monitor.recovered import recovered_steps
 from steadytrain.monitor.sinks import BackgroundWriter, JsonlSink, make_sink
 from steadytrain.monitor.straggler_live import StragglerCheck
@@ -158,6 +159,7 @@ class GoodputMeter:
         valid snapshot) from the whole ledger. Alerts are not replayed: the engine starts
         fresh each attempt and only needs the time of the newest committed checkpoint."""
         lp = ledger_path(self.run_dir)
+        self.rejected = Rejects()  # ledger records skipped as invalid (monitor/records.py)
         if not lp.exists():
             return
         offset = 0
@@ -168,23 +170,40 @@ class GoodputMeter:
                 acc.load_state_dict(snap[1]["goodput"])
                 attempt = int(snap[1]["attempt_next"])
                 last_ok = snap[1]["last_ok_ckpt_t"]
-            except (KeyError, TypeError, ValueError, IndexError) as e:
+                # A snapshot is a cache: one with NaN, inf or a negative number in it is
+                # not used (the ledger is read instead), so the live figures stay sane.
+                if not (finite_tree(snap[1]) and 0 <= attempt < MAX_INT):
+                    raise ValueError("a non-finite or out-of-range number")
+                if last_ok is not None and not isinstance(last_ok, (int, float)):
+                    raise TypeError("last_ok_ckpt_t is not a number")
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
                 log.debug("ledger snapshot unusable (%s): reading the whole ledger", e)
             else:
                 offset = snap[0]
                 self._acc, self.attempt, self._last_ok_ckpt_t = acc, attempt, last_ok
                 self.snapshot_used = True
-        for rec in iter_ledger(lp, offset):
-            self.records_replayed += 1
-            self._acc.add(rec)
-            self._note(rec)
+        # The reader skips and counts every invalid record (monitor/records.py); whatever
+        # else goes wrong, a restart must start: a ledger the meter cannot replay costs the
+        # earlier attempts' figures, never the run.
+        try:
+            for rec in iter_ledger(lp, offset, rejects=self.rejected):
+                self.records_replayed += 1
+                self._acc.add(rec)
+                self._note(rec)
+        except Exception:
+            log.exception(
+                "%s could not be replayed past record %d; continuing with the history read so far",
+                lp,
+                self.records_replayed,
+            )
         self._attempt_next = self.attempt
 
     def _note(self, rec: dict[str, Any]) -> None:
         # The two facts besides the accumulator that a restart takes from the ledger.
         kind = rec.get("type")
         if kind == "job_start":
-            self.attempt = max(self.attempt, int(rec.get("attempt", 0)) + 1)
+            # The reader checked "attempt" is an integer; a job_start without one counts.
+            self.attempt = max(self.attempt, int(rec.get("attempt", self.attempt)) + 1)
         elif kind == "checkpoint" and rec.get("ok", True):
             self._last_ok_ckpt_t = rec.get("t")
 
@@ -298,16 +317,22 @@ class GoodputMeter:
 
     def close(self, reason: str = "finished") -> None:
         """Write ``job_end``, drain the queue, fsync the ledger, close every sink."""
-        if not self.recording or self._closed:
+        if not getattr(self, "recording", False) or getattr(self, "_closed", True):
             return
         self._closed = True
-        atexit.unregister(self._atexit)
+        if hasattr(self, "_atexit"):
+            atexit.unregister(self._atexit)
         self._close_reason = reason
-        self._writer.put(
-            {"type": "job_end", "t": time.time(), "step": self._last_step, "reason": reason}
-        )
-        self._writer.close()
-        self._rss.close()
+        # A constructor that raised part-way (before the writer existed) leaves nothing to
+        # drain: closing must then be a no-op, not an AttributeError at interpreter exit.
+        writer = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.put(
+                {"type": "job_end", "t": time.time(), "step": self._last_step, "reason": reason}
+            )
+            writer.close()
+        if hasattr(self, "_rss"):
+            self._rss.close()
 
     def breakdown(self, now: float | None = None) -> Breakdown:
         """Goodput so far, all attempts included (consistent after ``flush``/``close``)."""
@@ -386,9 +411,14 @@ class GoodputMeter:
         durable = any(r.get("type") in ("checkpoint", "job_end") for r in out)
         if not durable and self._since_snapshot < self.snapshot_every:
             return
+        if not sink.ledger.ok:
+            # Records wait for the disk or were dropped (monitor/appender.py): the
+            # accumulator holds records the file does not, so no snapshot now (a restart
+            # reads the ledger from the previous snapshot on, which stays right).
+            return
         try:
-            if not durable:
-                sink.ledger.sync()  # the snapshot must never cover bytes a crash can lose
+            if not durable and not sink.ledger.sync():
+                return  # the snapshot must never cover bytes a crash can lose
             state = {
                 "t": time.time(),
                 "attempt_next": self._attempt_next,
@@ -397,6 +427,8 @@ class GoodputMeter:
             }
             write_snapshot(self.run_dir, sink.ledger.offset(), state)
             self._since_snapshot = 0
+        except OSError as e:  # a full disk: tried again at the next one
+            log.warning("ledger snapshot not written (%s); a restart reads more of the ledger", e)
         except Exception:
             log.exception("ledger snapshot failed; a restart will read the whole ledger")
 

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from steadytrain.monitor.records import finite_tree
+
 __all__ = ["MAX_BINS", "RANK_KEYS", "StepSeries", "RankSummary"]
 
 # What a rank_step record keeps of the meter's step record (and of the loader's metrics).
@@ -94,8 +96,16 @@ class StepSeries:
         return {"width": self.width, "max_bins": self.max_bins, "bins": self.bins}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.width, self.max_bins = int(sd["width"]), int(sd["max_bins"])
-        self.bins = {int(k): dict(v) for k, v in sd["bins"].items()}
+        width, max_bins = int(sd["width"]), int(sd["max_bins"])
+        # A snapshot is read back from disk: a width that is not a power of two (re-binning
+        # assumes one) or more bins than promised is a corrupt one (the caller then reads
+        # the whole rank file instead).
+        if width < 1 or width & (width - 1) or not 1 <= max_bins <= 1 << 16:
+            raise ValueError(f"step series width {width} / max_bins {max_bins}")
+        bins = {int(k): dict(v) for k, v in sd["bins"].items()}
+        if len(bins) > max_bins or any(k < 0 or k >= max_bins for k in bins):
+            raise ValueError("step series bins out of range")
+        self.width, self.max_bins, self.bins = width, max_bins, bins
 
 
 @dataclass
@@ -227,6 +237,19 @@ class RankSummary:
     def from_state_dict(cls, sd: dict[str, Any]) -> RankSummary:
         if sd.get("version") != SUMMARY_VERSION:
             raise ValueError(f"rank summary version {sd.get('version')!r}")
+        # Every number of a summary is a count, a sum of durations or a size: finite, >= 0.
+        if not finite_tree(sd, nonneg=True):
+            raise ValueError("rank summary holds a negative or non-finite number")
+        if len(sd["read_hist"]) != _H_BINS or len(sd["rss"]) != 3 or len(sd["shm"]) != 3:
+            raise ValueError("rank summary histogram or memory fields malformed")
+        if not (
+            all(isinstance(a, dict) for a in sd["attempts"])
+            and all(isinstance(n, str) for n in sd["nodes"])
+            and isinstance(sd["sums"], dict)
+            and (sd["ended"] is None or isinstance(sd["ended"], dict))
+            and all(isinstance(x, int) for x in sd["read_hist"])
+        ):
+            raise ValueError("rank summary fields of the wrong type")
         out = cls(rank=int(sd["rank"]), node=sd["node"], nodes=list(sd["nodes"]))
         out.attempts, out.steps = list(sd["attempts"]), int(sd["steps"])
         out.first_step, out.last_step = sd["first_step"], sd["last_step"]

@@ -34,11 +34,11 @@ from typing import Any
 
 from steadytrain.monitor.ledger import (
     Ledger,
-    iter_ledger,
     load_snapshot_of,
     write_snapshot_of,
 )
 from steadytrain.monitor.rank_summary import RANK_KEYS, RankSummary, StepSeries
+from steadytrain.monitor.records import RANK_FIELDS, Rejects, iter_records
 
 __all__ = [
     "RANKS_DIR",
@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 RANKS_DIR = "ranks"
+MAX_MISSING = 1000  # rows of missing ranks listed (the rest are not enumerated)
 _FILE_RE = re.compile(r"^rank-(\d+)\.jsonl$")
 
 
@@ -103,36 +104,54 @@ class RankFile:
         for rec in records:
             self.summary.add(rec)
         self._since += len(records)
-        if self._since >= self.snapshot_every or (durable and self._since):
-            self._ledger.sync()  # a snapshot never covers bytes a crash can lose
-            write_snapshot_of(
-                self.path,
-                rank_snapshot_path(self.run_dir, self.rank),
-                self._ledger.offset(),
-                {"summary": self.summary.state_dict()},
-            )
-            self._since = 0
+        due = self._since >= self.snapshot_every or (durable and self._since)
+        # Not while records wait for the disk or after some were dropped (the summary holds
+        # them, the file does not), nor unsynced: a snapshot never covers bytes a crash
+        # can lose. A failed snapshot costs a reader time, never this rank's records.
+        if due and self._ledger.ok and self._ledger.sync():
+            try:
+                write_snapshot_of(
+                    self.path,
+                    rank_snapshot_path(self.run_dir, self.rank),
+                    self._ledger.offset(),
+                    {"summary": self.summary.state_dict()},
+                )
+                self._since = 0
+            except OSError as e:  # the disk is full again: the next one is tried later
+                import logging
+
+                logging.getLogger("steadytrain.monitor").debug("%s: no snapshot: %s", self.path, e)
 
     def close(self) -> None:
         self._ledger.close()
 
 
-def _load_summary(path: Path, rank: int) -> tuple[RankSummary, int, int]:
+def _load_summary(
+    path: Path, rank: int, rejects: Rejects | None = None
+) -> tuple[RankSummary, int, int]:
     """(summary, records replayed, torn lines skipped): the snapshot plus the file's tail,
-    or the whole file when there is no usable snapshot."""
+    or the whole file when there is no usable snapshot. Invalid records (and a file that is
+    not a regular one, or a symlink out of the run directory) are skipped and counted in
+    ``rejects`` (monitor/records.py): never fatal."""
     summary, offset = RankSummary(rank=rank), 0
-    if not path.exists():
+    if not os.path.lexists(path):
         return summary, 0, 0
-    snap = load_snapshot_of(path, path.with_name(path.name.replace(".jsonl", ".snapshot.json")))
+    snap = None
+    if path.is_file() and not path.is_symlink():  # a FIFO or a device has no snapshot
+        snap = load_snapshot_of(path, path.with_name(path.name.replace(".jsonl", ".snapshot.json")))
     if snap is not None:
         try:
             summary = RankSummary.from_state_dict(snap[1]["summary"])
             offset = snap[0]
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError):
             summary, offset = RankSummary(rank=rank), 0
     torn: list[int] = []
     n = 0
-    for rec in iter_ledger(path, offset, skipped=torn):
+    root = path.parent.parent  # the run directory
+    label = f"{RANKS_DIR}/{path.name}"
+    for rec in iter_records(
+        path, RANK_FIELDS, offset=offset, root=root, rejects=rejects, label=label, skipped=torn
+    ):
         summary.add(rec)
         n += 1
     return summary, n, len(torn)
@@ -145,6 +164,8 @@ class RanksView:
     ranks: dict[int, RankSummary]
     torn_lines: int = 0  # lines skipped (a rank killed mid-write)
     missing: list[dict[str, Any]] = field(default_factory=list)  # ranks with no file/attempt
+    # Records and files skipped as invalid, by file and reason (monitor/records.py).
+    rejects: Rejects = field(default_factory=Rejects)
 
     def rows(self) -> list[dict[str, Any]]:
         return [self.ranks[r].row() for r in sorted(self.ranks)]
@@ -171,19 +192,25 @@ def rank_files(run_dir: str | os.PathLike[str]) -> Iterator[tuple[int, Path]]:
 
 
 def read_ranks(
-    run_dir: str | os.PathLike[str], expected: dict[int, int] | None = None
+    run_dir: str | os.PathLike[str],
+    expected: dict[int, int] | None = None,
+    rejects: Rejects | None = None,
 ) -> RanksView:
     """Fold every rank file of ``run_dir``. ``expected``: ``{attempt: world_size}`` from
     the main ledger's ``job_start`` records; a rank of an attempt with no ``rank_start``
     for it (its node never came back, or the run directory is not shared) is listed in
     ``missing``, never fatal."""
     view = RanksView(ranks={})
+    if rejects is not None:
+        view.rejects = rejects
     for rank, path in rank_files(run_dir):
-        summary, _, torn = _load_summary(path, rank)
+        summary, _, torn = _load_summary(path, rank, view.rejects)
         view.ranks[rank] = summary
         view.torn_lines += torn
     for attempt, world in sorted((expected or {}).items()):
-        for r in range(int(world)):
+        if len(view.missing) >= MAX_MISSING:
+            break  # a ledger claiming a million ranks must not make a million rows
+        for r in range(min(int(world), MAX_MISSING)):
             s = view.ranks.get(r)
             if s is None:
                 view.missing.append({"rank": r, "attempt": attempt, "reason": "no rank file"})

@@ -25,6 +25,8 @@ from typing import Any
 from steadytrain.errors import SteadyError
 from steadytrain.monitor.goodput import BUCKETS, GoodputAccumulator
 from steadytrain.monitor.ledger import iter_ledger, ledger_path
+from steadytrain.monitor.records import Rejects, check_record
+from steadytrain.monitor.records_lost import LostSpans, lost_warning
 from steadytrain.monitor.report_plots import plots as _plots
 from steadytrain.monitor.report_ranks import (
     INCIDENT_KEYS,
@@ -38,12 +40,29 @@ from steadytrain.monitor.report_ranks import (
 from steadytrain.redact import redact
 from steadytrain.storage.publish import publish_bytes
 
-__all__ = ["build_report", "goodput_class", "slowdown_note", "GOODPUT_GOOD", "GOODPUT_FAIR"]
+__all__ = [
+    "build_report",
+    "goodput_class",
+    "rejected_lines",
+    "slowdown_note",
+    "GOODPUT_GOOD",
+    "GOODPUT_FAIR",
+]
 
 # The page's goodput heading is green only when goodput is good: at or above 90 % (Llama 3
 # reached ~91 % with 30-minute checkpoints), amber from 70 %, red below.
 GOODPUT_GOOD = 0.90
 GOODPUT_FAIR = 0.70
+_BAND = {"b": {"band": "!band"}}
+
+
+def _band(v: Any) -> list[Any] | None:
+    """A learned band read back from an alert's evidence (``[low, high]``, ``high`` inf
+    or null when open), or None when it is not one: evidence is free-form."""
+    if not isinstance(v, list) or len(v) != 2:
+        return None
+    v = [v[0], None if v[1] == float("inf") else v[1]]
+    return v if check_record({"type": "b", "band": v}, _BAND) is None else None
 
 
 class _Series:
@@ -58,14 +77,16 @@ class _Series:
         self.step = array("q")
 
 
-def _read(run_dir: Path) -> dict[str, Any]:
+def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
     path = ledger_path(run_dir)
     if not path.exists():
         raise SteadyError(
             f"{path} does not exist: pass the run directory a GoodputMeter wrote "
             "(the one holding ledger.jsonl)"
         )
+    rejects = rejects if rejects is not None else Rejects()
     acc = GoodputAccumulator()
+    lost = LostSpans()  # records_lost: what a failing disk took (monitor/records_lost.py)
     s = _Series()
     starts: list[dict[str, Any]] = []
     alerts: list[dict[str, Any]] = []
@@ -79,12 +100,13 @@ def _read(run_dir: Path) -> dict[str, Any]:
     world = 1
     band = None
     band_learned = None
-    for rec in iter_ledger(path):
+    for rec in iter_ledger(path, rejects=rejects):  # invalid records skipped and counted
         acc.add(rec)
+        lost.add(rec)
         kind = rec["type"]
         if kind == "step":
             step_s = float(rec.get("step_s") or 0.0)
-            if step_s <= 0:
+            if step_s < 1e-9:  # no duration to divide by (a denormal would plot inf)
                 continue
             s.t.append(float(rec["t"]))
             s.tps.append(float(rec.get("tokens") or 0) / step_s / world)
@@ -104,9 +126,9 @@ def _read(run_dir: Path) -> dict[str, Any]:
         elif kind == "alert":
             alerts.append(rec)
             ev = rec.get("evidence") or {}
-            if rec.get("kind") == "throughput_band" and ev.get("band") and bands:
-                learned = ev["band"]  # no band configured: the one learned in this attempt
-                learned = [learned[0], learned[1] if learned[1] != float("inf") else None]
+            learned = _band(ev.get("band"))
+            if rec.get("kind") == "throughput_band" and learned and bands:
+                # no band configured: the one learned in this attempt
                 if bands[-1] is None:
                     bands[-1] = {"band": learned, "kind": "learned"}
                 if band is None and band_learned is None:
@@ -114,7 +136,16 @@ def _read(run_dir: Path) -> dict[str, Any]:
         elif kind == "checkpoint" and rec.get("ok", True):
             checkpoints += 1
     if not starts:
-        raise SteadyError(f"{path} has no job_start record: was GoodputMeter.job_start() called?")
+        refused = rejects.to_dict().get(path.name)
+        why = (
+            f" ({refused['count']} record(s) skipped as invalid: {', '.join(refused['reasons'])})"
+            if refused
+            else ""
+        )
+        raise SteadyError(
+            f"{path} has no valid job_start record{why}: was GoodputMeter.job_start() called? "
+            "The ledger must be a regular file of JSON lines written by the meter"
+        )
     return {
         "breakdown": acc.breakdown(),
         "t0": acc.start,
@@ -122,6 +153,7 @@ def _read(run_dir: Path) -> dict[str, Any]:
         "starts": starts,
         "alerts": alerts,
         "checkpoints": checkpoints,
+        "records_lost": lost.spans,
         "band": band or band_learned,
         "bands": bands,
         "device": next((st.get("device") for st in reversed(starts) if st.get("device")), None),
@@ -140,6 +172,21 @@ def slowdown_note(summary: dict[str, Any]) -> str | None:
         f"slowdown unmeasured for {n} step(s): no step ran without a checkpoint write in "
         "flight, so there was no baseline step time to compare them with"
     )
+
+
+def rejected_lines(summary: dict[str, Any]) -> list[str]:
+    """One line per file with records skipped as invalid (``rejected_records``), and one
+    when the records claimed more time than the wall clock (``overbooked_s``)."""
+    out = []
+    for name, r in (summary.get("rejected_records") or {}).items():
+        why = ", ".join(f"{k} x{n}" for k, n in r["reasons"].items())
+        out.append(f"skipped as invalid: {r['count']} record(s) of {name}: {why}")
+    if summary.get("overbooked_s"):
+        out.append(
+            f"the records claim {summary['overbooked_s']:.1f} s more than the wall time: "
+            "every figure was scaled to fit (a corrupt ledger or a broken clock)"
+        )
+    return out
 
 
 def goodput_class(goodput: float) -> str:
@@ -185,12 +232,14 @@ vertical-align:top;font-size:14px}}img{{max-width:100%}}.good{{color:#2e7d32}}
 {summary["attempts"]} attempt(s), {summary["steps_kept"]} steps kept,
 {summary["steps_lost"]} redone after failures, {summary["checkpoints"]} checkpoints committed;
 recovery point age at the end {summary["recovery_point_age_s"] or 0:.0f} s.</p>
+{"".join(f'<p class="poor">{e(w)}</p>' for w in lost_warning(summary["records_lost"]))}
 {img("goodput")}
 <h2>Where the time went</h2>
 <table><tr><th>bucket</th><th>time</th><th>share</th></tr>
 <tr><td>goodput</td><td>{summary["goodput_s"]:.1f} s</td><td>{summary["goodput"]:.1%}</td></tr>
 {rows}</table>
 {f"<p>{e(note)}</p>" if (note := slowdown_note(summary)) else ""}
+{"".join(f"<p>{e(w)}</p>" for w in rejected_lines(summary))}
 <h2>Incidents</h2>
 {"<p>None.</p>" if not inc else ""}
 {"<table><tr><th>#</th><th>min</th><th>step</th><th>where</th><th>alert</th><th>diagnosis</th><th>what</th><th>look at next</th></tr>" + inc + "</table>" if inc else ""}
@@ -215,10 +264,11 @@ def build_report(
     run = Path(run_dir)
     out = Path(out_dir) if out_dir is not None else run / "report"
     out.mkdir(parents=True, exist_ok=True)
-    data = _read(run)
+    rejects = Rejects()
+    data = _read(run, rejects)
     b = data["breakdown"]
     t0 = data["t0"]
-    section = data["ranks"] = rank_section(run, data["starts"])
+    section = data["ranks"] = rank_section(run, data["starts"], rejects)
     s = data["series"]
     step_t = dict(zip(s.step, s.t, strict=True))  # a redone step: its newest attempt's time
     data["alerts"] = attach_ranks(data["alerts"], section["stragglers"], section["ranks"], step_t)
@@ -241,6 +291,12 @@ def build_report(
             "ranks": section["ranks"],
             "missing_ranks": section["missing_ranks"],
             "torn_lines": section["torn_lines"],
+            # records and files skipped as invalid, by file (relative to RUN_DIR) and
+            # reason: {"ledger.jsonl": {"count": N, "reasons": {reason: n}}} (records.py)
+            "rejected_records": rejects.to_dict(),
+            # spans of records a failing run-directory disk made the writers drop
+            # (monitor/records_lost.py): [{"file", "first_step", "last_step", "count", ...}]
+            "records_lost": data["records_lost"],
             "incidents": [
                 {
                     "minutes": None if a.get("t") is None else (a["t"] - t0) / 60,

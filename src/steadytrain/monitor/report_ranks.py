@@ -16,6 +16,7 @@ from typing import Any
 
 from steadytrain.monitor.alerts import AlertConfig
 from steadytrain.monitor.ranks import RanksView, read_ranks
+from steadytrain.monitor.records import Rejects, finite_tree
 from steadytrain.monitor.straggler import analyze
 
 __all__ = [
@@ -93,27 +94,39 @@ def per_unit(device: str | None) -> str:
 def _alert_config(starts: list[dict[str, Any]]) -> AlertConfig:
     """The alert thresholds the newest attempt ran with (defaults when it did not say)."""
     for st in reversed(starts):
-        given = ((st.get("config") or {}).get("monitor") or {}).get("alerts")
+        given = _obj(_obj(st.get("config")).get("monitor")).get("alerts")
         if isinstance(given, dict):
             names = {f.name for f in dataclasses.fields(AlertConfig)}
             try:
-                return AlertConfig(**{k: v for k, v in given.items() if k in names})
-            except (TypeError, ValueError):
+                cfg = AlertConfig(**{k: v for k, v in given.items() if k in names})
+            except (TypeError, ValueError, ArithmeticError):
                 break
+            # Read back from the ledger: NaN or inf thresholds would break the analysis.
+            if finite_tree(dataclasses.asdict(cfg), nonneg=True):
+                return cfg
+            break
     return AlertConfig()
 
 
-def rank_section(run_dir: Path, starts: list[dict[str, Any]]) -> dict[str, Any]:
-    """``{ranks, missing_ranks, torn_lines, stragglers, view}`` for the run directory."""
+def _obj(v: Any) -> dict[str, Any]:
+    """``v`` when it is a JSON object, else ``{}``: a ledger's ``config`` is free-form."""
+    return v if isinstance(v, dict) else {}
+
+
+def rank_section(
+    run_dir: Path, starts: list[dict[str, Any]], rejects: Rejects | None = None
+) -> dict[str, Any]:
+    """``{ranks, missing_ranks, torn_lines, stragglers, view}`` for the run directory;
+    invalid rank records are skipped and counted in ``rejects`` (monitor/records.py)."""
     per_rank = True
     for st in starts:
-        monitor = (st.get("config") or {}).get("monitor") or {}
+        monitor = _obj(_obj(st.get("config")).get("monitor"))
         if monitor.get("per_rank") is False:
             per_rank = False  # the run chose not to write rank files: none are missing
     expected = {
         int(st.get("attempt", i)): int(st.get("world_size") or 1) for i, st in enumerate(starts)
     }
-    view = read_ranks(run_dir, expected if per_rank else None)
+    view = read_ranks(run_dir, expected if per_rank else None, rejects)
     device = next((st.get("device") for st in reversed(starts) if st.get("device")), None)
     stragglers = analyze(view, _alert_config(starts), device) if view.ranks else []
     return {

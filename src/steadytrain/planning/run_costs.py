@@ -224,6 +224,7 @@ def measure_run(run_dir: str | os.PathLike[str]) -> RunCosts:
             "(GoodputMeter), which holds ledger.jsonl"
         )
     acc, att = GoodputAccumulator(), _Attempts()
+    # Invalid records (monitor/records.py) are skipped with a warning naming the line.
     for rec in iter_ledger(path):
         acc.add(rec)
         att.add(rec)

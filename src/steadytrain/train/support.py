@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import sys
@@ -13,6 +12,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from steadytrain.errors import ConfigError
+from steadytrain.monitor.appender import Appender
+from steadytrain.monitor.extras import loader_fields
 from steadytrain.monitor.ranks import node_name
 from steadytrain.storage.prefetch import Prefetcher
 from steadytrain.storage.stage import preflight as cache_preflight
@@ -191,13 +192,17 @@ def start_prefetchers(
 
 class StepTrace:
     """``RUN_DIR/trace-rank{R}.jsonl``: the loss and the sample ids of every step, one line
-    per step and attempt (appended), for exact-resume checks. Does nothing when off."""
+    per step and attempt (appended), for exact-resume checks. Does nothing when off.
+
+    A full or failing disk (or a symlink in the file's place) never stops training: lines
+    wait in a bounded buffer and are written when the disk works again; lines dropped past
+    the bound leave one ``records_lost`` line (monitor/appender.py)."""
 
     def __init__(
         self, run_dir: str, rank: int, world: int, attempt: int, attempt_id: float, enabled: bool
     ) -> None:
         path = os.path.join(run_dir, f"trace-rank{rank}.jsonl")
-        self._f = open(path, "a") if enabled else None  # noqa: SIM115 - closed in close()
+        self._f = Appender(path) if enabled else None
         self._fixed = {
             "attempt": attempt,
             "attempt_id": attempt_id,
@@ -216,8 +221,7 @@ class StepTrace:
         if self._f is None:
             return
         rec = {"step": step, **self._fixed, "loss": loss, "local_loss": local_loss, "lr": lr}
-        self._f.write(json.dumps({**rec, "sample_ids": self._ids}) + "\n")
-        self._f.flush()
+        self._f.append([{**rec, "sample_ids": self._ids}])
         self._ids = []
 
     def close(self) -> None:
@@ -234,14 +238,7 @@ class StepTrace:
 
 def loader_metrics(loader: Any) -> dict[str, Any]:
     """The loader's per-step counters for the ledger (names the meter owns get a prefix)."""
-    out = {}
-    for k, v in loader.metrics().items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[f"loader_{k}" if k in _METER_KEYS else k] = v
-    return out
-
-
-_METER_KEYS = {"step", "tokens", "data_wait_s", "compute_s", "checkpoint_block_s", "loss", "t"}
+    return loader_fields(loader.metrics())
 
 
 def goodput_so_far(meter: Any) -> str:
