@@ -63,7 +63,8 @@ def test_cli_lists_committed_and_partial_newest_first(tmp_path, capsys):
     (tmp_path / "step-00000003").mkdir()
     shard = next((tmp_path / "step-00000001").glob("__0_*"))
     shard.write_bytes(shard.read_bytes()[:-1])
-    assert cli_main(["checkpoints", str(tmp_path), "--json"]) == 0
+    # A committed checkpoint that does not verify: listed in full, then exit 2 (issue 25).
+    assert cli_main(["checkpoints", str(tmp_path), "--json"]) == 2
     rows = json.loads(capsys.readouterr().out)["checkpoints"]
     assert [(r["step"], r["state"], r["verifies"]) for r in rows] == [
         (3, "partial", False),
@@ -71,7 +72,7 @@ def test_cli_lists_committed_and_partial_newest_first(tmp_path, capsys):
         (1, "committed", False),
     ]
     assert "truncated" in rows[2]["error"] and rows[1]["size_bytes"] > 0
-    assert cli_main(["checkpoints", str(tmp_path)]) == 0
+    assert cli_main(["checkpoints", str(tmp_path)]) == 2
     text = capsys.readouterr().out
     assert "step-00000002" in text and "partial" in text
     assert cli_main(["checkpoints", str(tmp_path / "nope")]) == 2

@@ -367,8 +367,8 @@ class Checkpointer:
                     keep |= {i.name for i in committed if i.step % self.keep_every == 0}
                 newest = committed[0].key
                 for i in infos:
-                    if i.name in keep or i.name in self._in_flight:
-                        continue
+                    if i.name in keep or i.name in self._in_flight or i.extra.get("foreign"):
+                        continue  # foreign: a link out of the root; deleting it would reach out
                     if i.committed or i.name in self._committed_here or i.key < newest:
                         root.remove(i.name)
             except Exception as exc:  # noqa: BLE001 - retention retries after the next save

@@ -62,5 +62,5 @@ def _claim_remote(remote: Root, name: str, body: bytes, token: str) -> bool:
         return True
     try:  # a PUT retried after a lost answer finds its own claim: still ours
         return json.loads(remote.read_bytes(name, CLAIM_NAME)).get("token") == token
-    except (ValueError, AttributeError, StorageError):
+    except (ValueError, AttributeError, RecursionError, StorageError):  # not a claim: not ours
         return False

@@ -32,8 +32,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from steadytrain.checkpoint.regular import inside, open_regular, stat_regular
 from steadytrain.errors import CheckpointError
-from steadytrain.storage.publish import canonical_digest, file_digest, publish_bytes
+from steadytrain.storage.publish import Hasher, canonical_digest, file_digest, publish_bytes
 
 __all__ = [
     "FORMAT",
@@ -348,20 +349,28 @@ def verify_local(
     """
     for idx, f in enumerate(manifest["files"]):
         path = os.path.join(directory, safe_name(f["path"]))
-        real = os.path.realpath(path)
-        if not real.startswith(os.path.realpath(directory) + os.sep):
+        if not inside(path, directory):
             raise CheckpointError(f"{path}: resolves outside the checkpoint directory")
-        try:
-            size = os.path.getsize(path)
-        except OSError:
-            raise CheckpointError(f"{path}: listed in COMMIT but missing") from None
+        # A FIFO or a device in place of a listed file is refused here, before any open()
+        # (one blocked ``checkpoints`` and every resume forever).
+        size = stat_regular(path).st_size
         if size != f["size"]:
-            raise CheckpointError(f"{path}: {size} bytes, COMMIT says {f['size']} (truncated?)")
+            how = "shorter (truncated?)" if size < f["size"] else "longer (appended to?)"
+            raise CheckpointError(f"{path}: {size} bytes, COMMIT says {f['size']}: {how}")
         wanted = shards if is_shard(f["path"]) else others
         if checksums and wanted and idx % part[1] == part[0]:
-            _, digest = file_digest(path)
+            digest = _digest_regular(path)
             if digest != f.get("xxh3_64"):
                 raise CheckpointError(f"{path}: checksum {digest} != COMMIT {f.get('xxh3_64')}")
+
+
+def _digest_regular(path: str, chunk: int = 8 << 20) -> str:
+    """Bare xxh3-64 hex of a file opened by ``open_regular`` (never a FIFO or a device)."""
+    h = Hasher()
+    with open(open_regular(path), "rb", closefd=True) as f:
+        while piece := f.read(chunk):
+            h.update(piece)
+    return h.digest_hex()
 
 
 @dataclass

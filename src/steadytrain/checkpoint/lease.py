@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import threading
 import time
 import uuid
 from typing import Any
 
 from steadytrain.checkpoint.identity import host_identity, pid_gone, proc_start
+from steadytrain.checkpoint.regular import read_regular
 from steadytrain.errors import CheckpointError, StorageError
 from steadytrain.storage.store import Store, is_missing
 
@@ -182,38 +185,111 @@ class Lease:
                 log.warning("could not release the writer lease %s: %s", self.url, exc)
 
 
+_GEN_RE = re.compile(r"^([0-9]{8,18})\.json$", re.ASCII)  # '²'.isdigit() is True: not here
+_MAX_RECORD_BYTES = 1 << 20  # a real record is ~500 bytes
+_warned_names: set[str] = set()
+
+
 def _generations(store: Store) -> list[int]:
+    """Generations present, from names ``GGGGGGGG.json`` exactly as written (8+ ASCII
+    digits, no extra leading zeros); any other name is ignored and reported once."""
     out = []
     for entry in store.listdir(LEASE_DIR):
-        base = entry.rsplit("/", 1)[-1]
-        stem, _, ext = base.partition(".")
-        if ext == "json" and stem.isdigit():
-            out.append(int(stem))
+        base = entry.rstrip("/").rsplit("/", 1)[-1]
+        m = _GEN_RE.match(base)
+        if m and f"{int(m.group(1)):08d}" == m.group(1):
+            out.append(int(m.group(1)))
+        elif not base.startswith(".") and base not in _warned_names:  # temporaries: ".…"
+            _warned_names.add(base)
+            log.warning(
+                "%s: not a writer lease name (GGGGGGGG.json, ASCII digits); ignored. Remove it "
+                "if nothing of yours wrote it",
+                store.display(f"{LEASE_DIR}/{base}"),
+            )
     return sorted(out)
 
 
-def _read(store: Store, generation: int) -> dict[str, Any] | None:
-    """Generation ``generation``'s record; None when it vanished (a newer holder deleted it)
-    or is not a lease record (then it is reported and may be replaced)."""
-    name = f"{LEASE_DIR}/{generation:08d}.json"
+def _read_raw(store: Store, name: str) -> bytes | None:
+    """A lease file's bytes; None when missing. Locally only a regular file is opened (a
+    FIFO there blocked every start) and at most ``_MAX_RECORD_BYTES + 1`` bytes are read."""
+    path = store.local_path(name)
+    if path is None:
+        try:
+            return store.read_bytes(name)
+        except StorageError as exc:
+            if is_missing(exc):
+                return None
+            raise
     try:
-        raw = store.read_bytes(name)
-    except StorageError as exc:
-        if is_missing(exc):
+        return read_regular(path, limit=_MAX_RECORD_BYTES + 1)
+    except CheckpointError as exc:
+        if "missing" in str(exc) and not os.path.lexists(path):
             return None
-        raise
-    try:
-        rec = json.loads(raw)
-    except ValueError:
-        rec = None
-    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
-        log.warning("%s is not a writer lease record", store.display(name))
-        return {"unreadable": True}
-    if rec.get("version") != VERSION:
+        log.warning("%s", exc)
+        return b""  # not a lease record: reported, and replaced by the next holder
+
+
+def _record_problem(rec: dict[str, Any]) -> str | None:
+    """What in a version-1 lease record breaks docs/format.md's table, or None."""
+    for key in ("host", "boot_id", "pid_ns", "job", "token"):
+        if not isinstance(rec.get(key, ""), str):
+            return f"{key}={rec.get(key)!r} is not a string"
+    pid = rec.get("pid")
+    if pid is not None and (type(pid) is not int or not 0 <= pid < 1 << 31):
+        return f"pid={pid!r} is not a process id"
+    if not isinstance(rec.get("pid_start"), (str, type(None))):
+        return f"pid_start={rec.get('pid_start')!r} is neither a string nor null"
+    for key in ("timeout_s", "heartbeat", "acquired"):
+        value = rec.get(key, 0.0)
+        if value is not None and not (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value >= 0
+        ):
+            return f"{key}={value!r} is not a non-negative number"
+    if not isinstance(rec.get("released", False), bool):
+        return f"released={rec.get('released')!r} is not a boolean"
+    return None
+
+
+def _read(store: Store, generation: int) -> dict[str, Any] | None:
+    """Generation ``generation``'s record; None when it vanished (a newer holder deleted it).
+    A file that is not a valid lease record (not JSON, wrong types, a FIFO, oversized) is
+    reported and returned as ``{"unreadable": True}``: the next holder may replace it. Only
+    a record from a newer steadytrain (a higher ``version``) is refused, naming the fix."""
+    name = f"{LEASE_DIR}/{generation:08d}.json"
+    raw = _read_raw(store, name)
+    if raw is None:
+        return None
+    problem = None
+    rec: Any = None
+    if len(raw) > _MAX_RECORD_BYTES:
+        problem = f"more than {_MAX_RECORD_BYTES} bytes"
+    else:
+        try:
+            rec = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            problem = f"not JSON ({str(exc)[:100]})"
+    version = rec.get("version") if isinstance(rec, dict) else None
+    if problem is None and (not isinstance(rec, dict) or rec.get("format") != FORMAT):
+        problem = f"its format is not {FORMAT!r}"
+    elif problem is None and type(version) is int and version > VERSION:
         raise CheckpointError(
-            f"{store.display(name)}: writer lease version {rec.get('version')!r}, this "
-            f"steadytrain reads version {VERSION}; upgrade steadytrain to write into this root"
+            f"{store.display(name)}: writer lease version {version}, this steadytrain reads "
+            f"version {VERSION}; upgrade steadytrain to write into this root"
         )
+    elif problem is None and version != VERSION:
+        problem = f"version={version!r} is not a lease version"
+    elif problem is None:
+        problem = _record_problem(rec)
+    if problem is not None:
+        log.warning(
+            "%s is not a valid writer lease record (%s); the next holder replaces it",
+            store.display(name),
+            problem,
+        )
+        return {"unreadable": True}
     return rec
 
 
@@ -277,7 +353,7 @@ def _acquire(store: Store, job: str, timeout_s: float) -> Lease:
         for old in gens:  # only the holder's generation matters; older ones are history
             try:
                 store.remove(f"{LEASE_DIR}/{old:08d}.json")
-            except StorageError as exc:
+            except (StorageError, OSError, ValueError) as exc:  # a directory there, say
                 log.warning("could not delete an old writer lease on %s: %s", store.url, exc)
         if previous is not None:
             log.info("writer lease on %s taken over from %s: %s", store.url, previous, why)

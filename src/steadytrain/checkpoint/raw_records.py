@@ -44,6 +44,7 @@ from torch.futures import Future
 
 from steadytrain.checkpoint.archive import dest_bytes, narrow, pread_exact
 from steadytrain.checkpoint.commit import safe_name
+from steadytrain.checkpoint.regular import open_regular
 from steadytrain.checkpoint.torch_private import storage_info, storage_infos
 from steadytrain.errors import CheckpointError
 
@@ -201,10 +202,16 @@ class ShardReader(FileSystemReader):
         layout = raw_layout(md, where)
         assert layout is not None  # _is_raw
         meta, at = layout
-        record = torch.empty(meta.shape, dtype=meta.dtype)
-        view = dest_bytes(record)
-        if view is not None:  # None: no bytes to read (an empty tensor)
-            with open(where, "rb", buffering=0) as f:
+        with open(open_regular(where), "rb", buffering=0, closefd=True) as f:
+            size = os.fstat(f.fileno()).st_size
+            if at < 0 or md.length < 0 or at + md.length > size:  # before allocating it
+                raise CheckpointError(
+                    f"{where}: .metadata places a record at offset {at} with length "
+                    f"{md.length}, outside this file's {size} bytes: .metadata is damaged"
+                )
+            record = torch.empty(meta.shape, dtype=meta.dtype)
+            view = dest_bytes(record)
+            if view is not None:  # None: no bytes to read (an empty tensor)
                 pread_exact(f.fileno(), view, at, where)
         src = narrow(record, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()

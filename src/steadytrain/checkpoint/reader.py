@@ -52,6 +52,7 @@ from torch.futures import Future
 from steadytrain.checkpoint.archive import dest_bytes, narrow, pread_exact, tensor_layout
 from steadytrain.checkpoint.commit import is_shard, safe_name
 from steadytrain.checkpoint.raw_records import ShardReader, raw_layout
+from steadytrain.checkpoint.regular import open_regular
 from steadytrain.checkpoint.torch_private import storage_infos
 from steadytrain.errors import CheckpointError
 from steadytrain.storage.publish import Hasher, digest_bytes
@@ -72,15 +73,12 @@ _MODES = ("before", "stream", "none")
 def read_verified(directory: str, entry: dict[str, Any]) -> bytes:
     """Read a small file once and check its size and xxh3 against its COMMIT ``entry``."""
     path = os.path.join(directory, safe_name(entry["path"]))
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        raise CheckpointError(f"{path}: listed in COMMIT but missing") from None
+    # Never more than COMMIT's size + 1 bytes: a file grown since it was listed costs no memory.
+    with open(open_regular(path), "rb", closefd=True) as f:
+        data = f.read(entry["size"] + 1)
     if len(data) != entry["size"]:
-        raise CheckpointError(
-            f"{path}: {len(data)} bytes, COMMIT says {entry['size']} (truncated?)"
-        )
+        how = "shorter (truncated?)" if len(data) < entry["size"] else "longer (appended to?)"
+        raise CheckpointError(f"{path}: {len(data)} bytes, COMMIT says {entry['size']}: {how}")
     digest = digest_bytes(data)
     if digest != entry.get("xxh3_64"):
         raise CheckpointError(f"{path}: checksum {digest} != COMMIT {entry.get('xxh3_64')}")
@@ -90,10 +88,7 @@ def read_verified(directory: str, entry: dict[str, Any]) -> bytes:
 def check_file(directory: str, entry: dict[str, Any], buf: bytearray | None = None) -> None:
     """Stream a file through xxh3 with one reused buffer; CheckpointError on any mismatch."""
     path = os.path.join(directory, safe_name(entry["path"]))
-    try:
-        f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed below
-    except OSError:
-        raise CheckpointError(f"{path}: listed in COMMIT but missing") from None
+    f = open(open_regular(path), "rb", buffering=0, closefd=True)  # noqa: SIM115 - closed below
     with f, _Stream(f.fileno(), entry, path, buf) as stream:
         stream.finish()
 
@@ -182,10 +177,23 @@ class VerifyingReader(ShardReader):
             per_file.setdefault(rel, []).append(item)
         files = sorted(per_file)
         slow: list[Any] = []
+        # Records .metadata places outside their file (a resealed .metadata): a verification
+        # failure like a bad checksum, found before any byte is read, in every mode.
+        bounds = None
+        try:
+            for rel in files:
+                _check_records(
+                    os.path.join(self._dir, safe_name(rel)),
+                    self._entry(rel),
+                    [infos[i.storage_index] for i in per_file[rel]],
+                )
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the all-gather
+            bounds = f"rank {self._group.rank}: {exc}"
         if self._verify_mode == "before":
-            err = None
+            err = bounds
             try:
-                check_files(self._dir, [self._entry(f) for f in files], self._threads)
+                if err is None:
+                    check_files(self._dir, [self._entry(f) for f in files], self._threads)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the all-gather
                 err = f"rank {self._group.rank}: {exc}"
             self._agree(err, files)
@@ -193,15 +201,19 @@ class VerifyingReader(ShardReader):
             for rel in files:
                 slow += self._serve_file(rel, per_file[rel], planner, stream=False)
         elif self._verify_mode == "stream":
-            self.touched = True
-            err = None
+            err = bounds
             try:
-                for rel in files:
-                    slow += self._serve_file(rel, per_file[rel], planner, stream=True)
+                if err is None:
+                    self.touched = True
+                    for rel in files:
+                        slow += self._serve_file(rel, per_file[rel], planner, stream=True)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the all-gather
                 err = f"rank {self._group.rank}: {exc}"
             self._agree(err, files)
         else:
+            if bounds is not None:
+                self.error = bounds
+                raise CheckpointError(bounds)
             self.touched = True
             for rel in files:
                 slow += self._serve_file(rel, per_file[rel], planner, stream=False)
@@ -230,8 +242,8 @@ class VerifyingReader(ShardReader):
         # Two descriptors: the small header reads that parse each archive must not reset the
         # kernel's readahead state of the sequential stream (it is kept per open file).
         with (
-            open(where, "rb", buffering=0) as f,
-            open(where, "rb", buffering=0) as g,
+            open(open_regular(where), "rb", buffering=0, closefd=True) as f,
+            open(open_regular(where), "rb", buffering=0, closefd=True) as g,
             _Stream(g.fileno(), self._entry(rel), where) if stream else nullcontext() as reader,
         ):
             fd = f.fileno()
@@ -288,6 +300,21 @@ class VerifyingReader(ShardReader):
         return start, dst, target
 
 
+def _check_records(where: str, entry: dict[str, Any], records: list[Any]) -> None:
+    """Every record ``.metadata`` places in this file lies inside the size COMMIT lists: a
+    resealed ``.metadata`` with a bad offset is named here, before any byte is read."""
+    size = entry["size"]
+    for md in records:
+        offset, length = md.offset, md.length
+        typed = isinstance(offset, int) and isinstance(length, int)
+        if not typed or offset < 0 or length < 0 or offset + length > size:
+            raise CheckpointError(
+                f"{where}: .metadata places a record at offset {offset!r} with length "
+                f"{length!r}, outside this file's {size} bytes (COMMIT's size): .metadata is "
+                "damaged or was rewritten; this checkpoint does not verify"
+            )
+
+
 class _Stream:
     """Read one file once, front to back, hashing every byte (see ``_serve_file``).
 
@@ -304,6 +331,7 @@ class _Stream:
         self.h = Hasher()
         self.scratch = memoryview(buf if buf is not None else _scratch())
         self.pos = 0
+        self._wanted = "more"  # what the current read asked for (for its error message)
 
     def __enter__(self) -> _Stream:
         return self
@@ -318,9 +346,16 @@ class _Stream:
             while done < len(view):
                 n = os.preadv(self.fd, [view[done:]], self.pos + done)
                 if n <= 0:
+                    at = self.pos + done
                     raise CheckpointError(
-                        f"{self.where}: {self.pos + done} bytes, COMMIT says "
-                        f"{self.entry['size']} (truncated?)"
+                        f"{self.where}: ends at byte {at}"
+                        + (
+                            f" (COMMIT says {self.entry['size']} bytes): the file shrank "
+                            "while it was read"
+                            if at < self.entry["size"]
+                            else f", where COMMIT says it ends, but {self._wanted} was asked "
+                            "for: .metadata points past the end of this file (damaged)"
+                        )
                     )
                 done += n
             self.h.update(view)
@@ -328,10 +363,12 @@ class _Stream:
 
     def fill(self, dst: memoryview) -> None:
         """Read the next ``len(dst)`` bytes of the file into ``dst`` and hash them there."""
+        self._wanted = f"bytes {self.pos} to {self.pos + len(dst)}"
         self._run([dst[i : i + _PIECE] for i in range(0, len(dst), _PIECE)])
 
     def skip_to(self, end: int) -> None:
         """Hash up to byte ``end`` through the scratch buffer."""
+        self._wanted = f"byte {end}"
         while self.pos < end:
             self._run([self.scratch[: min(len(self.scratch), end - self.pos)]])
 

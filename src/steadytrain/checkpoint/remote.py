@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat
 import time
 from typing import Any
 
 from steadytrain.checkpoint.commit import (
     COMMIT_NAME,
+    MAX_COMMIT_BYTES,
     CheckpointInfo,
     parse_commit,
     parse_dirname,
     safe_name,
 )
+from steadytrain.checkpoint.regular import NotRegularFileError, inside, read_regular
 from steadytrain.errors import CheckpointError, StorageError
 from steadytrain.storage.store import Store, is_missing
 
@@ -69,6 +72,8 @@ class Root:
         Only "not there" means partial: any other error (a dead endpoint, a bad key) is
         raised, because reading it as partial would let retention delete a committed save.
         """
+        if self.is_local:
+            return self._read_local_commit(name)
         try:
             return self.read_bytes(name, COMMIT_NAME)
         except (IsADirectoryError, NotADirectoryError):
@@ -81,6 +86,40 @@ class Root:
             raise CheckpointError(
                 f"cannot read {self.path(name, COMMIT_NAME)}: {exc}; fix its permissions"
             ) from exc
+
+    def _read_local_commit(self, name: str) -> bytes | None:
+        """A local COMMIT, read only when it is a regular file inside the root: a FIFO there
+        blocked every listing and resume forever (CheckpointError naming it instead)."""
+        path = self.path(name, COMMIT_NAME)
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}; fix its permissions") from exc
+        if stat.S_ISDIR(st.st_mode):
+            return None  # not a COMMIT file: not committed
+        if not inside(path, self.root):
+            raise NotRegularFileError(f"{path}: a link that leaves the checkpoint root {self.root}")
+        try:
+            return read_regular(path, limit=MAX_COMMIT_BYTES + 1)  # parse_commit refuses more
+        except NotRegularFileError:
+            raise
+        except CheckpointError:
+            if not os.path.lexists(path):
+                return None  # removed since the lstat (retention): not committed
+            raise
+
+    def escapes(self, name: str) -> str | None:
+        """Why local entry ``name`` is not read (a link leaving the root), else None."""
+        path = self.path(name)
+        if self.is_local and os.path.islink(path) and not inside(path, self.root):
+            return (
+                f"{path} is a link to {os.path.realpath(path)}, outside the checkpoint root: "
+                "not read, and never deleted by retention; remove the link if it is not meant "
+                "to be there"
+            )
+        return None
 
     def mtime(self, name: str) -> float:
         """When checkpoint ``name`` was committed (else last touched); 0.0 when unknown (an
@@ -143,7 +182,15 @@ def discover(root: Root) -> list[CheckpointInfo]:
         if parsed is None:
             continue
         info = CheckpointInfo(name=name, step=parsed[0], attempt=parsed[1], committed=False)
-        raw = root.read_commit(name)
+        info.error = root.escapes(name)
+        if info.error is not None:
+            info.extra["foreign"] = True  # retention leaves it alone (it is not ours)
+            out.append(info)
+            continue
+        try:
+            raw = root.read_commit(name)
+        except NotRegularFileError as exc:  # a FIFO, a device, a link out: damaged (other
+            raw, info.error = None, str(exc)  # read errors propagate, as a COMMIT's always did)
         if raw is not None:
             try:
                 info.manifest = parse_commit(raw, f"{root.url}/{name}")

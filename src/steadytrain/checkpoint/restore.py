@@ -98,8 +98,16 @@ def _rank_state(path: str, manifest: dict, rank: int, blobs: dict[str, bytes]) -
         raise CheckpointError(f"{path}/{name}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("states"), dict):
         raise CheckpointError(f'{path}/{name}: has no "states" object')
-    if rank < int(manifest["world"]["world_size"]) and not isinstance(doc.get("rng"), dict):
-        raise CheckpointError(f'{path}/{name}: has no "rng" object')
+    if rank < int(manifest["world"]["world_size"]):
+        if not isinstance(doc.get("rng"), dict):
+            raise CheckpointError(f'{path}/{name}: has no "rng" object')
+        try:  # untrusted input: checked on private generators before anything is loaded
+            S.check_rng_state(doc["rng"])
+        except Exception as exc:  # noqa: BLE001 - any shape error means: damaged
+            raise CheckpointError(
+                f'{path}/{name}: its "rng" state is malformed ({type(exc).__name__}: '
+                f"{str(exc)[:200]}); the checkpoint is damaged"
+            ) from None
     return doc
 
 

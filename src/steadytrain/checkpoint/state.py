@@ -225,6 +225,32 @@ def set_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all(cuda)
 
 
+def check_rng_state(state: Any) -> None:
+    """Raise (any exception) unless ``set_rng_state(state)`` would succeed: each generator
+    is set on a private instance, so nothing of this process's RNG changes. A checkpoint's
+    ``rng`` is untrusted input, checked before any tensor is loaded."""
+    ver, internal, gauss = state["python"]
+    random.Random().setstate((ver, tuple(internal), gauss))
+    n = state["numpy"]
+    key = np.array(n["key"], dtype=np.int64)  # range-checked below: no silent wrap-around
+    if key.ndim != 1 or ((key < 0) | (key >= 2**32)).any():
+        raise ValueError("numpy key is not a list of 32-bit unsigned integers")
+    np.random.RandomState().set_state(
+        {
+            "bit_generator": n["bit_generator"],
+            "state": {"key": key.astype(np.uint32), "pos": n["pos"]},
+            "has_gauss": n["has_gauss"],
+            "gauss": n["gauss"],
+        }
+    )
+    raw = np.frombuffer(base64.b64decode(state["torch"], validate=True), dtype=np.uint8)
+    torch.Generator().set_state(torch.from_numpy(raw.copy()))
+    if not isinstance(state.get("cuda", []), list) or not all(
+        isinstance(c, str) for c in state.get("cuda", [])
+    ):
+        raise ValueError("cuda is not a list of base64 strings")
+
+
 def seed_rng(seed: int) -> None:
     """Seed every generator from one integer (ranks beyond the saved world)."""
     random.seed(seed)

@@ -9,8 +9,11 @@ DESCRIPTION = (
     "List checkpoints under DIR (a local path or a URL) with step, size, age "
     "and whether each verifies against its COMMIT manifest (sizes and checksums). "
     "A COMMIT that fails its own checks (malformed, or its commit_checksum does not match) "
-    "is listed as 'damaged' with the reason; restore skips such checkpoints. Exit status: 0 "
-    "when every committed checkpoint is sound, 2 when any is damaged (after the full list)."
+    "is listed as 'damaged' with the reason; restore skips such checkpoints. Only regular "
+    "files are read: a FIFO, a device or a link leaving DIR in a checkpoint makes it fail "
+    "verification, named (listing an untrusted directory never hangs). Exit status: 0 when "
+    "every committed checkpoint is sound, 2 when any is damaged or does not verify (sizes, "
+    "checksums), after the full list, naming them on stderr."
 )
 
 
@@ -44,20 +47,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _damaged_status(directory: str, rows: list[dict]) -> int:
-    """2 (and one line on stderr naming them) when any checkpoint's COMMIT is damaged: a
-    script that lists before resuming must not mistake a damaged root for a sound one."""
+    """2 (and one line on stderr per kind, naming them) when any checkpoint's COMMIT is
+    damaged or a committed checkpoint does not verify: a script that lists before resuming
+    must not mistake a damaged root for a sound one."""
     import sys
 
     damaged = [r["name"] for r in rows if r["state"] == "damaged"]
-    if not damaged:
-        return 0
-    print(
-        f"steadytrain checkpoints: error: {len(damaged)} damaged checkpoint(s) in {directory}: "
-        f"{', '.join(damaged)}; restore skips them and uses the newest one that verifies; "
-        f"see the reasons above",
-        file=sys.stderr,
-    )
-    return 2
+    failed = [r["name"] for r in rows if r["state"] == "committed" and not r["verifies"]]
+    if damaged:
+        print(
+            f"steadytrain checkpoints: error: {len(damaged)} damaged checkpoint(s) in "
+            f"{directory}: {', '.join(damaged)}; restore skips them and uses the newest one "
+            "that verifies; see the reasons above",
+            file=sys.stderr,
+        )
+    if failed:
+        print(
+            f"steadytrain checkpoints: error: {len(failed)} committed checkpoint(s) in "
+            f"{directory} do not verify: {', '.join(failed)}; restore skips them and uses the "
+            "newest one that verifies. Copy intact ones back from a remote or backup copy, "
+            "or remove them; see the reasons above",
+            file=sys.stderr,
+        )
+    return 2 if damaged or failed else 0
 
 
 def _age(s: float) -> str:
