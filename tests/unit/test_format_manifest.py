@@ -38,13 +38,15 @@ def test_fingerprint_is_the_documented_canonical_json(tmp_path):
         {
             "dtype": "uint16",
             "eos_id": 299,
+            "fingerprint_version": 2,
             "format": "steadytrain.tokens",
-            "shards": [[s.tokens, s.docs, s.checksum] for s in m.shards],
+            "shards": [[s.tokens, s.docs, s.checksum, s.index_checksum] for s in m.shards],
             "version": 1,
             "vocab_size": 300,
         },
         separators=(",", ":"),
     )
+    assert m.fingerprint_version == 2
     assert m.fingerprint == xxhash.xxh3_128_hexdigest(canonical.encode())
     data = (tmp_path / "ds" / m.shards[0].name).read_bytes()
     assert data == np.array([1, 2, 3, 299], dtype="<u2").tobytes()

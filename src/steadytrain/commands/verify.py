@@ -33,4 +33,11 @@ def run(args: argparse.Namespace) -> int:
         )
     for problem in report.problems:
         print(f"steadytrain verify: {problem}", file=sys.stderr)
+    if report.manifest is not None and report.manifest.fingerprint_version == 1:
+        # Sound, but its identity is blind to document boundaries (docs/format.md A.4).
+        print(
+            f"steadytrain verify: note: {args.dataset} has a legacy (scheme 1) fingerprint, "
+            f"which does not cover the document index; re-tokenize it to get one that does",
+            file=sys.stderr,
+        )
     return 0 if report.ok else 1

@@ -37,6 +37,7 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -53,6 +54,7 @@ from steadytrain.storage.publish import (
     publish_bytes,
     publish_file,
 )
+from steadytrain.storage.regular import open_regular_fd
 from steadytrain.storage.store import Store, safe_relpath
 
 __all__ = ["ShardCache", "FileSpec", "file_checksum"]
@@ -172,12 +174,22 @@ class ShardCache:
             self._count(stamp_failures=1)
 
     def _stamp_matches(self, name: str, st: os.stat_result, checksum: str) -> bool:
-        try:
-            with open(self._stamp_path(name)) as f:
-                size, mtime, ino, cs = f.read().split()
-        except (FileNotFoundError, ValueError):
+        """Does the stamp vouch for this file? The stamp is untrusted (any process or person
+        can write the cache directory): anything but a small regular file holding four
+        well-formed fields is no stamp, and the file is checksummed (and the stamp
+        rewritten, or the entry re-fetched) instead. Never raises, never blocks."""
+        stamp = self._stamp_path(name)
+        text = _read_small_regular(stamp, _STAMP_MAX_BYTES)
+        if text is None:
+            if os.path.lexists(stamp):  # there, but a link, FIFO, directory or oversized
+                self._count(bad_stamps=1)
             return False
-        return (int(size), int(mtime), int(ino), cs) == (
+        fields = text.split()
+        if len(fields) != 4 or not all(f.isascii() and f.isdigit() for f in fields[:3]):
+            self._count(bad_stamps=1)
+            return False
+        size, mtime, ino = (int(f) for f in fields[:3])
+        return (size, mtime, ino, fields[3]) == (
             st.st_size,
             st.st_mtime_ns,
             st.st_ino,
@@ -188,10 +200,12 @@ class ShardCache:
         """Is the published copy present and sound? (Caller holds the lock or is checking.)"""
         path = self.path(name)
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             return False
-        if st.st_size != size:
+        # Only a regular file of ours is a published copy: a link (it may lead anywhere), a
+        # FIFO (a checksum pass would block on it) or a directory is replaced by a fetch.
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             return False
         if self.verify == "size":
             return True
@@ -280,9 +294,9 @@ class ShardCache:
             if self._published_ok(name, size, checksum):
                 result = (False, True)
             else:
-                if os.path.exists(path):
+                if os.path.lexists(path):
                     self._count(corrupt_refetches=1)
-                    os.unlink(path)
+                    _remove_entry(path)
                 self._download(name, size, checksum)
                 result = (True, True)
         with self._mutex:
@@ -379,6 +393,8 @@ class ShardCache:
                 "evictions": int(self._m["evictions"]),
                 "evicted_bytes": int(self._m["evicted_bytes"]),
                 "corrupt_refetches": int(self._m["corrupt_refetches"]),
+                # stamps that were not a small file of four fields (skipped: checksummed)
+                "bad_stamps": int(self._m["bad_stamps"]),
                 "remote_retries": int(self.store.stats["retries"]),
                 "read_p50_s": float(np.percentile(lat, 50)) if lat is not None else None,
                 "read_p99_s": float(np.percentile(lat, 99)) if lat is not None else None,
@@ -389,6 +405,43 @@ class ShardCache:
                 self._lat.clear()
                 self._stats_prev = {}
         return out
+
+
+_STAMP_MAX_BYTES = 256  # "size mtime_ns inode xxh3_64:<16 hex>\n" is under 100 bytes
+
+
+def _read_small_regular(path: str, limit: int) -> str | None:
+    """The text of ``path`` if it is a regular file (not a link) of at most ``limit`` bytes
+    holding ASCII, else None. Opened non-blocking and without following links, so a FIFO or
+    a link to /dev/zero planted in its place costs one system call, not a hang."""
+    try:
+        fd = open_regular_fd(path, follow_links=False)
+    except OSError:  # missing, a link (ELOOP), a FIFO or device, unreadable
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_size > limit:
+            return None
+        data = os.read(fd, limit + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        return None
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+
+
+def _remove_entry(path: str) -> None:
+    """Remove whatever occupies a cache entry's path (a damaged file, a link, a FIFO, a
+    directory) so the fetch can publish the real file there."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def _size_is(path: str, size: int) -> bool:

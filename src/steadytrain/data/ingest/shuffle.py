@@ -88,7 +88,15 @@ def shuffle_dataset(
             # The last window of each output shard carries one more token: its last label.
             last = ((j % windows_per_shard) == windows_per_shard - 1) | (j == n - 1)
             tokens, lengths = _gather(ds, refs.shard, refs.offset, last, seq_len)
-            writer.add_documents(tokens, lengths)
+            try:
+                writer.add_documents(tokens, lengths)
+            except DatasetError as exc:  # the writer knows no source file: name the dataset
+                shards = sorted({ds.manifest.shards[int(i)].name for i in refs.shard})
+                raise DatasetError(
+                    f"{ds.url}: {exc} in one of {', '.join(shards[:4])}"
+                    f"{' ...' if len(shards) > 4 else ''}; the source dataset is damaged: run "
+                    f"`steadytrain verify {ds.url}`, then restore or re-tokenize it"
+                ) from exc
             if progress is not None:
                 progress(int(j[-1]) + 1, n)
         _copy_tokenizer_file(ds, writer.store)

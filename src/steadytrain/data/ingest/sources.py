@@ -23,7 +23,10 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import lzma
+import zlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from steadytrain.errors import DatasetError
 from steadytrain.extras import require
@@ -167,6 +170,21 @@ def _iter_text(src: SourceFile, stats: DecodeStats, warn: Warn | None) -> Iterat
 def _iter_jsonl(
     src: SourceFile, text_field: str, stats: DecodeStats, warn: Warn | None
 ) -> Iterator[str]:
+    try:
+        yield from _jsonl_lines(src, text_field, stats, warn)
+    except (EOFError, zlib.error, lzma.LZMAError, OSError) as exc:
+        # gzip raises EOFError for a truncated stream and BadGzipFile (an OSError) or
+        # zlib.error for damaged bytes; bz2 an OSError, xz LZMAError.
+        raise DatasetError(
+            f"{src.url}: truncated or damaged compressed file ({type(exc).__name__}: {exc}); "
+            f"the file is incomplete: copy or re-compress it again (`gzip -t FILE` checks a "
+            f".gz), or leave it out"
+        ) from None
+
+
+def _jsonl_lines(
+    src: SourceFile, text_field: str, stats: DecodeStats, warn: Warn | None
+) -> Iterator[str]:
     bad_lines = 0
     with open_input(src.url, compression="infer") as f:
         for lineno, raw in enumerate(f, 1):
@@ -181,8 +199,14 @@ def _iter_jsonl(
                 stats.replacements += line.count("\ufffd") - raw.count("\ufffd".encode())
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{src.url}:{lineno}: not valid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise DatasetError(
+                    f"{src.url}:{lineno}: a JSON value nested too deeply to be a document; "
+                    f"fix or remove that line"
+                ) from None
+            except ValueError as exc:  # JSONDecodeError, or an integer of 4300+ digits
+                msg = getattr(exc, "msg", str(exc))
+                raise DatasetError(f"{src.url}:{lineno}: not valid JSON ({msg})") from None
             if not isinstance(obj, dict) or text_field not in obj:
                 keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
                 raise DatasetError(
@@ -195,7 +219,8 @@ def _iter_jsonl(
             if not isinstance(text, str):
                 raise DatasetError(
                     f"{src.url}:{lineno}: field {text_field!r} is a "
-                    f"{type(text).__name__}, not a string"
+                    f"{type(text).__name__}, not a string; pass --text-field NAME of a text "
+                    f"field, or fix that line"
                 )
             yield text
     if bad_lines:
@@ -204,10 +229,21 @@ def _iter_jsonl(
             warn(f"{src.url}: {bad_lines} line(s) not valid UTF-8; bad bytes replaced with U+FFFD")
 
 
+def _text_type(pa: Any, typ: Any) -> bool:
+    """Does a Parquet column of this Arrow type hold text (strings or bytes, possibly
+    dictionary-encoded, or only nulls)?"""
+    if pa.types.is_dictionary(typ):
+        typ = typ.value_type
+    checks = ("is_string", "is_large_string", "is_binary", "is_large_binary", "is_null")
+    checks += ("is_string_view", "is_binary_view")
+    return any(getattr(pa.types, c, lambda _t: False)(typ) for c in checks)
+
+
 def _iter_parquet(
     src: SourceFile, text_field: str, stats: DecodeStats, warn: Warn | None
 ) -> Iterator[str]:
     pq = require("pyarrow.parquet", f"reading the Parquet file {src.url}")
+    import pyarrow as pa
 
     with open_input(src.url) as f:
         try:
@@ -219,18 +255,36 @@ def _iter_parquet(
             raise DatasetError(
                 f"{src.url}: no column {text_field!r} (columns: {names}); pass --text-field NAME"
             )
+        typ = pf.schema_arrow.field(text_field).type
+        if not _text_type(pa, typ):
+            # An int, list or struct column would reach the tokenizer as a non-string.
+            raise DatasetError(
+                f"{src.url}: column {text_field!r} holds {typ}, not text (string or binary); "
+                f"pass --text-field NAME of a text column, or convert the column to strings"
+            )
         stats.bytes_read += src.size
         bad = 0
         # Row batches keep memory bounded by one batch, whatever the file size.
-        for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
-            for value in batch.column(0).to_pylist():
-                if isinstance(value, bytes):  # a binary column: decode like a text file
-                    try:
-                        value = value.decode("utf-8")
-                    except UnicodeDecodeError:
-                        value = value.decode("utf-8", errors="replace")
-                        bad += 1
-                yield value or ""
+        try:
+            batches = pf.iter_batches(batch_size=1024, columns=[text_field])
+            for batch in batches:
+                for value in batch.column(0).to_pylist():
+                    if isinstance(value, bytes):  # a binary column: decode like a text file
+                        try:
+                            value = value.decode("utf-8")
+                        except UnicodeDecodeError:
+                            text = value.decode("utf-8", errors="replace")
+                            bad += 1
+                            # Replacement characters the decoder added, as for text files.
+                            n = text.count("\ufffd") - value.count("\ufffd".encode())
+                            stats.replacements += n
+                            value = text
+                    yield value or ""
+        except (pa.ArrowException, OSError) as exc:
+            raise DatasetError(
+                f"{src.url}: column {text_field!r} cannot be read ({exc}); the Parquet file is "
+                f"damaged: re-export it, or leave it out"
+            ) from None
         if bad:
             stats.replaced_files += 1
             if warn is not None:

@@ -47,7 +47,7 @@ from steadytrain.data.ingest.tokenizer import (
     train_on_sources,
 )
 from steadytrain.data.ingest.writer import DEFAULT_SHARD_TOKENS, DatasetWriter
-from steadytrain.data.read.format import Manifest
+from steadytrain.data.read.format import Manifest, compute_fingerprint
 from steadytrain.errors import ConfigError, DatasetError
 from steadytrain.storage.publish import canonical_digest
 
@@ -88,6 +88,21 @@ class TokenizeResult:
             "skipped_files": self.skipped_files,
             "warnings": self.warnings,
         }
+
+
+def _fingerprint_as(existing: Manifest, new: Manifest) -> str:
+    """``new``'s fingerprint in the scheme ``existing`` was written with, so a dataset
+    written before the fingerprint covered the document index still compares equal to the
+    same content made now ("up to date"), not as a different dataset."""
+    if existing.fingerprint_version == new.fingerprint_version:
+        return new.fingerprint
+    return compute_fingerprint(
+        new.dtype,
+        new.vocab_size,
+        new.eos_id,
+        list(new.shards),
+        scheme=existing.fingerprint_version,
+    )
 
 
 def default_workers() -> int:
@@ -359,7 +374,7 @@ def tokenize(
         manifest = writer.close()
         up_to_date = False
         if output.existing is not None:
-            if output.existing.fingerprint != manifest.fingerprint:
+            if output.existing.fingerprint != _fingerprint_as(output.existing, manifest):
                 raise output.different_dataset_error(manifest.fingerprint, "different content")
             output.discard()  # same content already there: keep the old one untouched
             manifest, up_to_date = output.existing, True

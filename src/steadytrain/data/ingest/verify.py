@@ -26,6 +26,7 @@ import numpy as np
 
 from steadytrain.data.ingest.progress import NullProgress
 from steadytrain.data.ingest.tokenizer import stored_tokenizer_hash
+from steadytrain.data.read.dataset import local_file_problem
 from steadytrain.data.read.format import (
     MANIFEST_NAME,
     Manifest,
@@ -71,6 +72,7 @@ class VerifyReport:
             "checked_files": self.checked_files,
             "checked_bytes": self.checked_bytes,
             "fingerprint": m.fingerprint if m else None,
+            "fingerprint_version": m.fingerprint_version if m else None,
             "num_tokens": m.num_tokens if m else None,
             "num_shards": len(m.shards) if m else None,
         }
@@ -136,6 +138,11 @@ def _check_shard(
     ):
         if not store.exists(name):
             report.problems.append(Problem(disp, "missing (listed in the manifest)"))
+            return
+        path = store.local_path(name)
+        problem = local_file_problem(store.root, path) if path is not None else None
+        if problem is not None:  # never read a FIFO (it blocks) or a file outside the root
+            report.problems.append(Problem(disp, problem))
             return
         size = store.size(name)
         if size != expected:
@@ -286,6 +293,12 @@ def open_checked(url: str) -> tuple[Store, Manifest]:
                 raise DatasetError(
                     f"{store.display(name)} is missing (listed in the manifest); run `steadytrain verify {url}`"
                 )
+            path = store.local_path(name)
+            problem = local_file_problem(store.root, path) if path is not None else None
+            if problem is not None:
+                raise DatasetError(
+                    f"{store.display(name)} {problem}; run `steadytrain verify {url}`"
+                )
             size = store.size(name)
             if size != expected:
                 raise DatasetError(
@@ -305,6 +318,7 @@ def dataset_info(url: str) -> dict[str, Any]:
         "format": "steadytrain.tokens",
         "version": 1,
         **m.summary(),
+        "fingerprint_version": m.fingerprint_version,
         "tokenizer": m.tokenizer,
         "bytes": data_bytes,
         "mean_doc_tokens": round(m.num_tokens / m.num_docs, 2) if m.num_docs else 0.0,

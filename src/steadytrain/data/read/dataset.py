@@ -9,6 +9,7 @@ directory, manifest), so loader worker processes re-open their own maps.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from steadytrain.data.read.format import Manifest, read_manifest
 from steadytrain.errors import DatasetError
 from steadytrain.storage.store import Store
 
-__all__ = ["TokenDataset", "open_shard_cache"]
+__all__ = ["TokenDataset", "open_shard_cache", "local_file_problem"]
 
 # Signature of the hook that turns a shard file name into a local path (the cache).
 Resolver = Callable[[str, int, str], str]
@@ -38,6 +39,28 @@ def open_shard_cache(cache_dir: str, store: Store, manifest: Manifest, **kwargs:
         for s in manifest.shards
     ]
     return ShardCache(cache_dir, store, units, manifest.fingerprint, **kwargs)
+
+
+def local_file_problem(root: str, path: str) -> str | None:
+    """What is wrong with a dataset file at a local ``path`` under ``root`` before it is
+    opened, or None: it must be a regular file whose resolved path stays inside the root.
+    A FIFO would block the first read forever; a device, or a link to a file elsewhere,
+    would be read as tokens (``open`` and ``verify`` both refuse them)."""
+    real_root, real = os.path.realpath(root), os.path.realpath(path)
+    if os.path.commonpath([real_root, real]) != real_root:
+        return (
+            f"leads outside the dataset directory {root} (a symbolic link to {real}); a "
+            f"dataset's files must live inside it"
+        )
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return "is missing (listed in the manifest)"
+    except OSError as exc:
+        return f"cannot be read ({exc})"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file (a FIFO, device or directory)"
+    return None
 
 
 class TokenDataset:
@@ -82,7 +105,18 @@ class TokenDataset:
         return ds
 
     def _check_local_files(self) -> None:
-        """Cheap structural check at open (sizes only); ``verify`` checks every byte."""
+        """Cheap structural check at open (metadata only); ``verify`` checks every byte.
+
+        Each listed file must be a regular file inside the dataset directory (after
+        resolving links) with exactly its listed size: a FIFO would block the first read, a
+        device or a link to a file elsewhere would be read as tokens, and a short file would
+        fail inside numpy's mmap naming nothing.
+        """
+        root = self.store.root
+        fix = (
+            f"restore it or re-tokenize the dataset (`steadytrain verify {self.url}` lists "
+            f"every problem)"
+        )
         for shard in self.manifest.shards:
             for name, expected in (
                 (shard.name, shard.bytes),
@@ -90,17 +124,18 @@ class TokenDataset:
             ):
                 path = self.store.local_path(name)
                 assert path is not None
-                try:
-                    size = os.path.getsize(path)
-                except FileNotFoundError:
-                    raise DatasetError(
-                        f"{path} is missing (listed in {self.store.display('manifest.json')}); "
-                        f"restore it or re-tokenize the dataset"
-                    ) from None
+                problem = local_file_problem(root, path)
+                if problem is None:
+                    try:
+                        size = os.stat(path).st_size
+                    except OSError as exc:  # removed since the check
+                        problem = f"cannot be read ({exc})"
+                if problem is not None:
+                    raise DatasetError(f"{path} {problem}; {fix}")
                 if size != expected:
                     raise DatasetError(
-                        f"{path} has {size} bytes, the manifest says {expected}: the file is "
-                        f"truncated or was replaced; restore it or re-tokenize the dataset"
+                        f"{path} has {size} bytes, the manifest says {expected}: the file "
+                        f"is truncated or was replaced; {fix}"
                     )
 
     def _make_cache_resolver(self) -> Resolver:
@@ -176,7 +211,7 @@ class TokenDataset:
         if arr is None:
             info = self.manifest.shards[shard]
             path = self.local_path(info.name, info.bytes, info.checksum)
-            arr = np.memmap(path, dtype=self.dtype, mode="r", shape=(info.tokens,))
+            arr = self._map(path, self.dtype, info.tokens)
             self._maps[shard] = arr
         return arr
 
@@ -186,9 +221,22 @@ class TokenDataset:
         if arr is None:
             info = self.manifest.shards[shard]
             path = self.local_path(info.index_name, info.index_bytes, info.index_checksum)
-            arr = np.memmap(path, dtype="<u8", mode="r", shape=(info.docs,))
+            arr = self._map(path, np.dtype("<u8"), info.docs)
             self._doc_ends[shard] = arr
         return arr
+
+    def _map(self, path: str, dtype: np.dtype, count: int) -> np.ndarray:
+        """A read-only map of ``count`` items; a file changed since open (shorter, gone)
+        gives an error naming it, not numpy's."""
+        if count == 0:
+            return np.empty(0, dtype=dtype)  # mmap cannot map zero bytes
+        try:
+            return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+        except (OSError, ValueError) as exc:
+            raise DatasetError(
+                f"{path} cannot be mapped as {count} {dtype} values ({exc}); it changed since "
+                f"the dataset was opened: run `steadytrain verify {self.url}`"
+            ) from exc
 
     def close(self) -> None:
         self._maps.clear()

@@ -28,7 +28,9 @@ from typing import Any
 
 import xxhash
 
+from steadytrain.data.read.format import compute_fingerprint
 from steadytrain.data.read.sampler import BatchPlan
+from steadytrain.data.read.untrusted import short_repr as _short
 from steadytrain.errors import LoaderStateError
 
 __all__ = ["FORMAT", "VERSION", "Resume", "make_state", "check_state", "mixture_fingerprint"]
@@ -38,6 +40,11 @@ VERSION = 2
 _READS = (1, 2)  # version 1: no batch change possible, position == step * global_batch
 # What the order of positions depends on; the global batch only cuts it into steps.
 _ORDER_KEYS = ("seq_len", "seed", "shuffle", "mode_settings", "blend_period")
+# Bounds of the saved cursor: 2**40 steps or samples is far past any run (Llama 3's 15T
+# tokens are 7e9 samples of 2048), and keeps every position the loader derives from them
+# (times a global batch, plus a rank offset) inside int64.
+_MAX_CURSOR = 1 << 40
+_MAX_BATCH = 1 << 20
 
 log = logging.getLogger("steadytrain.data")
 
@@ -79,21 +86,67 @@ def make_state(loader: Any) -> dict[str, Any]:
     }
 
 
-def _count(sd: dict[str, Any], key: str, low: int = 0) -> int:
-    """An integer field of the saved state (``low`` or more); the error names it."""
+def _fp(value: Any) -> str:
+    """A saved fingerprint for a message: the string itself when it is one, else its repr."""
+    if isinstance(value, str) and len(value) <= 80:
+        return value
+    return _short(value)
+
+
+def _count(sd: dict[str, Any], key: str, low: int = 0, high: int = _MAX_CURSOR) -> int:
+    """An integer field of the saved state in ``[low, high]``; the error names it."""
     value = sd.get(key)
     if isinstance(value, bool) or not isinstance(value, int):
         raise LoaderStateError(
-            f"loader state has no valid {key} ({key}={value!r}, an integer is needed); "
+            f"loader state has no valid {key} ({key}={_short(value)}, an integer is needed); "
             "the state is damaged: resume from another checkpoint"
         )
     if value < low:
         what = "a negative cursor" if low == 0 else f"{key} below {low}"
         raise LoaderStateError(
-            f"loader state has {what} ({key}={value}); the state is damaged: resume from "
+            f"loader state has {what} ({key}={_short(value)}); the state is damaged: resume from "
             "another checkpoint"
         )
+    if value > high:
+        raise LoaderStateError(
+            f"loader state has {key}={_short(value)}, beyond any run (at most {high}); the "
+            "state is damaged: resume from another checkpoint"
+        )
     return value
+
+
+def _fingerprint_error(loader: Any, sd: dict[str, Any], mine: dict[str, Any], step: int) -> str:
+    """Why the saved fingerprint differs, for the error. A state saved against a dataset
+    whose manifest predates the document index in the fingerprint (scheme 1) carries that
+    dataset's legacy fingerprint: say so, since the data may be the same tokens cut into
+    other documents, and nothing here can tell (format.md A.4)."""
+    saved = sd.get("fingerprint")
+    legacy = []
+    for ds in loader.datasets:
+        m = getattr(ds, "manifest", None)
+        if m is None or getattr(m, "fingerprint_version", 1) == 1:
+            continue
+        legacy.append(
+            compute_fingerprint(m.dtype, m.vocab_size, m.eos_id, list(m.shards), scheme=1)
+        )
+    saved_mix = sd.get("mixture") if isinstance(sd.get("mixture"), list) else []
+    saved_fps = [saved] + [m.get("fingerprint") for m in saved_mix if isinstance(m, dict)]
+    if any(isinstance(fp, str) and fp in legacy for fp in saved_fps):
+        return (
+            f"saved with dataset fingerprint {_fp(saved)}, the legacy (scheme 1) fingerprint "
+            f"of this data, which did not cover the document index; the loader has "
+            f"{mine['fingerprint']} (scheme 2, covering it). The token files are the same but "
+            f"the document boundaries may differ, which this state cannot show. If they are "
+            f"unchanged (`steadytrain verify DATASET`, and the data was not re-cut), pass "
+            f"allow_dataset_change=True to continue from step {step}; otherwise resume from a "
+            f"checkpoint saved with this dataset"
+        )
+    return (
+        f"saved with dataset fingerprint {_fp(saved)}, loader has "
+        f"{mine['fingerprint']}: the data changed since the checkpoint, so the saved "
+        f"position means other samples. Pass allow_dataset_change=True to continue from "
+        f"step {step} on the new data anyway"
+    )
 
 
 def check_state(loader: Any, sd: Any) -> Resume:
@@ -101,47 +154,47 @@ def check_state(loader: Any, sd: Any) -> Resume:
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
         raise LoaderStateError(
-            f"not a steadytrain loader state (format={found!r}); was it saved by another loader?"
+            f"not a steadytrain loader state (format={_short(found)}); was it saved by another "
+            "loader?"
         )
     version = sd.get("version")
-    if version not in _READS:
+    if isinstance(version, bool) or version not in _READS:
         raise LoaderStateError(
-            f"loader state version {version!r} is not supported (this steadytrain reads "
+            f"loader state version {_short(version)} is not supported (this steadytrain reads "
             f"versions {', '.join(map(str, _READS))}); upgrade steadytrain"
         )
     mine = make_state(loader)
     for key in _ORDER_KEYS:
         if sd.get(key) != mine[key]:
             raise LoaderStateError(
-                f"saved with {key}={sd.get(key)!r}, loader has {key}={mine[key]!r}: the sample "
-                f"order would differ; construct the loader with {key}={sd.get(key)!r}"
+                f"saved with {key}={_short(sd.get(key))}, loader has {key}={mine[key]!r}: the "
+                f"sample order would differ; construct the loader with "
+                f"{key}={_short(sd.get(key))}"
             )
     saved_mix, my_mix = sd.get("mixture") or [], mine["mixture"]
     if not isinstance(saved_mix, list) or not all(isinstance(m, dict) for m in saved_mix):
-        raise LoaderStateError(f"loader state has a malformed mixture {saved_mix!r}")
+        raise LoaderStateError(
+            f"loader state has a malformed mixture {_short(saved_mix)}; the state is damaged: "
+            "resume from another checkpoint"
+        )
     if [(m.get("weight"), m.get("count")) for m in saved_mix] != [
         (m["weight"], m["count"]) for m in my_mix
     ]:
         raise LoaderStateError(
-            f"saved with mixture weights {[m.get('weight') for m in saved_mix]}, loader has "
-            f"{[m['weight'] for m in my_mix]}: the blend would differ"
+            f"saved with mixture weights {_short([m.get('weight') for m in saved_mix])}, loader "
+            f"has {[m['weight'] for m in my_mix]}: the blend would differ"
         )
     step, micro = _count(sd, "step"), _count(sd, "micro_in_step")
     if sd.get("fingerprint") != mine["fingerprint"] and not loader.allow_dataset_change:
-        raise LoaderStateError(
-            f"saved with dataset fingerprint {sd.get('fingerprint')}, loader has "
-            f"{mine['fingerprint']}: the data changed since the checkpoint, so the saved "
-            f"position means other samples. Pass allow_dataset_change=True to continue from "
-            f"step {step} on the new data anyway"
-        )
-    saved_batch = _count(sd, "global_batch", low=1)
+        raise LoaderStateError(_fingerprint_error(loader, sd, mine, step))
+    saved_batch = _count(sd, "global_batch", low=1, high=_MAX_BATCH)
     position = _count(sd, "position") if version >= 2 else step * saved_batch
     plan: BatchPlan = loader.plan
     if micro:
         for key in ("global_batch", "world_size", "rank", "micro_batch"):
             if sd.get(key) != mine[key]:
                 raise LoaderStateError(
-                    f"saved mid-step (micro_in_step={micro}) with {key}={sd.get(key)!r}, loader "
+                    f"saved mid-step (micro_in_step={micro}) with {key}={_short(sd.get(key))}, loader "
                     f"has {key}={mine[key]!r}: a state saved between steps loads on any "
                     f"{key}; one saved mid-step only on the same one"
                 )
