@@ -4,7 +4,8 @@ Resolution order for an ``s3://`` URL (the first that is set wins, per setting):
 
 * endpoint: ``storage_options["client_kwargs"]["endpoint_url"]`` or
   ``storage_options["endpoint_url"]``, then ``STEADYTRAIN_S3_ENDPOINT``, then
-  ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``; none means AWS itself.
+  ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``; none means AWS itself. An endpoint
+  with ``user:password@`` is refused (``StorageError``, the password masked).
 * credentials: ``storage_options["key"]`` / ``["secret"]`` (and ``["token"]``), then
   botocore's standard chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
   ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and ``~/.aws``, instance metadata).
@@ -22,7 +23,13 @@ import os
 from typing import Any
 
 from steadytrain.errors import StorageError
-from steadytrain.redact import redact_text, secret_values
+from steadytrain.redact import (
+    redact_text,
+    register_secrets,
+    secret_values,
+    url_credentials,
+    url_without_credentials,
+)
 
 __all__ = [
     "storage_options_for",
@@ -47,11 +54,14 @@ def storage_options_for(
     client_kwargs = dict(opts.get("client_kwargs") or {})
     if "endpoint_url" in opts:
         client_kwargs.setdefault("endpoint_url", opts.pop("endpoint_url"))
+    source = "storage_options endpoint_url"
     if "endpoint_url" not in client_kwargs:
         for var in ENDPOINT_ENV:
             if os.environ.get(var):
                 client_kwargs["endpoint_url"] = os.environ[var]
+                source = var
                 break
+    _refuse_endpoint_credentials(url, client_kwargs.get("endpoint_url"), source)
     if client_kwargs:
         opts["client_kwargs"] = client_kwargs
     config_kwargs = dict(opts.get("config_kwargs") or {})
@@ -61,6 +71,22 @@ def storage_options_for(
     config_kwargs.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
     opts["config_kwargs"] = config_kwargs
     return opts
+
+
+def _refuse_endpoint_credentials(url: str, endpoint: Any, source: str) -> None:
+    """An endpoint URL with ``user:password@`` makes every request fail inside aiohttp
+    ("Cannot combine AUTHORIZATION header..."), which reads as a store that does not
+    answer; say what is wrong at once instead, without the password."""
+    secrets = url_credentials(endpoint) if isinstance(endpoint, str) else []
+    if not secrets:
+        return
+    register_secrets(secrets)
+    raise StorageError(
+        f"{url}: the endpoint {endpoint} (from {source}) carries credentials, which are "
+        f"refused (they would show in logs and errors); use {url_without_credentials(endpoint)} "
+        f"and set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass "
+        f"storage_options={{'key': ..., 'secret': ...}}"
+    )
 
 
 def endpoint_of(storage_options: dict[str, Any]) -> str:

@@ -12,6 +12,11 @@ permanent ones (missing credentials, access denied, missing bucket or object) be
 in ``steadytrain.storage.s3``. A whole-file transfer's deadline grows with its size
 (``SLOWEST_LINK_BPS``), so a hung PUT ends in ``ReadDeadlineError`` instead of blocking a
 checkpoint save forever. Checkpoints (``checkpoint/remote.py``) reach bytes through here too.
+
+A URL carrying credentials (``s3://KEY:SECRET@bucket/x``, a signature in its query) is
+refused with a ``StorageError`` that names the URL masked and where credentials go instead
+(``redact.url_credentials_message``); secret storage options are registered with
+``redact.register_secrets`` so no later message, a client library's included, can show them.
 """
 
 from __future__ import annotations
@@ -28,7 +33,13 @@ import fsspec
 
 from steadytrain.errors import SteadyError, StorageError
 from steadytrain.extras import missing_extra
-from steadytrain.redact import redact_text, secret_values
+from steadytrain.redact import (
+    redact_text,
+    register_secrets,
+    secret_values,
+    url_credentials,
+    url_credentials_message,
+)
 from steadytrain.storage.names import backend_module, is_remote_url, safe_relpath
 from steadytrain.storage.publish import (
     atomic_writer,
@@ -62,6 +73,19 @@ _DEADLINE_METHODS = frozenset(
 SLOWEST_LINK_BPS = 1 << 20
 
 
+# Storage options that name an identity, not a secret: an access key id is printed in
+# access-denied advice and is often a common string (a test's "steadytrain-test").
+_IDENTITY_OPTIONS = frozenset({"key", "aws_access_key_id", "username", "user", "account_name"})
+
+
+def _secrets_to_register(options: dict[str, Any]) -> list[str]:
+    """The secret storage options to mask in all later text (``register_secrets``)."""
+    identity = {options.get(k) for k in _IDENTITY_OPTIONS} - {None}
+    endpoint = (options.get("client_kwargs") or {}).get("endpoint_url") or ""
+    secrets = url_credentials(endpoint) if isinstance(endpoint, str) else []
+    return secrets + [v for v in secret_values(options) if v not in identity]
+
+
 class Store:
     """A root (local directory or remote prefix) with atomic writes and relative names.
 
@@ -76,6 +100,9 @@ class Store:
         *,
         retry: RetryPolicy | None = None,
     ) -> None:
+        refused = url_credentials_message(url)
+        if refused:  # s3://KEY:SECRET@bucket would reach botocore as a bucket name
+            raise StorageError(refused)
         self.url = url.rstrip("/") or "/"
         self.retry = retry or RetryPolicy.from_env()
         if url.startswith("file://"):
@@ -84,6 +111,8 @@ class Store:
         self.storage_options = storage_options_for(
             url, storage_options, request_timeout_s=self.retry.request_timeout_s
         )
+        # Any message printed from now on (a client library's included) masks these.
+        register_secrets(_secrets_to_register(self.storage_options))
         self.stats = {"requests": 0, "bytes_read": 0, "retries": 0}
         self._stats_lock = threading.Lock()
         self._bucket_checked = False
