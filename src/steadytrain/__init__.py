@@ -20,6 +20,7 @@ _EXPORTS = {
     "Store": "steadytrain.storage.store",
     "Checkpointer": "steadytrain.checkpoint.checkpointer",
     "GoodputMeter": "steadytrain.monitor.meter",
+    "Run": "steadytrain.run",
     "SteadyError": "steadytrain.errors",
     "DatasetError": "steadytrain.errors",
     "StorageError": "steadytrain.errors",

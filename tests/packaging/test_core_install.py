@@ -1,23 +1,35 @@
 """Depend like a library: the core install works alone, and installing leaves torch alone.
 
-One fresh virtual environment (module scope) gets the core dependencies only, at the locked
-versions (``constraints.txt``; torch comes from the CPU wheel the lock names). In it:
+The package is installed the way a user installs it: from a **built wheel**, not from the
+source tree. The module fixture copies what the build reads (``pyproject.toml``,
+``README.md``, ``src/``) to a scratch directory, builds the wheel there with the README's
+command (``pip wheel --no-deps``, build isolation on: setuptools comes from the index like
+on a user's machine), and installs that wheel into one fresh virtual environment with the
+core dependencies only, at the locked versions (``constraints.txt``; torch comes from the
+CPU wheel the lock names). CI (``.ci/run`` -> ``./run.sh test``) runs this file, so CI
+builds the wheel. In that environment:
 
+* the installed package is the wheel's (site-packages, a ``direct_url.json`` naming the
+  ``.whl``), with its package data (``configs/*.toml``) and its console script;
 * ``import steadytrain``, a dataset, ``TokenLoader`` and a ``Checkpointer`` save/restore
   work with no extra installed;
 * each optional part names the extra to install instead of a bare ``ModuleNotFoundError``;
-* ``pip install --dry-run --report`` of ``steadytrain[all]`` next to the installed torch
-  plans no torch install (the declared range accepts what the user has).
+* ``pip install --dry-run --report`` of the wheel's ``[all]`` next to the installed torch
+  plans no torch install (the declared range accepts what the user has), and the line a
+  missing extra prints (``pip install 'steadytrain[report]'``) resolves against the
+  installed wheel although no index has steadytrain.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import pytest
 
@@ -35,15 +47,81 @@ def _pip(venv: str, *args: str, timeout: int = 600) -> subprocess.CompletedProce
 
 
 @pytest.fixture(scope="module")
-def core_venv(tmp_path_factory):
+def wheel(tmp_path_factory) -> str:
+    """The wheel, built from a clean copy of the sources (no ``build/`` or ``*.egg-info``
+    left over in the checkout can leak into it, and concurrent runs do not share them)."""
+    scratch = tmp_path_factory.mktemp("wheel")
+    src = scratch / "src-copy"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(os.path.join(REPO, name), src / name)
+    shutil.copytree(
+        os.path.join(REPO, "src"),
+        src / "src",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"),
+    )
+    dist = scratch / "dist"
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    (built,) = glob.glob(str(dist / "steadytrain-*.whl"))
+    return built
+
+
+@pytest.fixture(scope="module")
+def core_venv(tmp_path_factory, wheel):
     venv = str(tmp_path_factory.mktemp("core") / "venv")
     subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
-    # Non-editable, no extras, exact versions from the lock: what `pip install steadytrain`
-    # gives a user, minus the network lottery.
-    res = _pip(venv, "install", "-q", "-c", os.path.join(REPO, "constraints.txt"), REPO)
+    # The built wheel, no extras, exact versions from the lock: what the README's wheel
+    # install gives a user, minus the network lottery.
+    res = _pip(venv, "install", "-q", "-c", os.path.join(REPO, "constraints.txt"), wheel)
     assert res.returncode == 0, res.stderr[-3000:]
     yield venv
     shutil.rmtree(os.path.dirname(venv), ignore_errors=True)  # ~1 GB: do not leave it
+
+
+def test_wheel_holds_the_package_and_its_data(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    assert {"steadytrain/configs/demo.toml", "steadytrain/configs/small.toml"} <= names
+    assert "steadytrain/cli.py" in names and "steadytrain/__init__.py" in names
+    assert not any(n.startswith(("tests/", "bench/", "src/")) for n in names), sorted(names)[:20]
+    entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    with zipfile.ZipFile(wheel) as z:
+        assert "steadytrain = steadytrain.cli:main" in z.read(entry).decode()
+
+
+def test_installed_package_is_the_wheel(core_venv, wheel, tmp_path):
+    res = _run(
+        core_venv,
+        """
+        import importlib.metadata, importlib.resources, json, sys, sysconfig
+        import steadytrain
+        dist = importlib.metadata.distribution("steadytrain")
+        print(json.dumps({
+            "file": steadytrain.__file__,
+            "purelib": sysconfig.get_paths()["purelib"],
+            "direct_url": json.loads(dist.read_text("direct_url.json") or "{}"),
+            "demo_toml": (importlib.resources.files("steadytrain") / "configs" / "demo.toml")
+                         .is_file(),
+        }))
+        """,
+        str(tmp_path),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["file"].startswith(got["purelib"]), got  # not the checkout, not editable
+    assert got["direct_url"]["url"].endswith(os.path.basename(wheel)), got["direct_url"]
+    assert "archive_info" in got["direct_url"], got["direct_url"]  # a file, not a source dir
+    assert got["demo_toml"]  # package data made it through the wheel
+    # The console script the wheel declares, over the installed package.
+    cli = os.path.join(core_venv, "bin", "steadytrain")
+    res = subprocess.run([cli, "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "checkpoints" in res.stdout, res.stderr[-2000:]
 
 
 def _run(venv: str, code: str, cwd: str) -> subprocess.CompletedProcess:
@@ -142,14 +220,28 @@ def test_parquet_input_without_pyarrow_names_the_extra(core_venv, tmp_path):
     assert "Traceback" not in res.stderr
 
 
-def test_install_next_to_an_installed_torch_leaves_it_alone(core_venv, tmp_path):
+def test_install_next_to_an_installed_torch_leaves_it_alone(core_venv, wheel, tmp_path):
     """A user's torch (here the one already in the venv) satisfies the declared range, so
-    resolving ``steadytrain[all]`` without the lock plans no torch download."""
+    resolving the wheel's ``[all]`` without the lock plans no torch download."""
     report = tmp_path / "report.json"
     res = _pip(
-        core_venv, "install", "--dry-run", "--quiet", "--report", str(report), f"{REPO}[all]"
+        core_venv, "install", "--dry-run", "--quiet", "--report", str(report), f"{wheel}[all]"
     )
     assert res.returncode == 0, res.stderr[-3000:]
     planned = {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]}
     assert "torch" not in planned, sorted(planned)
     assert {"s3fs", "matplotlib", "mlflow-skinny"} <= planned  # the extras do resolve
+
+
+def test_missing_extra_line_resolves_against_the_installed_wheel(core_venv, tmp_path):
+    """``pip install 'steadytrain[report]'``, the line a missing extra prints, works for a
+    user who installed the wheel: pip takes the installed steadytrain (no index has it) and
+    plans only the extra's packages."""
+    report = tmp_path / "report.json"
+    res = _pip(
+        core_venv, "install", "--dry-run", "--quiet", "--report", str(report),
+        "steadytrain[report]",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    planned = {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]}
+    assert "matplotlib" in planned and not {"steadytrain", "torch"} & planned, sorted(planned)
