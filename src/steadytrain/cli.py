@@ -51,6 +51,7 @@ COMMANDS = [
     "train",
     "demo",
     "checkpoints",
+    "export",
     "report",
     "plan",
 ]
