@@ -2,10 +2,12 @@
 as a script, that name would shadow the package it imports).
 
 Fabric (``strategy="ddp"``, ``accelerator="cpu"``, ``devices=2``) trains a tiny causal
-transformer with steadytrain's ``TokenLoader``, ``Checkpointer`` (async DCP checkpoints,
-automatic resume) and ``GoodputMeter``. torchrun launches the processes, not Fabric: Fabric
+transformer with steadytrain's ``TokenLoader`` and ``Run`` (async DCP
+checkpoints, automatic resume, the goodput ledger). torchrun launches the processes, not Fabric: Fabric
 detects torchrun's environment and joins it, and torchrun restarts the ranks after a crash
-(Fabric's own launcher does not restart)::
+(Fabric's own launcher does not restart). ``Run`` gives the loop what ``steadytrain train``
+has: the checkpointer, the goodput ledger, the hang watchdog, crash and restart accounting
+and the final save::
 
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # torchrun restarts (pytorch#135712)
     torchrun --nproc-per-node 2 --max-restarts 1 examples/fabric_ddp.py \\
@@ -29,7 +31,6 @@ import hashlib
 import json
 import os
 import signal
-import time
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from lightning_fabric import Fabric
 from torch import nn
 
-from steadytrain import Checkpointer, GoodputMeter, TokenDataset, TokenLoader
+from steadytrain import Run, TokenDataset, TokenLoader
 
 
 class TinyLM(nn.Module):
@@ -107,60 +108,44 @@ def main() -> None:
 
     state = TrainState()
     states = {"model": raw_model, "optim": raw_optim, "loader": loader, "train": state}
-    meter = GoodputMeter(args.run_dir, rank=rank, world_size=world, total_steps=args.steps)
-    ckpt = Checkpointer(
-        os.path.join(args.run_dir, "ckpt"),
-        every_steps=4,
-        keep_last=2,
-        async_mode="thread",
-        on_event=meter.event,
-    )
-    t0 = time.perf_counter()
-    step = ckpt.restore_latest(states)  # 0 when there is no checkpoint yet
-    meter.job_start(restored_step=step, restore_s=time.perf_counter() - t0)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    losses = open(os.path.join(args.run_dir, f"losses-attempt{attempt}.jsonl"), "a")
-
-    model.train()
-    while step < args.steps:
-        t_step, wait, per_micro = time.perf_counter(), 0.0, []
-        for micro in range(loader.micro_per_step):  # gradient accumulation
-            t = time.perf_counter()
-            batch = next(loader)
-            wait += time.perf_counter() - t
-            last = micro == loader.micro_per_step - 1
-            # DDP all-reduces the gradients once per step, on the last micro-batch
-            with fabric.no_backward_sync(model, enabled=not last):
-                logits = model(batch["input_ids"])
-                loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
-                fabric.backward(loss / loader.micro_per_step)
-            per_micro.append(loss.detach())
-        if step + 1 == args.crash_at_step and attempt == 0 and rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-step, before the update
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        step = state.step = step + 1
-        mean = torch.stack(per_micro).mean()
-        dist.all_reduce(mean)
-        block = ckpt.maybe_save(step, states)
-        meter.step(
-            step,
-            tokens=8 * 64,
-            data_wait_s=wait,
-            checkpoint_block_s=block,
-            compute_s=time.perf_counter() - t_step - wait - block,
-            loss=mean / world,
-        )
-        if rank == 0:
-            losses.write(json.dumps({"step": step, "loss": (mean / world).item()}) + "\n")
-            losses.flush()
-
-    ckpt.wait()
-    last_save = ckpt.last_event or {}
-    if not (last_save.get("step") == step and last_save.get("ok", True)):
-        ckpt.save(step, states)  # the final state is a checkpoint too
-    ckpt.close()
-    meter.close()
+    checkpoint = {"every_steps": 4, "keep_last": 2, "async_mode": "thread"}
+    with Run(
+        args.run_dir,
+        states,
+        rank=rank,
+        world_size=world,
+        total_steps=args.steps,
+        checkpoint=checkpoint,
+        checkpoint_dir=os.path.join(args.run_dir, "ckpt"),
+    ) as run:
+        step = run.start_step  # restored: 0 when there is no checkpoint yet
+        losses = open(os.path.join(args.run_dir, f"losses-attempt{attempt}.jsonl"), "a")
+        model.train()
+        while step < args.steps:
+            per_micro = []
+            for micro in range(loader.micro_per_step):  # gradient accumulation
+                with run.data_wait():
+                    batch = next(loader)
+                last = micro == loader.micro_per_step - 1
+                # DDP all-reduces the gradients once per step, on the last micro-batch
+                with fabric.no_backward_sync(model, enabled=not last):
+                    logits = model(batch["input_ids"])
+                    loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+                    fabric.backward(loss / loader.micro_per_step)
+                per_micro.append(loss.detach())
+            if step + 1 == args.crash_at_step and attempt == 0 and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-step, before the update
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            step = state.step = step + 1
+            mean = torch.stack(per_micro).mean()
+            dist.all_reduce(mean)
+            run.step_done(step, tokens=8 * 64, loss=mean / world, loader=loader)
+            if rank == 0:
+                losses.write(json.dumps({"step": step, "loss": (mean / world).item()}) + "\n")
+                losses.flush()
+    # Run's exit committed the last step and closed the ledger (or recorded the crash)
     if rank == 0:
         with open(os.path.join(args.run_dir, "final.json"), "w") as f:
             json.dump({"step": step, "weights": weights_sha256(raw_model)}, f)

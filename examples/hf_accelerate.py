@@ -1,16 +1,18 @@
 """steadytrain inside a Hugging Face Transformers + Accelerate training job.
 
 A tiny random-init Llama (``LlamaConfig``, no hub access) trained by Accelerate on CPU, with
-steadytrain's ``TokenLoader`` (data), ``Checkpointer`` (async DCP checkpoints, automatic
-resume) and ``GoodputMeter`` (the goodput ledger)::
+steadytrain's ``TokenLoader`` (data) and ``Run`` (async DCP checkpoints with automatic
+resume and a final save, the goodput ledger, the hang watchdog, crash and restart
+accounting: what ``steadytrain train`` gets)::
 
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # torchrun restarts (pytorch#135712)
     torchrun --nproc-per-node 2 --max-restarts 1 examples/hf_accelerate.py \\
         --data DATASET --run-dir runs/hf --steps 12 [--crash-at-step 7]
 
 ``--crash-at-step N`` SIGKILLs rank 1 in the middle of step N on the first attempt; torchrun
-restarts both ranks, ``restore_latest`` resumes from the newest committed checkpoint, and the
-run ends with the same per-step losses and weights as one that never crashed.
+restarts both ranks, ``Run`` resumes from the newest committed checkpoint, and the run ends
+with the same per-step losses and weights as one that never crashed. ``steadytrain report
+RUN_DIR`` then shows the crash, the restart gap and the start-up of each attempt.
 
 Three things to get right with Transformers and Accelerate:
 - labels: HF causal-LM models shift the labels inside their loss, so the loader hands out
@@ -30,14 +32,13 @@ import hashlib
 import json
 import os
 import signal
-import time
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from steadytrain import Checkpointer, GoodputMeter, TokenDataset, TokenLoader
+from steadytrain import Run, TokenDataset, TokenLoader
 
 
 class TrainState:
@@ -97,59 +98,43 @@ def main() -> None:
         "loader": loader,
         "train": state,
     }
-    meter = GoodputMeter(args.run_dir, rank=rank, world_size=world, total_steps=args.steps)
-    ckpt = Checkpointer(
-        os.path.join(args.run_dir, "ckpt"),
-        every_steps=4,
-        keep_last=2,
-        async_mode="thread",
-        on_event=meter.event,
-    )
-    t0 = time.perf_counter()
-    step = ckpt.restore_latest(states)  # 0 when there is no checkpoint yet
-    meter.job_start(restored_step=step, restore_s=time.perf_counter() - t0)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    losses = open(os.path.join(args.run_dir, f"losses-attempt{attempt}.jsonl"), "a")
-
-    model.train()
-    while step < args.steps:
-        t_step, wait, per_micro = time.perf_counter(), 0.0, []
-        for micro in range(loader.micro_per_step):  # gradient accumulation
-            t = time.perf_counter()
-            batch = next(loader)
-            wait += time.perf_counter() - t
-            last = micro == loader.micro_per_step - 1
-            # DDP all-reduces the gradients once per step, on the last micro-batch
-            with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-                accelerator.backward(loss / loader.micro_per_step)
-            per_micro.append(loss.detach())
-        if step + 1 == args.crash_at_step and attempt == 0 and rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-step, before the update
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        step = state.step = step + 1
-        mean = torch.stack(per_micro).mean()
-        dist.all_reduce(mean)
-        block = ckpt.maybe_save(step, states)
-        meter.step(
-            step,
-            tokens=8 * 64,
-            data_wait_s=wait,
-            checkpoint_block_s=block,
-            compute_s=time.perf_counter() - t_step - wait - block,
-            loss=mean / world,
-        )
-        if rank == 0:
-            losses.write(json.dumps({"step": step, "loss": (mean / world).item()}) + "\n")
-            losses.flush()
-
-    ckpt.wait()
-    last_save = ckpt.last_event or {}
-    if not (last_save.get("step") == step and last_save.get("ok", True)):
-        ckpt.save(step, states)  # the final state is a checkpoint too
-    ckpt.close()
-    meter.close()
+    checkpoint = {"every_steps": 4, "keep_last": 2, "async_mode": "thread"}
+    with Run(
+        args.run_dir,
+        states,
+        rank=rank,
+        world_size=world,
+        total_steps=args.steps,
+        checkpoint=checkpoint,
+        checkpoint_dir=os.path.join(args.run_dir, "ckpt"),
+    ) as run:
+        step = run.start_step  # restored: 0 when there is no checkpoint yet
+        losses = open(os.path.join(args.run_dir, f"losses-attempt{attempt}.jsonl"), "a")
+        model.train()
+        while step < args.steps:
+            per_micro = []
+            for micro in range(loader.micro_per_step):  # gradient accumulation
+                with run.data_wait():
+                    batch = next(loader)
+                last = micro == loader.micro_per_step - 1
+                # DDP all-reduces the gradients once per step, on the last micro-batch
+                with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+                    accelerator.backward(loss / loader.micro_per_step)
+                per_micro.append(loss.detach())
+            if step + 1 == args.crash_at_step and attempt == 0 and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-step, before the update
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            step = state.step = step + 1
+            mean = torch.stack(per_micro).mean()
+            dist.all_reduce(mean)
+            run.step_done(step, tokens=8 * 64, loss=mean / world, loader=loader)
+            if rank == 0:
+                losses.write(json.dumps({"step": step, "loss": (mean / world).item()}) + "\n")
+                losses.flush()
+    # Run's exit committed the last step and closed the ledger (or recorded the crash)
     if rank == 0:
         with open(os.path.join(args.run_dir, "final.json"), "w") as f:
             json.dump({"step": step, "weights": weights_sha256(raw_model)}, f)

@@ -26,6 +26,15 @@ fsspec that steadytrain's S3 extra locks; its data loader and checkpoint modules
 torch, torchdata and ``tyro``. The test installs it without its declared dependencies and
 checks this adapter at torchtitan's boundary (base class, ``Config.build``, a save and load
 through its real ``CheckpointManager``); a full torchtitan training is not run here.
+
+The ledger, the hang watchdog and crash/restart accounting come from ``steadytrain.Run``
+like in any loop; torchtitan's ``CheckpointManager`` keeps the checkpoints, so ``titan_run``
+opens a ``Run`` without a checkpointer, told the step torchtitan restored::
+
+    with titan_run(run_dir, trainer.step, total_steps=job.training.steps) as run:
+        while trainer.step < job.training.steps:
+            ...                                   # torchtitan's own train_step
+            run.step_done(trainer.step, tokens=global_batch * seq_len, loss=loss)
 """
 
 from __future__ import annotations
@@ -38,9 +47,16 @@ from typing import Any
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
-from steadytrain import TokenDataset, TokenLoader
+from steadytrain import Run, TokenDataset, TokenLoader
 
 STATE_KEY = "steadytrain_loader"  # one key for all ranks: DCP stores a single copy
+
+
+def titan_run(run_dir: str, restored_step: int, **options: Any) -> Run:
+    """A ``steadytrain.Run`` beside torchtitan's ``CheckpointManager``: no checkpointer of
+    its own (``checkpoint=False``), ``restored_step`` is the step torchtitan loaded (0 on a
+    fresh start). ``options``: Run's keywords (``total_steps``, ``monitor``, ...)."""
+    return Run(run_dir, {}, checkpoint=False, restored_step=restored_step, **options)
 
 
 class SteadyTitanDataLoader(BaseDataLoader):

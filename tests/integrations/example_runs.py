@@ -97,3 +97,25 @@ def assert_bit_exact_resume(ref: str, crashed: str) -> None:
     assert [r["step"] for r in restores] == [0, restored]
     assert restores[1]["path"].endswith(f"step-{restored:08d}")
     assert any(r["type"] == "checkpoint" and r["ok"] and r["step"] == STEPS for r in records)
+
+
+def assert_crash_reported(crashed: str) -> None:
+    """The crashed run's report (``steadytrain report RUN_DIR --json``), as ``steadytrain
+    train`` gets it through ``steadytrain.Run``: the first attempt is a crash (rank 0 died
+    of gloo's "Connection reset by peer", never the clean ``interpreter_exit``), the restart
+    gap and the start-up are booked, and "other" holds under 10 % of the wall time."""
+    out = subprocess.run(
+        [sys.executable, "-m", "steadytrain.cli", "report", crashed, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rep = json.loads(out.stdout)
+    assert [c["attempt"] for c in rep["crashes"]] == [0], rep["crashes"]
+    assert rep["crashes"][0]["reason"] not in ("finished", "interpreter_exit", "killed")
+    assert rep["restarts"] == 1, rep["restarts"]
+    badput = rep["badput"]
+    assert badput["restart_gap"] > 0, badput
+    assert badput["startup"] > 0, badput
+    assert badput["other"] < 0.10, badput

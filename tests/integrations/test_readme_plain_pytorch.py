@@ -3,6 +3,9 @@
 It must stay 15 lines or fewer, train to step 200 with committed checkpoints, and resume:
 with its newest checkpoint removed (as if the job had died before it), a second run
 continues from the one before and commits step 200 again, leaving older ones untouched.
+Its ``steadytrain.Run`` keeps the ledger: two attempts, the second restored at step 150,
+both ended cleanly. (The same loop under torchrun with a killed rank and a hung rank:
+test_run_plain_pytorch.py.)
 """
 
 from __future__ import annotations
@@ -65,3 +68,10 @@ def test_readme_plain_pytorch_example_runs_and_resumes(dataset: str, tmp_path) -
     second = committed(str(tmp_path / "ckpts"))
     assert max(second) == 200
     assert second[150] == first[150], "step 150 was saved again: the run did not resume"
+    from steadytrain.monitor.ledger import read_ledger
+
+    recs = read_ledger(str(tmp_path / "run" / "ledger.jsonl"))
+    starts = [r["restored_step"] for r in recs if r["type"] == "job_start"]
+    ends = [r["reason"] for r in recs if r["type"] == "job_end"]
+    assert starts == [0, 150] and ends == ["finished", "finished"], (starts, ends)
+    assert [r["step"] for r in recs if r["type"] == "step"][-1] == 200

@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 from torchtitan_adapter import STATE_KEY, SteadyTitanDataLoader  # noqa: E402
 
+from steadytrain.monitor.ledger import read_ledger  # noqa: E402
+
 WORKER = os.path.join(os.path.dirname(__file__), "titan_worker.py")
 
 pytestmark = pytest.mark.dist
@@ -76,3 +78,10 @@ def test_checkpoint_manager_save_on_2_resume_on_2_and_1(dataset: str, tmp_path) 
         for step in ("4", "5"):
             # rank r of W reads the r-th contiguous slice of each global batch
             assert sum((g[step] for g in got), []) == saved[0][step] + saved[1][step], step
+        # steadytrain.Run beside torchtitan's checkpoints (titan_run): the ledger opens the
+        # attempt at the step torchtitan restored and closes it cleanly after steps 4 and 5
+        recs = read_ledger(f"{out}-run/ledger.jsonl")
+        starts = [r for r in recs if r["type"] == "job_start"]
+        assert [(s["restored_step"], s["world_size"]) for s in starts] == [(3, world)]
+        assert [r["step"] for r in recs if r["type"] == "step"] == [4, 5]
+        assert recs[-1]["type"] == "job_end" and recs[-1]["reason"] == "finished"

@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(REPO, "examples"))
 
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
-from torchtitan_adapter import SteadyTitanDataLoader  # noqa: E402
+from torchtitan_adapter import SteadyTitanDataLoader, titan_run  # noqa: E402
 
 SEQ, LOCAL, GLOBAL, SAVED_AT = 64, 2, 8, 3
 
@@ -71,15 +71,20 @@ def main() -> None:
     else:
         assert manager.load(step=SAVED_AT), f"no checkpoint of step {SAVED_AT} in {folder}"
     steps = {}
-    for step in (SAVED_AT + 1, SAVED_AT + 2):
-        rows = []
-        for _ in range(per_step):
-            inputs, labels = next(batches)
-            x = inputs["input"]
-            # next-token labels: torchtitan's loss does not shift
-            assert torch.equal(labels[:, :-1], x[:, 1:]), "labels are not the next tokens"
-            rows += x.tolist()
-        steps[step] = rows
+    # steadytrain's ledger and watchdog beside torchtitan's checkpoints (out-run/ledger.jsonl)
+    run_dir = f"{out}-run"
+    with titan_run(run_dir, SAVED_AT, rank=rank, world_size=world, total_steps=SAVED_AT + 2) as run:
+        for step in (SAVED_AT + 1, SAVED_AT + 2):
+            rows = []
+            for _ in range(per_step):
+                with run.data_wait():
+                    inputs, labels = next(batches)
+                x = inputs["input"]
+                # next-token labels: torchtitan's loss does not shift
+                assert torch.equal(labels[:, :-1], x[:, 1:]), "labels are not the next tokens"
+                rows += x.tolist()
+            steps[step] = rows
+            run.step_done(step, tokens=GLOBAL * SEQ)
     with open(f"{out}-rank{rank}.json", "w") as f:
         json.dump(steps, f)
     manager.close()

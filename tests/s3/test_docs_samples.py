@@ -99,7 +99,7 @@ assert step == 0
     ),
     Sample(
         "README.md",
-        r"for step in range\(ckpt\.restore_latest\(states\) \+ 1, 201\)",
+        r"for step in range\(run\.start_step \+ 1, 201\)",
         covered_by="tests/integrations/test_readme_plain_pytorch.py",
     ),
     Sample(

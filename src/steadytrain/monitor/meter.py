@@ -1,5 +1,11 @@
 """``GoodputMeter``: the training loop's one handle on the goodput ledger.
 
+A loop usually holds ``steadytrain.Run`` (run.py), which owns a meter and wires it as it
+must be: the checkpointer's restore event is recorded after ``job_start`` (before it, the
+new process's time would end the previous attempt and the restart gap would read 0),
+``startup_s`` counts from the process's birth, and a crash ends with a crash ``job_end``.
+By hand:
+
     meter = GoodputMeter(run_dir, rank=rank, world_size=world,
                          expected_tokens_per_s=(13_500, 14_000),
                          sinks=("jsonl", "mlflow", "console"))

@@ -3,7 +3,8 @@
 A rank that hangs in (or before) a collective is otherwise noticed only when the backend's
 timeout expires (gloo 30 min, NCCL 10 min), and every other accelerator waits that long.
 Liveness comes from the training loop itself (``beat(step)`` after every step), not from a
-side thread: a thread heartbeat keeps beating through a livelocked loop.
+side thread: a thread heartbeat keeps beating through a livelocked loop. ``steadytrain.Run``
+makes one per rank and beats it in ``step_done``; by hand:
 
     wd = HangWatchdog(run_dir, rank, world, attempt=a, meter=meter, config=cfg.watchdog)
     for step in ...:

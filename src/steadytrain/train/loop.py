@@ -2,11 +2,14 @@
 
 Read it top to bottom; it is one function on purpose. It wires the pieces together:
 TokenDataset (+ node-local ShardCache when the data is remote) -> TokenLoader -> DDP/FSDP2
-model -> AdamW with warm-up and cosine decay -> Checkpointer (async, sharded, COMMIT last) ->
-GoodputMeter (RUN_DIR/ledger.jsonl). Each component takes its own table of the config as it
-is (``[data]``, ``[checkpoint]``, ``[monitor]``: train/config.py). Every start, first or after
-a crash, calls ``restore_latest`` and continues from the newest committed checkpoint, so a
-job run under ``torchrun --max-restarts N`` recovers without a human.
+model -> AdamW with warm-up and cosine decay -> ``steadytrain.Run``, the public entry any
+loop holds (steadytrain/run.py): the Checkpointer (async, sharded, COMMIT last), the
+GoodputMeter (RUN_DIR/ledger.jsonl), the hang watchdog, start-up/restart/crash accounting and
+the final save. This loop uses nothing of them that a user's loop cannot. Each component
+takes its own table of the config as it is (``[data]``, ``[checkpoint]``, ``[monitor]``:
+train/config.py). Every start, first or after a crash, restores the newest committed
+checkpoint (``run.start_step``), so a job run under ``torchrun --max-restarts N`` recovers
+without a human.
 
 Restarts need a fresh rendezvous store per attempt (pytorch/pytorch#135712)::
 
@@ -52,13 +55,11 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from steadytrain.checkpoint import Checkpointer
 from steadytrain.data.read.dataset import TokenDataset
 from steadytrain.data.read.loader import TokenLoader
 from steadytrain.errors import CheckpointError
-from steadytrain.monitor.meter import GoodputMeter
-from steadytrain.monitor.watchdog import HangWatchdog, backend_timeout_s, recover_hang_records
 from steadytrain.redact import redact
+from steadytrain.run import Run
 from steadytrain.storage.publish import publish_bytes
 from steadytrain.train.config import Config
 from steadytrain.train.faults import FaultInjector, faults_from_env
@@ -67,9 +68,7 @@ from steadytrain.train.support import (
     StepTrace,
     check_world_sizes,
     goodput_so_far,
-    loader_metrics,
     preflight,
-    process_start,
     say,
     say_fetched,
     start_prefetchers,
@@ -78,9 +77,6 @@ from steadytrain.train.support import (
 from steadytrain.train.torch_save import TorchSaveCheckpointer
 
 __all__ = ["run_training", "TrainState", "lr_factor"]
-
-
-PROCESS_START = process_start()  # start-up cost is measured from the process's birth
 
 
 class TrainState:
@@ -156,13 +152,6 @@ def run_training(
             torch.use_deterministic_algorithms(True)
         run_dir = cfg.run_dir
         os.makedirs(run_dir, exist_ok=True)
-        if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # pytorch/pytorch#135712: with the agent's shared store, restarted workers can read
-            # the previous attempt's gloo/NCCL addresses and fail to connect, again and again.
-            say(
-                "warning: torchrun shares its TCPStore with the workers; restarts may "
-                "fail to reconnect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun."
-            )
         faults = FaultInjector(faults_from_env(cfg.faults), run_dir, rank)
 
         # -- 2. Data: open the datasets (through the node-local cache when remote) -----------
@@ -223,26 +212,36 @@ def run_training(
             optim, lambda s: lr_factor(s, cfg.optim.warmup_steps, total, min_ratio)
         )
 
-        # -- 5. Ledger and checkpointer; then resume from the newest committed checkpoint ----
+        # -- 5. The public entry: ledger, checkpointer, watchdog; resume from the newest ------
+        # committed checkpoint. `Run` is what a user's own loop holds too (steadytrain/run.py):
+        # start-up and restart accounting, the hang watchdog, crash recording, the final save
+        # and the closing order live there, not here.
         # MLflow is on by default; without its packages the run warns once and goes on.
         monitor = cfg.monitor.without_missing_extras(say if rank == 0 else None)
-        meter = GoodputMeter(
-            run_dir, rank=rank, world_size=world, total_steps=total, config=monitor
-        )
-        closing.enter_context(meter)  # closed after the checkpointer: it records the last save
-        held: list[dict] = []  # the restore event waits until job_start opens this attempt
         if cfg.checkpoint.engine == "torch_save":  # the synchronous baseline (benchmarks)
-            ckpt = TorchSaveCheckpointer(
-                cfg.checkpoint_dir, cfg.checkpoint.every_steps, held.append
+            checkpoint: Any = TorchSaveCheckpointer(
+                cfg.checkpoint_dir, cfg.checkpoint.every_steps, None
             )
-        else:  # it makes its own gloo group (async writes on DDP's group deadlock)
-            ckpt = Checkpointer(cfg.checkpoint_dir, on_event=held.append, config=cfg.checkpoint)
-        closing.callback(ckpt.close)
+        else:  # Run builds the Checkpointer (its own gloo group: async writes on DDP's deadlock)
+            checkpoint = cfg.checkpoint
         state = TrainState()
         states = {"model": model, "optim": optim, "sched": sched, "loader": loader, "train": state}
-        t_restore = time.perf_counter()
-        step = ckpt.restore_latest(states)  # onto the freshly built state above
-        restore_s = time.perf_counter() - t_restore
+        run = Run(
+            run_dir,
+            states,
+            rank=rank,
+            world_size=world,
+            total_steps=total,
+            checkpoint=checkpoint,
+            checkpoint_dir=cfg.checkpoint_dir,
+            monitor=monitor,
+            config=redact(cfg.to_dict()),  # the ledger and MLflow params never hold secrets
+            device=device.type,  # "auto" resolved: the alerts' advice fits the hardware
+            backend_timeout_s=cfg.train.backend_timeout_s or None,
+            say=say,
+        )
+        closing.enter_context(run)  # its exit: final save, in-flight save, watchdog, ledger
+        step = run.start_step
         if step != state.step:
             raise CheckpointError(
                 f"checkpoint step {step} disagrees with its saved train state step {state.step}"
@@ -258,45 +257,12 @@ def run_training(
             # shards of the node's ranks for the next N steps ahead of need (none when local).
             for prefetcher in start_prefetchers(loader, node_ranks, cfg.data, total):
                 closing.enter_context(prefetcher)
-        # One id per attempt, shared by all ranks (each agent counts its own restarts), and
-        # rank 0's attempt number (from the ledger) for every rank's own file.
-        attempt_id = [time.time(), meter.attempt]
-        dist.broadcast_object_list(attempt_id, src=0)
-        meter.job_start(
-            attempt=attempt_id[1],
-            restored_step=step,
-            startup_s=time.time() - PROCESS_START - restore_s,  # interpreter start to now
-            restore_s=restore_s,
-            config=redact(cfg.to_dict()),  # the ledger and MLflow params never hold secrets
-            device=device.type,  # "auto" resolved: the alerts' advice fits the hardware
-        )
-        for event in held:
-            meter.event(event)
-        ckpt.on_event = meter.event
-        # A committed step is a recorded step: COMMIT waits for rank 0's ledger (issue 13).
-        ckpt.before_commit = meter.record_through
-        meter.flush()  # the attempt's start is on disk even if it dies in its first step
-        # No progress past a deadline is a hang: every rank dumps its stacks, rank 0 records
-        # it, all exit non-zero and torchrun restarts (monitor/watchdog.py). Rank 0 first
-        # records the hangs an earlier attempt's rank 0 could not (it was the stuck one).
-        if rank == 0:
-            recover_hang_records(run_dir, meter)
-        watchdog = HangWatchdog(
-            run_dir,
-            rank,
-            world,
-            attempt=int(attempt_id[1]),
-            meter=meter,
-            config=cfg.monitor.watchdog,
-            backend_timeout_s=cfg.train.backend_timeout_s or backend_timeout_s(dist.get_backend()),
-        )
-        closing.enter_context(watchdog)
-        trace = StepTrace(run_dir, rank, world, attempt, attempt_id[0], enabled=cfg.train.trace)
+        trace = StepTrace(run_dir, rank, world, attempt, run.attempt_id, enabled=cfg.train.trace)
         closing.enter_context(trace)
         if rank == 0:
             where = f"resumed from step {step}" if step else "starting from scratch"
             say(
-                f"attempt {meter.attempt}, {world} rank(s) on {device.type}, "
+                f"attempt {run.attempt}, {world} rank(s) on {device.type}, "
                 f"{model.num_params() / 1e6:.2f}M parameters, {where}, {total} steps"
             )
 
@@ -340,22 +306,19 @@ def run_training(
             dist.all_reduce(global_loss)
             global_loss = float(global_loss) / world
 
-            # Checkpoint: every rank snapshots its state; writing continues in the background.
-            with watchdog.phase("checkpoint"):  # a blocking save has its own deadline
-                block_s = ckpt.maybe_save(step, states, tokens_seen=state.tokens)
-            faults.after_save_started(step)  # an injected crash while that save is written
-            step_s = time.perf_counter() - t0
-            meter.step(
+            # Checkpoint if due (every rank snapshots, the write continues in the background),
+            # record the step, beat the hang watchdog: one call (steadytrain/run.py).
+            block_s = run.step_done(
                 step,
                 tokens=tokens_per_step,
-                data_wait_s=data_wait,
-                compute_s=max(0.0, step_s - data_wait - block_s),
-                forward_s=forward_s,
-                checkpoint_block_s=block_s,
                 loss=global_loss,
-                **loader_metrics(loader),
+                data_wait_s=data_wait,
+                compute_s=max(0.0, time.perf_counter() - t0 - data_wait),
+                tokens_seen=state.tokens,
+                forward_s=forward_s,
+                loader=loader,
             )
-            watchdog.beat(step)  # liveness is loop progress, on every rank
+            faults.after_save_started(step)  # an injected crash while that save is written
             trace.write(step, global_loss, float(local_loss), sched.get_last_lr()[0])
             tokens_log += tokens_per_step
             wait_log += data_wait
@@ -365,17 +328,12 @@ def run_training(
                 say(
                     f"step {step:>5}/{total} | loss {global_loss:.4f} | "
                     f"{tokens_log / dt / 1e3:7.1f}k tok/s | data wait {100 * wait_log / dt:4.1f}% "
-                    f"| ckpt block {block_log * 1e3:5.1f} ms | goodput {goodput_so_far(meter)}"
+                    f"| ckpt block {block_log * 1e3:5.1f} ms | goodput {goodput_so_far(run.meter)}"
                 )
                 t_log, tokens_log, wait_log, block_log = time.perf_counter(), 0, 0.0, 0.0
 
-        # -- 7. Finish: make sure the final state is committed (`closing` closes the rest) ---
-        with watchdog.phase("checkpoint"):
-            ckpt.wait()
-            last = ckpt.last_event or {}
-            if not (last.get("step") == step and last.get("ok", True)):
-                ckpt.save(step, states, tokens_seen=state.tokens)
-                ckpt.wait()
+        # -- 7. Finish: the final state is committed (`closing` closes the rest) -----------
+        run.finish()  # the last step, even when it is not a multiple of every_steps
         weights = weights_digest(model)
         if rank == 0:  # atomic: a reader (the demo, a test) never parses half of it
             final = {"step": step, "tokens": state.tokens, "weights": weights}

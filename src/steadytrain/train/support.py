@@ -15,9 +15,9 @@ from steadytrain.errors import ConfigError
 from steadytrain.monitor.appender import Appender
 from steadytrain.monitor.extras import loader_fields
 from steadytrain.monitor.ranks import node_name
+from steadytrain.run_birth import process_start
 from steadytrain.storage.prefetch import Prefetcher
 from steadytrain.storage.stage import preflight as cache_preflight
-from steadytrain.train.birth import process_start
 from steadytrain.train.config import DataSection
 
 __all__ = [

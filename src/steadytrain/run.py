@@ -1,0 +1,322 @@
+"""``Run``: the one public entry a training loop holds -- yours, or ``steadytrain train``'s.
+
+    with Run("runs/r1", states, total_steps=N, checkpoint={"every_steps": 100}) as run:
+        step = run.start_step                     # restored (0 on a fresh start)
+        while step < N:
+            with run.data_wait():                 # time blocked on data
+                batch = next(loader)
+            ...                                   # forward, backward, optimizer
+            step += 1
+            run.step_done(step, tokens=global_batch * seq_len, loss=loss.detach())
+
+What it owns, and why each is here rather than in the loop (issue 27):
+
+- the ``GoodputMeter`` (RUN_DIR/ledger.jsonl, every rank's file) and the ``Checkpointer``
+  (built from ``checkpoint=``, or yours, passed in);
+- start-up and restart accounting: the start-up clock starts at the process's birth
+  (``run_birth.py``), the restore is timed, and the restore event is held until
+  ``job_start`` opened the attempt -- recorded before it, its time would end the previous
+  attempt and book the whole restart gap as 0 and the start-up as "other";
+- the hang watchdog: liveness is ``step_done``; a rank without progress past its deadline
+  dumps stacks, is recorded as a ``hang`` and exits 124 so torchrun restarts the job;
+- crash recording: an exception inside the ``with`` (a gloo "Connection reset by peer"
+  after a peer died included) or SIGTERM ends the attempt with ``job_end`` reason
+  ``error: ...`` / ``signal: SIGTERM``, which the report lists as a crash, never the clean
+  ``interpreter_exit`` of the meter's exit hook;
+- the rendezvous-store check (``run_support.agent_store_warning``: a warning, see there);
+- the final save: on a clean exit the last step is committed even when it is not a
+  multiple of ``every_steps``;
+- the closing order: the final save and the in-flight save finish (the meter records
+  them), the watchdog stops, the meter writes ``job_end`` last; the process group is the
+  caller's unless Run created it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from steadytrain.checkpoint.checkpointer import Checkpointer
+from steadytrain.checkpoint.config import CheckpointerConfig
+from steadytrain.monitor.extras import loader_fields
+from steadytrain.monitor.meter import GoodputMeter
+from steadytrain.monitor.meter_config import MeterConfig
+from steadytrain.monitor.watchdog import HangWatchdog, backend_timeout_s, recover_hang_records
+from steadytrain.run_birth import process_start
+from steadytrain.run_support import (
+    DataWait,
+    SignalGuard,
+    Terminated,
+    agent_store_warning,
+    checkpointer_config,
+    crash_reason,
+    meter_config,
+    say,
+)
+
+# The process's birth (exact on Linux, from /proc; elsewhere this import's time).
+PROCESS_START = process_start()
+
+__all__ = ["Run"]
+
+
+class Run:
+    """A training run's attempt, from restore to the last commit. See the module docstring.
+
+    ``states``: what a checkpoint holds (objects with ``state_dict``/``load_state_dict``:
+    model, optimizer, scheduler, ``TokenLoader``, your counters). ``rank``/``world_size``:
+    default from torchrun's ``RANK``/``WORLD_SIZE`` (else 0 and 1). ``checkpoint``: a
+    ``CheckpointerConfig``, a dict of its keys (None: the defaults, which save by neither
+    steps nor time: only the final save), a ready checkpointer (anything with
+    ``restore_latest``/``maybe_save``/``save``/``wait``/``close``/``last_event``), or
+    ``False`` for none (a trainer that checkpoints itself; pass ``restored_step``).
+    ``checkpoint_dir``: default ``RUN_DIR/checkpoints``. ``monitor``: a ``MeterConfig`` or
+    a dict of its keys (``{"watchdog": {"floor_s": 30}}``). ``config``: what the ledger and
+    MLflow record as the run's parameters (redact secrets first: ``steadytrain.redact``).
+    ``device``: "cpu"/"cuda", so alerts advise for the hardware. ``backend_timeout_s``: the
+    process group's collective timeout, if you set one (the watchdog warns when its
+    deadlines reach it). ``say``: where progress lines go (stderr by default).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        states: dict[str, Any],
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        total_steps: int | None = None,
+        checkpoint: Any = None,
+        checkpoint_dir: str | None = None,
+        monitor: MeterConfig | dict[str, Any] | None = None,
+        config: dict[str, Any] | None = None,
+        device: str | None = None,
+        backend_timeout_s: float | None = None,
+        restored_step: int = 0,
+        say: Callable[[str], None] = say,
+    ) -> None:
+        self.run_dir = os.fspath(run_dir)
+        self.states = states
+        self.rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
+        self.world_size = (
+            int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
+        )
+        self.total_steps = total_steps
+        self.monitor = meter_config(monitor)
+        self._checkpoint = checkpoint
+        self.checkpoint_dir = checkpoint_dir or os.path.join(self.run_dir, "checkpoints")
+        self._config, self._device = config, device
+        self._backend_timeout_s = backend_timeout_s
+        self._restored_step = int(restored_step)
+        self._say = say
+        self.meter: GoodputMeter | None = None
+        self.checkpointer: Any = None
+        self.watchdog: HangWatchdog | None = None
+        self.start_step = 0  # the step restored at entry (0: a fresh start)
+        self.step = 0  # the last step reported by step_done
+        self.tokens_seen = 0  # tokens of all steps so far, restored ones included
+        self.attempt = 0  # this attempt's number in the ledger (rank 0's count)
+        self.attempt_id = 0.0  # one id shared by the ranks of this attempt
+        self._signals = SignalGuard()
+        self._made_group = False
+        self._wait_s = 0.0
+        self._mark = time.perf_counter()
+
+    # -- entry -----------------------------------------------------------------------------
+    def __enter__(self) -> Run:
+        try:
+            self._start()
+        except BaseException as exc:
+            self._close(exc)
+            raise
+        return self
+
+    def _start(self) -> None:
+        os.makedirs(self.run_dir, exist_ok=True)
+        warning = agent_store_warning()
+        if warning and self.rank == 0:
+            self._say(warning)
+        self._signals.install()
+        if not dist.is_initialized() and "MASTER_ADDR" in os.environ and self.world_size > 1:
+            dist.init_process_group()  # torchrun's env; destroyed at exit (ours, not yours)
+            self._made_group = True
+        self.meter = GoodputMeter(
+            self.run_dir,
+            rank=self.rank,
+            world_size=self.world_size,
+            total_steps=self.total_steps,
+            config=self.monitor,
+        )
+        held: list[dict[str, Any]] = []  # the restore event waits for job_start (see above)
+        ckpt = self._make_checkpointer(held.append)
+        t_restore = time.perf_counter()
+        step = ckpt.restore_latest(self.states) if ckpt is not None else self._restored_step
+        restore_s = time.perf_counter() - t_restore if ckpt is not None else 0.0
+        self.start_step = self.step = int(step)
+        self.tokens_seen = int(getattr(ckpt, "tokens_seen", 0) or 0)
+        # One id per attempt, shared by all ranks (each agent counts its own restarts), and
+        # rank 0's attempt number (from the ledger) for every rank's own file.
+        ids: list[Any] = [time.time(), self.meter.attempt]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(ids, src=0)
+        self.attempt_id, self.attempt = float(ids[0]), int(ids[1])
+        self.meter.job_start(
+            attempt=self.attempt,
+            restored_step=self.start_step,
+            startup_s=max(0.0, time.time() - PROCESS_START - restore_s),
+            restore_s=restore_s,
+            config=self._config,
+            device=self._device,
+        )
+        for event in held:
+            self.meter.event(event)
+        if ckpt is not None:
+            ckpt.on_event = self.meter.event
+            if hasattr(ckpt, "before_commit"):
+                # A committed step is a recorded step: COMMIT waits for rank 0's ledger.
+                ckpt.before_commit = self.meter.record_through
+        self.meter.flush()  # the attempt's start is on disk even if it dies in step 1
+        if self.rank == 0:
+            recover_hang_records(self.run_dir, self.meter)  # an earlier rank 0 was stuck
+        timeout = self._backend_timeout_s
+        if timeout is None and dist.is_initialized():
+            timeout = backend_timeout_s(dist.get_backend())
+        self.watchdog = HangWatchdog(
+            self.run_dir,
+            self.rank,
+            self.world_size,
+            attempt=self.attempt,
+            meter=self.meter,
+            config=self.monitor.watchdog,
+            backend_timeout_s=timeout,
+        )
+        self._mark = time.perf_counter()
+
+    def _make_checkpointer(self, on_event: Callable[[dict[str, Any]], None]) -> Any:
+        given = self._checkpoint
+        if given is False:
+            return None
+        if given is None or isinstance(given, (dict, CheckpointerConfig)):
+            cfg = checkpointer_config(given)
+            self.checkpointer = Checkpointer(self.checkpoint_dir, on_event=on_event, config=cfg)
+        else:  # a ready checkpointer: Run only rewires its events
+            self.checkpointer = given
+            given.on_event = on_event
+        return self.checkpointer
+
+    # -- the loop's calls ------------------------------------------------------------------
+    def data_wait(self) -> DataWait:
+        """``with run.data_wait(): batch = next(loader)`` -- counted as this step's data
+        wait (or pass ``data_wait_s=`` to ``step_done``)."""
+        return DataWait(self._add_wait)
+
+    def _add_wait(self, seconds: float) -> None:
+        self._wait_s += seconds
+
+    def step_done(
+        self,
+        step: int,
+        *,
+        tokens: int = 0,
+        loss: Any = None,
+        data_wait_s: float | None = None,
+        compute_s: float | None = None,
+        loader: Any = None,
+        tokens_seen: int | None = None,
+        **extra: Any,
+    ) -> float:
+        """Step ``step`` is finished (its optimizer update done), on every rank: save if due
+        (under the watchdog's checkpoint deadline), record the step, beat the watchdog.
+        ``tokens``: the whole global step's tokens (all ranks). ``loss``: a tensor is fine
+        (converted in the meter's thread). ``data_wait_s``: else what ``data_wait()``
+        timed. ``compute_s``: else the time since the previous ``step_done`` less the data
+        wait. ``loader``: its ``metrics()`` go into the step record (names the meter owns
+        prefixed). ``tokens_seen``: the run's tokens so far, if you count them (else Run adds
+        up ``tokens``; both go into the checkpoint's COMMIT). ``extra``: more fields for the
+        step record. Returns the seconds the save blocked the loop."""
+        now = time.perf_counter()
+        wait = self._wait_s if data_wait_s is None else float(data_wait_s)
+        self._wait_s = 0.0
+        if compute_s is None:
+            compute_s = max(0.0, now - self._mark - wait)
+        self.tokens_seen = self.tokens_seen + int(tokens) if tokens_seen is None else tokens_seen
+        block = 0.0
+        if self.checkpointer is not None:
+            with self.watchdog.phase("checkpoint"):  # a blocking save has its own deadline
+                block = self.checkpointer.maybe_save(
+                    step, self.states, tokens_seen=self.tokens_seen
+                )
+        if loader is not None and hasattr(loader, "metrics"):
+            extra = {**loader_fields(loader.metrics()), **extra}
+        self.meter.step(
+            step,
+            tokens=tokens,
+            data_wait_s=wait,
+            compute_s=compute_s,
+            checkpoint_block_s=block,
+            loss=loss,
+            **extra,
+        )
+        self.watchdog.beat(step)  # liveness is loop progress, on every rank
+        self.step = step
+        self._mark = time.perf_counter()
+        return block
+
+    def phase(self, name: str) -> Any:
+        """A legitimately long part of the loop (an evaluation: ``"checkpoint"`` gives it
+        the checkpoint deadline) under the watchdog: ``with run.phase("checkpoint"): ...``."""
+        return self.watchdog.phase(name)
+
+    # -- exit ------------------------------------------------------------------------------
+    def __exit__(self, exc_type: Any, exc: BaseException | None, _tb: Any) -> None:
+        self._close(exc)
+
+    def _close(self, exc: BaseException | None) -> None:
+        """The closing order (module docstring). Never swallows ``exc``; an error while
+        closing after a clean loop is recorded as a crash and raised."""
+        self._signals.hold()  # a SIGTERM now is remembered, not allowed to cut this short
+        error = exc
+        try:
+            if error is None:
+                try:
+                    self._final_save()
+                except BaseException as e:  # a dead peer in the final save: a crash
+                    error = e
+            if self.checkpointer is not None:
+                phase = self.watchdog.phase("checkpoint") if self.watchdog else None
+                with phase or contextlib.nullcontext():
+                    self.checkpointer.close()  # waits for the in-flight save; meter records it
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
+            if self.meter is not None:
+                self.meter.close(crash_reason(error, self._signals.pending))
+            if self._made_group and dist.is_initialized():
+                dist.destroy_process_group()
+            self._signals.restore()
+        if error is not None and error is not exc:
+            raise error
+        if exc is None and self._signals.pending is not None:
+            raise Terminated(self._signals.pending)
+
+    def finish(self) -> None:
+        """Commit the last step now (the clean exit does it otherwise), e.g. before writing
+        something that must come after the final checkpoint. Call it on every rank."""
+        self._final_save()
+
+    def _final_save(self) -> None:
+        """Commit the last step unless the newest save (or the restore) already holds it."""
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        with self.watchdog.phase("checkpoint"):
+            ckpt.wait()
+            last = ckpt.last_event or {}
+            if not (last.get("step") == self.step and last.get("ok", True)):
+                ckpt.save(self.step, self.states, tokens_seen=self.tokens_seen)
+                ckpt.wait()

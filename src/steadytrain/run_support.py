@@ -1,0 +1,169 @@
+"""Helpers of ``steadytrain.Run`` (run.py), kept out of its way so it reads top to bottom:
+the rendezvous-store check, fatal signals as exceptions, crash reasons, configs given as
+dicts, and the data-wait stopwatch."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from steadytrain.checkpoint.config import CheckpointerConfig
+from steadytrain.monitor.alerts import AlertConfig
+from steadytrain.monitor.meter_config import MeterConfig
+from steadytrain.monitor.watchdog import WatchdogConfig
+
+__all__ = [
+    "CLEAN_REASONS",
+    "DataWait",
+    "SignalGuard",
+    "Terminated",
+    "agent_store_warning",
+    "checkpointer_config",
+    "crash_reason",
+    "meter_config",
+    "say",
+]
+
+# job_end reasons the report takes for a clean end (monitor/report_ranks.py ``crashes``);
+# every reason Run writes for a failure is something else.
+CLEAN_REASONS = ("finished", "interpreter_exit")
+
+FIX_AGENT_STORE = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
+def say(msg: str) -> None:
+    """A ``[steadytrain]`` line on stderr (stdout stays the user's)."""
+    print(f"[steadytrain] {msg}", file=sys.stderr, flush=True)
+
+
+def agent_store_warning(env: dict[str, str] | None = None) -> str | None:
+    """The warning for a torchrun whose workers share the agent's rendezvous TCPStore while
+    restarts are allowed, else None.
+
+    With the shared store (torch >= 2.4, c10d rendezvous, pytorch/pytorch#135712) restarted
+    workers read the previous attempt's addresses and hang in ``init_process_group`` (9 min
+    seen with torch 2.12) with no message. Run warns rather than refuses: a refusal is a
+    failed attempt, and torchrun restarts a failed attempt -- straight into that hang."""
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        restarts = 0
+    if restarts <= 0:
+        return None  # no restart can happen: the shared store is harmless
+    return (
+        f"warning: torchrun shares its rendezvous TCPStore with the workers and allows "
+        f"{restarts} restart(s); restarted workers can hang in init_process_group for "
+        f"minutes (pytorch/pytorch#135712). Before torchrun: {FIX_AGENT_STORE}"
+    )
+
+
+class Terminated(SystemExit):
+    """A fatal signal (SIGTERM: torchrun stopping the survivors of a failed attempt, Slurm
+    preemption) turned into an exception, so ``Run`` records a crash and closes in order.
+    A ``SystemExit``: ``except Exception`` in user code does not swallow it, and the process
+    exits with 128 + the signal number, as if killed by it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+class SignalGuard:
+    """Raises ``Terminated`` in the main thread on SIGTERM while installed (only when the
+    handler was the default: a framework's own handler is left alone). ``hold()``: from now
+    on a signal is only remembered, so the ordered close it started is not cut short."""
+
+    SIGNALS = (signal.SIGTERM,)
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+        self.holding = False
+        self.pending: int | None = None
+
+    def install(self) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers belong to the main thread
+        for sig in self.SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.holding:
+            self.pending = self.pending or signum
+            return
+        self.pending = signum
+        raise Terminated(signum)
+
+    def hold(self) -> None:
+        self.holding = True
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+
+def crash_reason(exc: BaseException | None, signum: int | None = None) -> str:
+    """The ``job_end`` reason of a failed attempt: never one of ``CLEAN_REASONS``."""
+    if isinstance(exc, Terminated):
+        return f"signal: {exc.name}"
+    if exc is None and signum is not None:
+        return f"signal: {signal.Signals(signum).name}"
+    if exc is None:
+        return "finished"
+    text = " ".join(str(exc).split())[:400]  # one line, bounded (a gloo error can be long)
+    return f"error: {type(exc).__name__}: {text}" if text else f"error: {type(exc).__name__}"
+
+
+def _table(cls: type, value: Any, nested: dict[str, type]) -> Any:
+    """``value`` as a ``cls``: None -> defaults, a dict -> ``cls(**dict)`` (nested tables
+    too), an instance as it is."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        given = dict(value)
+        for key, sub in nested.items():
+            if isinstance(given.get(key), dict):
+                given[key] = sub(**given[key])
+        return cls(**given)
+    raise TypeError(f"expected a {cls.__name__} or a dict, got {type(value).__name__}")
+
+
+def meter_config(value: MeterConfig | dict[str, Any] | None) -> MeterConfig:
+    """``monitor=`` of Run: a ``MeterConfig``, a dict of its keys (``{"watchdog": {...}}``
+    nested), or None for the defaults."""
+    return _table(MeterConfig, value, {"alerts": AlertConfig, "watchdog": WatchdogConfig})
+
+
+def checkpointer_config(value: CheckpointerConfig | dict[str, Any] | None) -> CheckpointerConfig:
+    """``checkpoint=`` of Run as a ``CheckpointerConfig`` (None: the defaults)."""
+    cfg = _table(CheckpointerConfig, value, {})
+    return dataclasses.replace(cfg)  # Run's own copy
+
+
+class DataWait:
+    """``with run.data_wait():`` -- adds the seconds inside to the step's data wait."""
+
+    __slots__ = ("_add", "_t")
+
+    def __init__(self, add: Callable[[float], None]) -> None:
+        self._add, self._t = add, 0.0
+
+    def __enter__(self) -> None:
+        self._t = time.perf_counter()
+
+    def __exit__(self, *_exc: Any) -> None:
+        self._add(time.perf_counter() - self._t)

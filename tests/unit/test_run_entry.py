@@ -1,0 +1,132 @@
+"""``steadytrain.Run``, the public entry of a training loop, in single processes: the plain
+PyTorch loop of ``tests/integrations/plain_worker.py`` run alone, as a script.
+
+- an exception inside the ``with`` ends the attempt with a crash ``job_end`` (the report
+  lists it); the next start restores, its restore event is recorded after its
+  ``job_start`` so ``restart_gap`` is above 0 and "other" stays small;
+- the last step is committed when it is not a multiple of ``every_steps``;
+- SIGTERM is a crash too (``signal: SIGTERM``, exit status 143), never a clean end;
+- the rendezvous-store check, and configs given as dicts.
+
+The same loop under torchrun (a SIGKILLed rank, a hung rank): tests/integrations/
+test_run_plain_pytorch.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "e2e", "train"))
+
+from harness import make_dataset  # noqa: E402
+
+from steadytrain.monitor.ledger import read_ledger  # noqa: E402
+from steadytrain.run_support import agent_store_warning, meter_config  # noqa: E402
+
+WORKER = os.path.join(HERE, "..", "integrations", "plain_worker.py")
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _run(data: str, run_dir: str, *args: str, attempt: int = 0) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_RESTART_COUNT=str(attempt))
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, WORKER, "--data", data, "--run-dir", run_dir, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+
+
+def _report(run_dir: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "steadytrain.cli", "report", run_dir, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def _committed(ckpt_dir: str) -> list[int]:
+    from steadytrain.checkpoint.commit import parse_dirname
+
+    return sorted(
+        parse_dirname(n)[0]
+        for n in os.listdir(ckpt_dir)
+        if parse_dirname(n) and os.path.exists(os.path.join(ckpt_dir, n, "COMMIT"))
+    )
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_dataset(str(tmp_path_factory.mktemp("run-entry") / "ds"), max_bytes=100_000)
+
+
+def test_exception_is_a_crash_and_the_restart_is_booked(data: str, tmp_path) -> None:
+    run_dir = str(tmp_path / "run")
+    crashed = _run(data, run_dir, "--steps", "10", "--every", "4", "--raise-at-step", "6")
+    assert crashed.returncode == 1 and "user code failed in step 6" in crashed.stderr
+    recs = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
+    end = recs[-1]
+    assert end["type"] == "job_end" and end["step"] == 5, end
+    assert end["reason"] == "error: ValueError: user code failed in step 6", end
+    # No final save after a crash: the last commit is step 4 (every 4), not step 5.
+    assert _committed(os.path.join(run_dir, "checkpoints")) == [4]
+
+    resumed = _run(data, run_dir, "--steps", "10", "--every", "4", attempt=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    recs = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
+    second = [i for i, r in enumerate(recs) if r["type"] == "job_start"][1]
+    assert recs[second]["restored_step"] == 4 and recs[second]["startup_s"] > 0
+    # The restore event is held until job_start opened the attempt: recorded before it, its
+    # time would end the crashed attempt and swallow the restart gap.
+    assert recs[second + 1]["type"] == "restore" and recs[second + 1]["step"] == 4
+    assert recs[-1]["type"] == "job_end" and recs[-1]["reason"] == "finished"
+    # The last step is committed although 10 is not a multiple of every_steps = 4.
+    assert _committed(os.path.join(run_dir, "checkpoints"))[-1] == 10
+    assert any(r["type"] == "checkpoint" and r["ok"] and r["step"] == 10 for r in recs)
+
+    rep = _report(run_dir)
+    assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, end["reason"])]
+    assert rep["restarts"] == 1
+    badput = rep["badput"]
+    assert badput["restart_gap"] > 0, badput
+    assert badput["startup"] > 0, badput
+    assert badput["other"] < 0.10, badput
+
+
+def test_sigterm_is_a_crash_not_a_clean_end(data: str, tmp_path) -> None:
+    run_dir = str(tmp_path / "run")
+    proc = _run(data, run_dir, "--steps", "10", "--every", "4", "--sigterm-at-step", "3")
+    assert proc.returncode == 128 + 15, (proc.returncode, proc.stderr[-3000:])
+    recs = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
+    assert recs[-1]["type"] == "job_end" and recs[-1]["reason"] == "signal: SIGTERM", recs[-1]
+    assert recs[-1]["step"] == 2
+    # The next attempt starts, so the first one is no longer "maybe still running".
+    assert _run(data, run_dir, "--steps", "4", "--every", "4", attempt=1).returncode == 0
+    crashes = _report(run_dir)["crashes"]
+    assert [(c["attempt"], c["reason"]) for c in crashes] == [(0, "signal: SIGTERM")]
+
+
+def test_agent_store_check_names_the_fix() -> None:
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    warning = agent_store_warning(shared)
+    assert warning and "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warning
+    assert "3 restart(s)" in warning
+    # No restart allowed, or a fresh store per attempt: nothing to say.
+    assert agent_store_warning({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
+    assert agent_store_warning({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    assert agent_store_warning({}) is None
+
+
+def test_monitor_given_as_a_dict_reaches_the_watchdog() -> None:
+    cfg = meter_config({"watchdog": {"floor_s": 7.0}, "flush_interval_s": 0.1})
+    assert cfg.watchdog.floor_s == 7.0 and cfg.flush_interval_s == 0.1
+    with pytest.raises(ValueError, match="floor_s"):
+        meter_config({"watchdog": {"floor_s": -1.0}})
