@@ -211,3 +211,19 @@ def test_explicit_band_fires_without_baseline():
     band = [a for a in out if a["kind"] == "throughput_band"]
     assert len(band) == 1 and band[0]["diagnosis"] == "data loading"
     assert band[0]["evidence"]["tokens_per_s_per_gpu"] == pytest.approx(10_000)
+
+
+def test_a_share_is_never_above_100_percent(tmp_path):
+    """A caller whose data_wait_s exceeds the wall time between its step() calls (figures
+    from another clock, or simply wrong) gets an alert that stays within its meaning."""
+    import re
+
+    meter = GoodputMeter(tmp_path, sinks=("jsonl",), alert_config=CFG)
+    meter.job_start(restored_step=0)
+    for step in range(1, STEPS + 1):
+        meter.step(step, tokens=BATCH * DIM, data_wait_s=5.0, compute_s=0.01)
+    meter.close()
+    alerts = [r for r in read_ledger(tmp_path) if r.get("kind") == "data_wait_share"]
+    assert alerts, "a data wait that dominates every step must raise the alert"
+    shares = [int(x) for a in alerts for x in re.findall(r"data wait is (\d+)%", a["message"])]
+    assert shares and max(shares) <= 100, shares

@@ -315,7 +315,9 @@ class AlertEngine:
                     ),
                     sustain=c.sustain,
                 )
-            share = recent.data / recent.wall
+            # A caller's data_wait_s can exceed the wall time the meter measured between its
+            # step() calls (inconsistent input): a share is never above 100 %.
+            share = min(1.0, recent.data / recent.wall)
             out += self._fire(
                 "data_wait_share",
                 share > c.data_wait_share,
@@ -330,7 +332,7 @@ class AlertEngine:
                 ),
                 sustain=c.sustain,
             )
-            ck = recent.ckpt / recent.wall
+            ck = min(1.0, recent.ckpt / recent.wall)
             out += self._fire(
                 "checkpoint_blocking",
                 ck > c.checkpoint_block_share,
