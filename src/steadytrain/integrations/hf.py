@@ -1,0 +1,207 @@
+"""``SteadytrainCallback``: steadytrain's ledger, hang watchdog and report inside Hugging Face
+``Trainer``, whose own checkpointing and ``resume_from_checkpoint`` stay as they are.
+
+    trainer = Trainer(model, args, train_dataset=ds,
+                      callbacks=[SteadytrainCallback(tokens_per_step=8 * 64)])
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
+
+Then ``steadytrain report OUTPUT_DIR/steadytrain`` (or the ``run_dir`` given) shows the
+goodput breakdown, crashes, restart gaps and the steps of every attempt.
+
+How the Trainer's hooks map onto ``steadytrain.Run`` (``run.py``):
+
+- ``on_train_begin`` opens a ``Run`` on every rank (rank and world size from the
+  ``TrainingArguments``) with ``TrainerSaves`` as its checkpoint: Run saves nothing, its
+  ``start_step`` is the Trainer's restored ``global_step``. The Trainer loaded its
+  checkpoint before this hook, so the load is booked as start-up.
+- a step's data wait is the time from the end of the previous step's hooks (log, save,
+  evaluate) to ``on_step_begin`` (the Trainer fetches the step's batches there); its
+  compute is ``on_step_begin`` to ``on_step_end``; a save's time (``on_step_end`` to
+  ``on_save``) is its ``checkpoint_block_s`` and a checkpoint record in the ledger.
+- the step is reported (``Run.step_done``: the ledger record, the watchdog's beat) at
+  ``on_step_end``, or, when the Trainer logs or saves at that step, once ``on_log`` brought
+  the loss and ``on_save`` the save's time. A save or an evaluation runs under the
+  watchdog's longer "checkpoint" deadline.
+- ``on_train_end`` closes the Run: ``job_end`` "finished".
+- a crash: the Trainer calls no callback when ``train()`` raises, so ``ExitGuard``
+  (``hooks.py``) closes the Run from ``sys.excepthook`` (the exception is the reason),
+  from ``atexit`` after SIGTERM (``signal: SIGTERM``) or after any other exit while
+  training. The report lists each as a crash; a hang is the watchdog's (exit 124).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from transformers import TrainerCallback
+
+from steadytrain.integrations.hooks import ExitGuard, TrainerSaves
+from steadytrain.run import Run
+
+__all__ = ["SteadytrainCallback"]
+
+# The Trainer's checkpoint folders: ``OUTPUT_DIR/checkpoint-STEP`` (transformers'
+# trainer_utils.PREFIX_CHECKPOINT_DIR).
+CHECKPOINT_PREFIX = "checkpoint"
+
+
+class SteadytrainCallback(TrainerCallback):
+    """Records a ``Trainer`` run in steadytrain's ledger (module docstring).
+
+    ``run_dir``: where the ledger goes (default ``OUTPUT_DIR/steadytrain``).
+    ``tokens_per_step``: tokens of one optimizer step over all ranks (batch x sequence
+    length x ranks x accumulation); if None, the growth of the Trainer's
+    ``num_input_tokens_seen`` (``include_num_input_tokens_seen=True``), else 0.
+    ``monitor``, ``config``, ``device``, ``backend_timeout_s``: as ``steadytrain.Run``.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | None = None,
+        *,
+        tokens_per_step: int | None = None,
+        monitor: Any = None,
+        config: dict[str, Any] | None = None,
+        device: str | None = None,
+        backend_timeout_s: float | None = None,
+    ) -> None:
+        self.run_dir = None if run_dir is None else os.fspath(run_dir)
+        self.tokens_per_step = tokens_per_step
+        self._run_kw = {
+            "monitor": monitor,
+            "config": config,
+            "device": device,
+            "backend_timeout_s": backend_timeout_s,
+        }
+        self.run: Run | None = None
+        self._saves: TrainerSaves | None = None
+        self._guard: ExitGuard | None = None
+        self._phase: Any = None
+        self._pending: dict[str, Any] | None = None
+        self._ready = self._begin = time.perf_counter()
+        self._tokens_seen = 0
+
+    # -- open / close ----------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is not None:  # a second train() in this process: the first one ended
+            self._close(None)
+        step = int(state.global_step)
+        path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{step}") if step else ""
+        self._saves = TrainerSaves(step, path)
+        run_dir = self.run_dir or os.path.join(args.output_dir, "steadytrain")
+        self.run = Run(
+            run_dir,
+            {},
+            rank=args.process_index,
+            world_size=args.world_size,
+            total_steps=int(state.max_steps) or None,
+            checkpoint=self._saves,
+            **self._run_kw,
+        )
+        self.run.__enter__()
+        self._guard = ExitGuard(self._close, "Trainer.train() ended (on_train_end)")
+        self._guard.install()
+        self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        self._pending = None
+        self._ready = time.perf_counter()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close(None)
+
+    def _close(self, exc: BaseException | None) -> None:
+        run = self.run
+        if run is None:
+            return
+        if self._guard is not None:
+            self._guard.uninstall()
+        self._end_phase()
+        try:
+            self._flush()  # a pending step finished its update (a crash in its save too)
+        except BaseException as e:  # recording it failed: still close the Run, as a crash
+            exc = exc or e
+        self.run = None
+        run.__exit__(None if exc is None else type(exc), exc, None)
+
+    # -- steps -----------------------------------------------------------------------------
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is None:
+            return
+        self._end_phase()
+        self._flush()
+        self._begin = time.perf_counter()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is None:
+            return
+        now = time.perf_counter()
+        self._pending = {
+            "step": int(state.global_step),
+            "tokens": self._step_tokens(state),
+            "data_wait_s": max(0.0, self._begin - self._ready),
+            "compute_s": now - self._begin,
+            "loss": None,
+            "wait_log": bool(control.should_log),  # DefaultFlowCallback ran first: known
+            "wait_save": bool(control.should_save),
+            "end": now,
+        }
+        if control.should_save or control.should_evaluate:
+            self._phase = self.run.phase("checkpoint")  # the save's / eval's own deadline
+            self._phase.__enter__()
+        self._maybe_flush()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        p = self._pending
+        if p is None or p["step"] != state.global_step:
+            return
+        loss = (logs or {}).get("loss")
+        if isinstance(loss, (int, float)):
+            p["loss"] = float(loss)
+        p["wait_log"] = False
+        self._maybe_flush()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        p = self._pending
+        if self.run is None or p is None or p["step"] != state.global_step:
+            return
+        path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
+        self._saves.saved(state.global_step, time.perf_counter() - p["end"], path)
+        self._end_phase()
+        p["wait_save"] = False
+        self._maybe_flush()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not control.should_save:  # else the phase lasts through the save that follows
+            self._end_phase()
+
+    def _maybe_flush(self) -> None:
+        p = self._pending
+        if p is not None and not p["wait_log"] and not p["wait_save"]:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Report the pending step (``Run.step_done``): the ledger record, the beat."""
+        p, self._pending = self._pending, None
+        if p is None or self.run is None:
+            return
+        self.run.step_done(
+            p["step"],
+            tokens=p["tokens"],
+            loss=p["loss"],
+            data_wait_s=p["data_wait_s"],
+            compute_s=p["compute_s"],
+        )
+        self._ready = time.perf_counter()
+
+    def _end_phase(self) -> None:
+        phase, self._phase = self._phase, None
+        if phase is not None:
+            phase.__exit__(None, None, None)
+
+    def _step_tokens(self, state: Any) -> int:
+        if self.tokens_per_step is not None:
+            return int(self.tokens_per_step)
+        seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        tokens, self._tokens_seen = max(0, seen - self._tokens_seen), seen
+        return tokens

@@ -1,0 +1,147 @@
+"""What a trainer callback needs around ``steadytrain.Run`` (used by ``integrations/hf.py``).
+
+A callback opens the ``Run`` in one hook and closes it in another, so it cannot hold it in a
+``with``; two things stand in for the ``with`` here:
+
+- ``TrainerSaves``: Run's ``checkpoint=`` for a trainer that checkpoints itself. It saves
+  nothing; it tells Run the step the trainer restored (Run's ``start_step``), and hands the
+  trainer's own saves to Run as checkpoint events whose blocking time goes into the step
+  record (``checkpoint_block_s``), exactly as a steadytrain save would.
+- ``ExitGuard``: closes the Run as a crash when the process leaves without the trainer's
+  end hook: an uncaught exception (``sys.excepthook``: a gloo "Connection reset by peer"
+  after a peer died, an OOM), SIGTERM (torchrun stopping the survivors, preemption: Run
+  turns it into ``Terminated``, a ``SystemExit``, which only ``atexit`` sees), or any other
+  exit while training (``atexit``). Without it the meter's own exit hook would write the
+  clean ``interpreter_exit`` and the report would show no crash (issue 27).
+"""
+
+from __future__ import annotations
+
+import atexit
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from steadytrain.run_support import Terminated
+
+__all__ = ["ExitGuard", "TrainerSaves"]
+
+
+class TrainerSaves:
+    """A ``checkpoint=`` for ``Run`` when the trainer saves and restores by itself.
+
+    ``restored_step``/``restored_path``: what the trainer loaded before the callback's Run
+    opened (its load is then part of the start-up: it happened before ``job_start``).
+    ``saved(step, block_s, path)`` after each of the trainer's saves; Run's next
+    ``step_done`` picks it up through ``maybe_save``."""
+
+    def __init__(self, restored_step: int = 0, restored_path: str = "") -> None:
+        self.restored_step, self.restored_path = int(restored_step), restored_path
+        self.on_event: Callable[[dict[str, Any]], None] | None = None
+        self.last_event: dict[str, Any] | None = None
+        self.tokens_seen = 0
+        self._saved: dict[str, Any] | None = None
+
+    def restore_latest(self, _states: dict[str, Any]) -> int:
+        self._emit(
+            {
+                "type": "restore",
+                "step": self.restored_step,
+                "restore_s": 0.0,
+                "path": self.restored_path,
+                "skipped": [],
+                "tokens_seen": 0,
+                "changes": [],
+            }
+        )
+        return self.restored_step
+
+    def saved(self, step: int, block_s: float, path: str) -> None:
+        """The trainer committed ``step`` to ``path``; the loop waited ``block_s`` for it."""
+        block_s = max(0.0, float(block_s))
+        self._saved = {
+            "type": "checkpoint",
+            "step": int(step),
+            "block_s": block_s,
+            "durable_s": block_s,  # a synchronous save: durable when it returns
+            "ok": True,
+            "path": path,
+            "error": None,
+        }
+
+    def maybe_save(self, _step: int, _states: dict[str, Any], **_kw: Any) -> float:
+        ev, self._saved = self._saved, None
+        if ev is None:
+            return 0.0
+        self._emit(ev)
+        return ev["block_s"]
+
+    def save(self, *_a: Any, **_kw: Any) -> None:
+        """The trainer's own policy decides its final save: nothing to do here."""
+
+    def wait(self) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        pass
+
+    def _emit(self, ev: dict[str, Any]) -> None:
+        if ev["type"] == "checkpoint":
+            self.last_event = ev
+        if self.on_event is not None:
+            self.on_event(ev)
+
+
+class ExitGuard:
+    """Calls ``close(exc)`` once if the process leaves while installed (module docstring).
+    ``exc``: the uncaught exception, ``Terminated`` for SIGTERM, else a ``RuntimeError``
+    saying the trainer never reached its end hook. ``uninstall()`` after a clean close."""
+
+    def __init__(self, close: Callable[[BaseException | None], None], what: str) -> None:
+        self._close, self._what = close, what
+        self._prev_hook: Any = None
+        self._prev_term: Any = None
+        self.signum: int | None = None
+        self.installed = False
+
+    def install(self) -> None:
+        """After ``Run.__enter__`` (its SIGTERM handler is the one wrapped here)."""
+        self._prev_hook, sys.excepthook = sys.excepthook, self._excepthook
+        atexit.register(self._atexit)  # after the meter's hook: runs before it (LIFO)
+        if threading.current_thread() is threading.main_thread():
+            prev = signal.getsignal(signal.SIGTERM)
+            if callable(prev):  # Run's (or a framework's) handler: note the signal first
+                self._prev_term = prev
+                signal.signal(signal.SIGTERM, self._sigterm)
+        self.installed = True
+
+    def uninstall(self) -> None:
+        if not self.installed:
+            return
+        self.installed = False
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._prev_hook
+        atexit.unregister(self._atexit)
+        if self._prev_term is not None and signal.getsignal(signal.SIGTERM) == self._sigterm:
+            signal.signal(signal.SIGTERM, self._prev_term)
+
+    def _fire(self, exc: BaseException) -> None:
+        if self.installed:
+            self.uninstall()
+            self._close(exc)
+
+    def _excepthook(self, exc_type: Any, exc: BaseException, tb: Any) -> None:
+        (self._prev_hook or sys.__excepthook__)(exc_type, exc, tb)  # the traceback first
+        self._fire(exc)
+
+    def _sigterm(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        self._prev_term(signum, frame)  # Run's: raises Terminated, which atexit sees
+
+    def _atexit(self) -> None:
+        if self.signum is not None:
+            self._fire(Terminated(self.signum))
+        else:
+            self._fire(RuntimeError(f"the process exited before {self._what}"))

@@ -1,0 +1,208 @@
+"""``SteadytrainCallback``: steadytrain's ledger, hang watchdog and report inside a Lightning
+``Trainer``, whose own ``ModelCheckpoint`` and ``fit(ckpt_path=...)`` stay as they are.
+
+    trainer = L.Trainer(max_steps=N, callbacks=[ModelCheckpoint(...),
+                                                SteadytrainCallback("runs/r1")])
+    trainer.fit(model, loader, ckpt_path=last_or_none)
+
+How Lightning's hooks map onto ``steadytrain.Run`` (``run.py``):
+
+- ``on_train_start`` opens a ``Run`` on every rank (``trainer.global_rank`` /
+  ``world_size``) with ``TrainerSaves`` as its checkpoint (``hooks.py``): Run saves nothing,
+  its ``start_step`` is Lightning's restored ``global_step``, whose load (before this hook)
+  is booked as start-up.
+- a step is the micro-batches between two ``global_step`` increments: data wait is the time
+  before each ``on_train_batch_start`` since the previous hook, compute is
+  ``on_train_batch_start`` to ``on_train_batch_end``; the loss is the ``training_step``'s
+  (its last micro-batch, ``outputs["loss"]``).
+- a save (``on_save_checkpoint``, called as Lightning starts writing) runs under the
+  watchdog's "checkpoint" deadline; Lightning has no hook after the write, so its time runs
+  to the next ``on_train_batch_start`` (the next batch's fetch included) and is the step's
+  ``checkpoint_block_s`` and a checkpoint record. The step is therefore reported (ledger
+  record, watchdog beat) at the next ``on_train_batch_start`` or ``on_train_end``.
+- ``on_train_end`` closes the Run ("finished"); ``on_exception`` closes it as a crash with
+  the exception (Lightning's ``SIGTERMException`` as ``signal: SIGTERM``); ``ExitGuard``
+  covers an exit no hook sees.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from lightning.pytorch import Callback
+
+from steadytrain.integrations.hooks import ExitGuard, TrainerSaves
+from steadytrain.run import Run
+from steadytrain.run_support import Terminated
+
+__all__ = ["SteadytrainCallback"]
+
+
+class SteadytrainCallback(Callback):
+    """Records a Lightning run in steadytrain's ledger (module docstring).
+
+    ``run_dir``: where the ledger goes (default ``trainer.default_root_dir/steadytrain``).
+    ``tokens_per_step``: tokens of one optimizer step over all ranks; if None, the size of
+    each micro-batch's ``input_ids`` (or the batch, if a tensor) times the world size.
+    ``monitor``, ``config``, ``device``, ``backend_timeout_s``: as ``steadytrain.Run``.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | None = None,
+        *,
+        tokens_per_step: int | None = None,
+        monitor: Any = None,
+        config: dict[str, Any] | None = None,
+        device: str | None = None,
+        backend_timeout_s: float | None = None,
+    ) -> None:
+        self.run_dir = None if run_dir is None else os.fspath(run_dir)
+        self.tokens_per_step = tokens_per_step
+        self._run_kw = {
+            "monitor": monitor,
+            "config": config,
+            "device": device,
+            "backend_timeout_s": backend_timeout_s,
+        }
+        self.run: Run | None = None
+        self._saves: TrainerSaves | None = None
+        self._guard: ExitGuard | None = None
+        self._phase: Any = None
+        self._pending: dict[str, Any] | None = None
+        self._save_t: float | None = None
+        self._reset_step(0)
+
+    def _reset_step(self, step: int) -> None:
+        self._step, self._wait, self._compute, self._tokens = step, 0.0, 0.0, 0
+        self._ready = self._begin = time.perf_counter()
+
+    # -- open / close ----------------------------------------------------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.run is not None:
+            self._close(None)
+        step = int(trainer.global_step)
+        self._saves = TrainerSaves(step, str(trainer.ckpt_path or "") if step else "")
+        run_dir = self.run_dir or os.path.join(trainer.default_root_dir, "steadytrain")
+        self.run = Run(
+            run_dir,
+            {},
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            total_steps=trainer.max_steps if trainer.max_steps > 0 else None,
+            checkpoint=self._saves,
+            **self._run_kw,
+        )
+        self.run.__enter__()
+        self._guard = ExitGuard(self._close, "Trainer.fit() ended (on_train_end)")
+        self._guard.install()
+        self._pending, self._save_t = None, None
+        self._reset_step(step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close(None)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if type(exception).__name__ == "SIGTERMException":  # Lightning's, after SIGTERM
+            exception = Terminated(signal.SIGTERM)
+        self._close(exception)
+
+    def _close(self, exc: BaseException | None) -> None:
+        run, self.run = self.run, None
+        if run is None:
+            return
+        if self._guard is not None:
+            self._guard.uninstall()
+        if exc is not None:
+            self._save_t = None  # a save cut short is no checkpoint; its step did finish
+        try:
+            self._flush(run)
+        except BaseException as e:  # recording it failed: still close the Run, as a crash
+            exc = exc or e
+        self._end_phase()
+        run.__exit__(None if exc is None else type(exc), exc, None)
+
+    # -- steps -----------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+        if self.run is None:
+            return
+        self._flush(self.run)
+        now = time.perf_counter()
+        self._wait += max(0.0, now - self._ready)
+        self._begin = now
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        if self.run is None:
+            return
+        now = time.perf_counter()
+        self._compute += now - self._begin
+        self._ready = now
+        self._tokens += self._batch_tokens(batch, trainer.world_size)
+        if trainer.global_step <= self._step:
+            return  # a micro-batch of gradient accumulation: the step goes on
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self._pending = {
+            "step": int(trainer.global_step),
+            "tokens": self._tokens if self.tokens_per_step is None else self.tokens_per_step,
+            "data_wait_s": self._wait,
+            "compute_s": self._compute,
+            "loss": loss.detach() if hasattr(loss, "detach") else loss,
+        }
+        self._reset_step(int(trainer.global_step))
+        self._ready = now
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
+        if self.run is None or self._pending is None:
+            return  # not a save after a step (e.g. on_train_end's): nothing to book
+        self._save_t = time.perf_counter()
+        if self._phase is None:
+            self._phase = self.run.phase("checkpoint")
+            self._phase.__enter__()
+
+    def _flush(self, run: Run) -> None:
+        """Report the pending step (``Run.step_done``), with its save if there was one."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        if self._save_t is not None:
+            block = time.perf_counter() - self._save_t
+            self._save_t = None
+            self._saves.saved(p["step"], block, self._saved_path())
+            self._end_phase()
+            self._ready = time.perf_counter()  # the next step's wait starts after the save
+        run.step_done(
+            p["step"],
+            tokens=p["tokens"],
+            loss=p["loss"],
+            data_wait_s=p["data_wait_s"],
+            compute_s=p["compute_s"],
+        )
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._trainer_ckpt_cb = trainer.checkpoint_callback  # where a save's path is read
+
+    _trainer_ckpt_cb: Any = None
+
+    def _saved_path(self) -> str:
+        """The file ``ModelCheckpoint`` just wrote: its newest (``monitor=None``) or best
+        checkpoint, else ``last.ckpt``; "" without one."""
+        cb = self._trainer_ckpt_cb
+        newest = getattr(cb, "best_model_path", "") if getattr(cb, "monitor", 1) is None else ""
+        return str(newest or getattr(cb, "last_model_path", "") or "")
+
+    def _end_phase(self) -> None:
+        phase, self._phase = self._phase, None
+        if phase is not None:
+            phase.__exit__(None, None, None)
+
+    @staticmethod
+    def _batch_tokens(batch: Any, world: int) -> int:
+        ids = batch.get("input_ids") if isinstance(batch, dict) else batch
+        if isinstance(ids, (list, tuple)) and ids:
+            ids = ids[0]
+        return int(ids.numel()) * int(world) if hasattr(ids, "numel") else 0

@@ -1,0 +1,122 @@
+"""examples/lightning_callback.py: ``steadytrain.integrations.lightning.SteadytrainCallback``
+in a Lightning ``Trainer`` (tiny model, DDP on 2 CPU ranks under the real torchrun) that
+keeps its own ``ModelCheckpoint`` and ``fit(ckpt_path=...)``.
+
+Rank 1 is SIGKILLed at the start of step 10 of the first attempt; rank 0 dies of the
+broken all-reduce (Lightning calls ``on_exception``: the callback records the crash),
+torchrun restarts both ranks, Lightning resumes from ``last.ckpt`` (step 8) and finishes.
+The ledger and ``steadytrain report`` show the crash, the restart gap, Lightning's saves
+and the steps of both attempts. Single-process runs check an exception, SIGTERM and a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from example_runs import CRASH_AT, STEPS, finish, start_example
+
+pytest.importorskip("lightning.pytorch")
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
+
+
+def _report(run_dir: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "steadytrain.cli", "report", run_dir, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def _steps_by_attempt(records: list[dict]) -> dict[int, list[int]]:
+    attempt, steps = -1, {}
+    for r in records:
+        if r["type"] == "job_start":
+            attempt = r["attempt"]
+            steps[attempt] = []
+        elif r["type"] == "step":
+            steps[attempt].append(r["step"])
+    return steps
+
+
+def test_lightning_callback_records_crash_and_resume(dataset: str, tmp_path) -> None:
+    from steadytrain.monitor.ledger import read_ledger
+
+    run_dir = str(tmp_path / "pl")
+    out = finish(start_example("lightning_callback.py", dataset, run_dir, CRASH_AT))
+    assert "exitcode: -9" in out, out[-4000:]  # rank 1's SIGKILL, seen by torchrun
+    with open(os.path.join(run_dir, "final.json")) as f:
+        assert json.load(f) == {"step": STEPS}
+
+    records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
+    starts = [r for r in records if r["type"] == "job_start"]
+    assert [(s["attempt"], s["restored_step"]) for s in starts] == [(0, 0), (1, 8)]
+    restores = [r for r in records if r["type"] == "restore"]
+    assert restores[1]["path"].endswith("last.ckpt"), restores
+    assert _steps_by_attempt(records) == {
+        0: list(range(1, CRASH_AT)),
+        1: list(range(9, STEPS + 1)),
+    }
+    steps = [r for r in records if r["type"] == "step"]
+    assert all(isinstance(r["loss"], float) and r["tokens"] == 2 * 2 * 2 * 64 for r in steps)
+    ckpts = [r for r in records if r["type"] == "checkpoint"]
+    assert [r["step"] for r in ckpts] == [4, 8, 12]
+    assert all(r["path"].endswith(f"step={r['step']}.ckpt") for r in ckpts), ckpts
+    assert [r["step"] for r in steps if r["checkpoint_block_s"] > 0] == [4, 8, 12]
+    ends = [r for r in records if r["type"] == "job_end"]
+    crash = ends[0]["reason"]  # the broken collective, or torchrun's SIGTERM if first
+    assert crash.startswith("error: RuntimeError") or crash == "signal: SIGTERM", crash
+    assert ends[1]["reason"] == "finished"
+
+    rep = _report(run_dir)
+    assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, crash)]
+    assert rep["restarts"] == 1
+    assert rep["badput"]["restart_gap"] > 0, rep["badput"]
+    assert rep["badput"]["startup"] > 0, rep["badput"]
+    assert rep["last_step"] == STEPS
+
+
+def _worker(dataset: str, run_dir: str, fail: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, WORKER, dataset, run_dir, "--fail", fail],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("fail", "reason"),
+    [("raise", "error: ValueError: injected failure at step 3"), ("sigterm", "signal: SIGTERM")],
+)
+def test_lightning_callback_failure_is_a_crash(dataset, tmp_path, fail, reason) -> None:
+    from steadytrain.monitor.ledger import read_ledger
+
+    run_dir = str(tmp_path / fail)
+    proc = _worker(dataset, run_dir, fail)
+    assert fail != "raise" or proc.returncode == 1, proc.stderr[-4000:]
+    records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
+    ends = [r["reason"] for r in records if r["type"] == "job_end"]
+    assert ends == [reason], proc.stderr[-4000:]
+    rep = _report(run_dir)
+    assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, reason)]
+
+
+def test_lightning_callback_hang_is_detected(dataset, tmp_path) -> None:
+    from steadytrain.monitor.ledger import read_ledger
+
+    run_dir = str(tmp_path / "hang")
+    proc = _worker(dataset, run_dir, "hang")
+    assert proc.returncode == 124, proc.stderr[-4000:]
+    hangs = [r for r in read_ledger(os.path.join(run_dir, "ledger.jsonl")) if r["type"] == "hang"]
+    assert hangs and hangs[0]["step"] == 2, hangs
