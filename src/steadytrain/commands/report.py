@@ -12,6 +12,9 @@ DESCRIPTION = (
 )
 
 
+_RANK_LINES = 32  # (rank, node) lines printed; a 1000-rank job's others are in the HTML
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding ledger.jsonl")
     p.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/report)")
@@ -21,8 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from steadytrain.commands._util import print_json
     from steadytrain.monitor.records_lost import lost_warning
-    from steadytrain.monitor.report import build_report, rejected_lines, slowdown_note
-    from steadytrain.monitor.report_ranks import who
+    from steadytrain.monitor.report import (
+        bucket_rows,
+        build_report,
+        rejected_lines,
+        slowdown_note,
+    )
+    from steadytrain.monitor.report_ranks import node_rows, who
 
     s = build_report(args.run_dir, args.out)
     if args.json:
@@ -31,9 +39,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"goodput {s['goodput']:.1%} of {s['total_s'] / 60:.1f} min, {s['attempts']} attempt(s)")
     for line in lost_warning(s.get("records_lost") or []):  # a failing disk's gaps
         print(f"  {line}")
-    for k, v in s["badput"].items():
-        if v > 0:
-            print(f"  {k:<18} {v:6.1%}  ({s['badput_s'][k]:.1f} s)")
+    # The report's one breakdown: every bucket, zero ones too, and their sum.
+    for k, sec, share in bucket_rows(s):
+        print(f"  {k:<18} {share:6.1%}  ({sec:.1f} s)")
+    db = s["data_bound"]
+    print(
+        f"  data-bound (data_wait + straggler_wait) {db['share']:.1%} ({db['s']:.1f} s): "
+        "each step at its slowest rank's data wait"
+    )
     if note := slowdown_note(s):
         print(f"  {note}")
     for i, a in enumerate(s["incidents"], 1):
@@ -43,12 +56,23 @@ def run(args: argparse.Namespace) -> int:
             f"{a['message']}"
         )
     if s["ranks"]:
-        worst = max(s["ranks"], key=lambda r: r["data_wait_share"])
+        lines = node_rows(s["ranks"])
+        nodes = {n for r in s["ranks"] for n in (r.get("nodes") or [r["node"]])}
+        worst = max(lines, key=lambda r: r["data_wait_share"])
         print(
-            f"ranks: {len(s['ranks'])} on {len({r['node'] for r in s['ranks']})} node(s); "
+            f"ranks: {len(s['ranks'])} on {len(nodes)} node(s); "
             f"most data wait: rank {worst['rank']} ({worst['node']}) "
             f"{worst['data_wait_share']:.1%} of its step time"
         )
+        # One line per (rank, node), most data wait first; every one in the HTML and JSON.
+        shown = sorted(lines, key=lambda r: -r["data_wait_share"])[:_RANK_LINES]
+        for r in shown:
+            print(
+                f"  rank {r['rank']:<4} {str(r['node']):<16} {r['steps']:>7} steps  "
+                f"data wait {r['data_wait_s']:.2f} s ({r['data_wait_share']:.1%})"
+            )
+        if len(lines) > len(shown):
+            print(f"  ... {len(lines) - len(shown)} more rank line(s) in the HTML and --json")
     for m in s["missing_ranks"]:
         print(f"missing: rank {m['rank']} of attempt {m['attempt']} ({m['reason']})")
     if s["torn_lines"]:

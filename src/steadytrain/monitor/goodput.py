@@ -54,7 +54,7 @@ import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from steadytrain.monitor.slowdown import SlowdownTracker
@@ -149,6 +149,28 @@ class Breakdown:
     def badput_fraction(self) -> dict[str, float]:
         t = self.total_s
         return {k: (v / t if t > 0 else 0.0) for k, v in self.badput_s.items()}
+
+    def shares(self) -> dict[str, float]:
+        """``goodput`` then every bucket, in order, as shares of ``total_s``: what the
+        report's heading, table, goodput bar and JSON all print (they sum to 1)."""
+        return {"goodput": self.goodput, **self.badput_fraction()}
+
+    def charged(self, bucket: str, seconds: float, source: str = "goodput") -> Breakdown:
+        """A copy with ``seconds`` (capped at what ``source`` holds) moved from ``source``
+        (``"goodput"`` or a bucket, e.g. ``"other"``) into ``bucket``, appended after the
+        others. The report charges what rank 0's ledger cannot see this way
+        (``straggler_wait``, ``records_lost``), so every view prints one breakdown that
+        still sums to ``total_s``."""
+        bad = dict(self.badput_s)
+        good = self.goodput_s
+        held = good if source == "goodput" else bad.get(source, 0.0)
+        move = min(max(0.0, _sec(seconds)), held)
+        if source == "goodput":
+            good -= move
+        else:
+            bad[source] = held - move
+        bad[bucket] = bad.get(bucket, 0.0) + move
+        return replace(self, goodput_s=good, badput_s=bad)
 
     def to_dict(self) -> dict[str, Any]:
         return {

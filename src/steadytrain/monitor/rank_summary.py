@@ -32,7 +32,13 @@ RANK_KEYS = (
     "shm_bytes",
 )
 MAX_BINS = 256  # step bins kept per rank (the heatmap's resolution)
-SUMMARY_VERSION = 1
+# 2: per-node tallies (``by_node``); a version-1 snapshot is not loaded (the reader then
+# folds the whole rank file again, which rebuilds them).
+SUMMARY_VERSION = 2
+# Nodes a rank's tallies are kept apart for (a rank moves only at a restart); beyond these
+# a rank's steps are added to its newest kept node's tally.
+MAX_NODES = 64
+_TALLY_INTS = ("attempts", "steps", "first_step", "last_step")  # not floats in a tally
 # Summed over steps: every timing and counter of a rank_step record (RANK_KEYS, in
 # monitor/ranks.py) but the gauges, whose extremes are kept instead.
 _GAUGES = ("read_p99_s", "rss_bytes", "shm_bytes")
@@ -129,6 +135,10 @@ class RankSummary:
     read_hist: list[int] = field(default_factory=lambda: [0] * _H_BINS)
     ended: dict[str, Any] | None = None  # the newest rank_end record
     series: StepSeries = field(default_factory=StepSeries)
+    # Per node this rank ran on (a restart may place it elsewhere): {node: {"steps",
+    # "attempts", sums of the timing fields, "rss_max", "shm_max"}}, so the report shows
+    # rank 1 on node-1 and on node-2 as two rows, not one row under the newest node.
+    by_node: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def add(self, rec: dict[str, Any]) -> None:
         kind = rec.get("type")
@@ -141,6 +151,9 @@ class RankSummary:
                 self.nodes.append(node)
             keep = ("attempt", "node", "world_size", "local_rank", "pid", "t", "device")
             self.attempts.append({k: rec.get(k) for k in keep})
+            tally = self._tally()
+            if tally is not None and rec.get("attempt") not in tally["attempts"]:
+                tally["attempts"].append(rec.get("attempt"))
             self.ended = None
         elif kind == "rank_end":
             self.ended = {k: rec.get(k) for k in ("attempt", "step", "reason", "t")}
@@ -168,6 +181,78 @@ class RankSummary:
             i = int((math.log10(p99) - _H_LO) * _H_PER_DECADE)
             self.read_hist[min(_H_BINS - 1, max(0, i))] += 1
         self.series.add(step, rec)
+        tally = self._tally()
+        if tally is not None:
+            tally["steps"] += 1
+            tally["first_step"] = min(tally.get("first_step", step), step)
+            tally["last_step"] = max(tally.get("last_step", step), step)
+            for k in _SUMS:
+                v = rec.get(k)
+                if v is not None:
+                    tally[k] = tally.get(k, 0.0) + float(v)
+            for k, v in (("rss_max", rss), ("shm_max", shm)):
+                if v is not None:
+                    tally[k] = max(tally.get(k, 0.0), float(v))
+
+    def _tally(self) -> dict[str, Any] | None:
+        """The current node's tally (None before any ``rank_start`` named a node)."""
+        node = self.node
+        if node is None:
+            return None
+        if node not in self.by_node and len(self.by_node) >= MAX_NODES:
+            node = next(reversed(self.by_node))
+        return self.by_node.setdefault(node, {"steps": 0, "attempts": []})
+
+    def node_at(self, step: int) -> str | None:
+        """The node this rank ran ``step`` on: the newest node whose steps span it (a
+        redone step counts where it was redone), else the newest node (``self.node``)."""
+        for node, t in reversed(self.by_node.items()):
+            if t.get("first_step", step + 1) <= step <= t.get("last_step", -1):
+                return node
+        return self.node
+
+    def node_rows(self) -> list[dict[str, Any]]:
+        """One row per node this rank ran on, in the order it ran there: ``{"rank",
+        "node", "attempts", "steps", "step_s", "data_wait_s", "data_wait_share",
+        "cache_misses", "checkpoint_block_s", "rss_mib", "shm_mib"}``. A rank that never
+        named its node: one row with ``node`` None and the rank's totals."""
+        mib = 1 / (1 << 20)
+        if not self.by_node:
+            r = self.row()
+            keep = ("step_s", "data_wait_s", "data_wait_share", "cache_misses")
+            return [
+                {
+                    "rank": self.rank,
+                    "node": self.node,
+                    "attempts": [a.get("attempt") for a in self.attempts],
+                    "steps": self.steps,
+                    **{k: r[k] for k in keep},
+                    "checkpoint_block_s": r["checkpoint_block_s"],
+                    "rss_mib": r["rss_mib"],
+                    "shm_mib": r["shm_mib"],
+                }
+            ]
+        out = []
+        for node, t in self.by_node.items():
+            step_s, wait = t.get("step_s", 0.0), t.get("data_wait_s", 0.0)
+            out.append(
+                {
+                    "rank": self.rank,
+                    "node": node,
+                    "attempts": list(t["attempts"]),
+                    "steps": int(t["steps"]),
+                    "first_step": t.get("first_step"),
+                    "last_step": t.get("last_step"),
+                    "step_s": step_s,
+                    "data_wait_s": wait,
+                    "data_wait_share": wait / step_s if step_s > 0 else 0.0,
+                    "cache_misses": int(t.get("cache_misses", 0)),
+                    "checkpoint_block_s": t.get("checkpoint_block_s", 0.0),
+                    "rss_mib": t["rss_max"] * mib if "rss_max" in t else None,
+                    "shm_mib": t["shm_max"] * mib if "shm_max" in t else None,
+                }
+            )
+        return out
 
     def read_p99_s(self) -> float | None:
         """The 99th percentile over steps of the loader's per-step read p99 (histogram
@@ -213,6 +298,8 @@ class RankSummary:
             else None,
             "checkpoint_block_s": s.get("checkpoint_block_s", 0.0),
             "attempts": len(self.attempts),
+            # one entry per node it ran on (``node_rows``): "node" above is the newest
+            "per_node": self.node_rows() if len(self.by_node) > 1 else [],
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -231,6 +318,7 @@ class RankSummary:
             "read_hist": self.read_hist,
             "ended": self.ended,
             "series": self.series.state_dict(),
+            "by_node": self.by_node,
         }
 
     @classmethod
@@ -248,6 +336,12 @@ class RankSummary:
             and isinstance(sd["sums"], dict)
             and (sd["ended"] is None or isinstance(sd["ended"], dict))
             and all(isinstance(x, int) for x in sd["read_hist"])
+            and isinstance(sd["by_node"], dict)
+            and len(sd["by_node"]) <= MAX_NODES
+            and all(
+                isinstance(t, dict) and isinstance(t.get("attempts"), list)
+                for t in sd["by_node"].values()
+            )
         ):
             raise ValueError("rank summary fields of the wrong type")
         out = cls(rank=int(sd["rank"]), node=sd["node"], nodes=list(sd["nodes"]))
@@ -258,4 +352,13 @@ class RankSummary:
         out.shm_max, out.shm_first, out.shm_last = sd["shm"]
         out.read_hist, out.ended = list(sd["read_hist"]), sd["ended"]
         out.series.load_state_dict(sd["series"])
+        out.by_node = {
+            str(n): {
+                **{k: float(v) for k, v in t.items() if k not in _TALLY_INTS},
+                **{k: int(t[k]) for k in _TALLY_INTS if k in t and k != "attempts"},
+                "steps": int(t.get("steps", 0)),
+                "attempts": list(t["attempts"]),
+            }
+            for n, t in sd["by_node"].items()
+        }
         return out

@@ -10,6 +10,13 @@
 * ``timeline.png``: one row per node: attempts, crashes, incidents (``report_timeline.py``);
 * ``report.html``: one self-contained page (plots embedded, and linked to the PNG files);
 * ``report.json``: the summary returned by ``build_report``.
+
+One set of numbers: the goodput breakdown is computed once (``breakdown``: rank 0's ledger
+through ``GoodputAccumulator``, then what only the report sees charged into buckets of its
+own: ``straggler_wait`` from the rank files, ``records_lost`` from the ledger's lost spans).
+That one ``Breakdown`` is the heading, the bucket table (``bucket_rows``, text and HTML), the
+goodput bar (``report_plots``, which records what it drew under ``plotted``) and the JSON;
+no view computes a share of its own.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.errors import SteadyError
-from steadytrain.monitor.goodput import BUCKETS, GoodputAccumulator
+from steadytrain.monitor.goodput import Breakdown, GoodputAccumulator
 from steadytrain.monitor.ledger import iter_ledger, ledger_path
 from steadytrain.monitor.records import Rejects, check_record
 from steadytrain.monitor.records_lost import LostSpans, lost_warning
@@ -33,6 +40,7 @@ from steadytrain.monitor.report_ranks import (
     attach_ranks,
     charge_straggler_wait,
     crashes,
+    node_rows,
     rank_section,
     ranks_html,
     who,
@@ -41,7 +49,10 @@ from steadytrain.redact import redact
 from steadytrain.storage.publish import publish_bytes
 
 __all__ = [
+    "breakdown",
+    "bucket_rows",
     "build_report",
+    "data_bound",
     "goodput_class",
     "rejected_lines",
     "slowdown_note",
@@ -147,7 +158,8 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
             "The ledger must be a regular file of JSON lines written by the meter"
         )
     return {
-        "breakdown": acc.breakdown(),
+        # rank 0's ledger alone; build_report charges what only the report sees (breakdown)
+        "ledger_breakdown": acc.breakdown(),
         "t0": acc.start,
         "series": s,
         "starts": starts,
@@ -159,6 +171,53 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
         "device": next((st.get("device") for st in reversed(starts) if st.get("device")), None),
         "crashes": crashes(starts, ends, s),
         "band_kind": "expected" if band else ("learned" if band_learned else None),
+    }
+
+
+def breakdown(data: dict[str, Any], section: dict[str, Any]) -> Breakdown:
+    """THE breakdown of the report: rank 0's ledger (``data["ledger_breakdown"]``) with
+    ``straggler_wait`` (rank 0 waiting inside a collective for a slower rank's data, from
+    the rank files; out of goodput) and ``records_lost`` (wall time whose ledger records a
+    failing disk dropped; out of ``other``, which is where that time had fallen) charged
+    into buckets of their own. Computed once by ``build_report``; every view prints it."""
+    b = charge_straggler_wait(data["ledger_breakdown"], section["view"])
+    lost_s = sum(
+        sp["span_s"] or 0.0
+        for sp in data["records_lost"]
+        if (sp.get("file") or "ledger.jsonl").endswith("ledger.jsonl")
+    )
+    if lost_s > 0:
+        b = b.charged("records_lost", lost_s, source="other")
+    return b
+
+
+def bucket_rows(summary: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """The bucket table every view prints: ``(name, seconds, share of wall time)`` for
+    goodput and every bucket of the breakdown (zero ones too), in the breakdown's order,
+    then ``("total", total_s, sum of the shares)`` -- 100 % unless the figures are broken."""
+    rows = [("goodput", float(summary["goodput_s"]), float(summary["goodput"]))]
+    rows += [(k, float(v), float(summary["badput"][k])) for k, v in summary["badput_s"].items()]
+    rows.append(("total", float(summary["total_s"]), sum(r[2] for r in rows)))
+    return rows
+
+
+def data_bound(summary: dict[str, Any]) -> dict[str, Any]:
+    """The job's data-bound time and who caused it (docs/monitoring.md, "Which rank's
+    data wait"): ``data_wait`` (rank 0's own ``next()``) plus ``straggler_wait`` (rank 0
+    waiting for a slower rank's ``next()``) is each step at its slowest rank's data wait;
+    ``slowest`` is the (rank, node) line of the ranks table that waited the largest share of
+    its own step time (None without rank files)."""
+    bad = summary["badput_s"]
+    s = float(bad.get("data_wait", 0.0)) + float(bad.get("straggler_wait", 0.0))
+    total = float(summary["total_s"])
+    lines = node_rows(summary.get("ranks") or [])
+    worst = max(lines, key=lambda r: r["data_wait_share"], default=None)
+    return {
+        "s": s,
+        "share": s / total if total > 0 else 0.0,
+        "slowest": None
+        if worst is None
+        else {k: worst[k] for k in ("rank", "node", "nodes", "data_wait_s", "data_wait_share")},
     }
 
 
@@ -209,9 +268,22 @@ def _html(summary: dict[str, Any], out: Path) -> Path:
         )
 
     rows = "".join(
-        f"<tr><td>{e(k)}</td><td>{summary['badput_s'][k]:.1f} s</td>"
-        f"<td>{summary['badput'][k]:.1%}</td></tr>"
-        for k in BUCKETS
+        f"<tr><td>{'<b>total</b>' if k == 'total' else e(k)}</td><td>{sec:.1f} s</td>"
+        f"<td>{share:.1%}</td></tr>"
+        for k, sec, share in bucket_rows(summary)
+    )
+    db = summary["data_bound"]
+    slow = db["slowest"]
+    bound = (
+        f"<p>Data-bound (data_wait + straggler_wait: each step at its slowest rank's data "
+        f"wait): {db['s']:.1f} s, {db['share']:.1%} of the wall time"
+        + (
+            f"; most: rank {slow['rank']} on {e(str(slow['node']))} waited "
+            f"{slow['data_wait_share']:.1%} of its step time"
+            if slow
+            else ""
+        )
+        + ".</p>"
     )
     inc = "".join(
         f"<tr><td>{i}</td><td>{'' if a['minutes'] is None else format(a['minutes'], '.1f')}</td><td>{a.get('step')}</td>"
@@ -235,9 +307,9 @@ recovery point age at the end {summary["recovery_point_age_s"] or 0:.0f} s.</p>
 {"".join(f'<p class="poor">{e(w)}</p>' for w in lost_warning(summary["records_lost"]))}
 {img("goodput")}
 <h2>Where the time went</h2>
-<table><tr><th>bucket</th><th>time</th><th>share</th></tr>
-<tr><td>goodput</td><td>{summary["goodput_s"]:.1f} s</td><td>{summary["goodput"]:.1%}</td></tr>
+<table class="buckets"><tr><th>bucket</th><th>time</th><th>share</th></tr>
 {rows}</table>
+{bound}
 {f"<p>{e(note)}</p>" if (note := slowdown_note(summary)) else ""}
 {"".join(f"<p>{e(w)}</p>" for w in rejected_lines(summary))}
 <h2>Incidents</h2>
@@ -266,14 +338,14 @@ def build_report(
     out.mkdir(parents=True, exist_ok=True)
     rejects = Rejects()
     data = _read(run, rejects)
-    b = data["breakdown"]
     t0 = data["t0"]
     section = data["ranks"] = rank_section(run, data["starts"], rejects)
+    # The one computation every view prints (heading, table, plots, JSON).
+    b = data["breakdown"] = breakdown(data, section)
     s = data["series"]
     step_t = dict(zip(s.step, s.t, strict=True))  # a redone step: its newest attempt's time
     data["alerts"] = attach_ranks(data["alerts"], section["stragglers"], section["ranks"], step_t)
     summary = b.to_dict()
-    charge_straggler_wait(summary, section["view"])  # what rank 0's ledger cannot see
     summary.pop("attempt_summaries")
     summary.update(
         {
@@ -307,8 +379,12 @@ def build_report(
         }
     )
     # Nothing shown may hold a credential: an older ledger's config, a URL in a message.
+    summary["data_bound"] = data_bound(summary)
     summary = redact(summary)
-    summary["plots"] = _plots(data, out)
+    # What each plot drew (the goodput bar's shares, the heatmap's row labels), so a test or
+    # a reader can check a PNG against the table without reading pixels.
+    summary["plotted"] = {}
+    summary["plots"] = _plots(data, out, summary["plotted"])
     summary["html"] = str(_html(summary, out))
     summary["json"] = str(out / "report.json")
     # Atomic, so a reader never parses half a report; not fsync'd: rerunning

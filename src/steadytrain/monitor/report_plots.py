@@ -1,6 +1,8 @@
 """The run report's plots: throughput with its bands and incidents, the loop's waits, the
 goodput bar, and (from ``report_ranks`` and ``report_timeline``) the rank heatmaps and the
-per-node timeline. ``plots(data, out)`` takes the data ``report._read`` assembles."""
+per-node timeline. ``plots(data, out, drawn)`` takes the data ``report.build_report``
+assembles; every figure of the goodput bar comes from ``data["breakdown"]``, the report's
+one ``Breakdown`` (never recomputed here), and ``drawn`` records what each plot drew."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ _COLORS = {
     "lost_to_failures": "#c62828",
     "restart_gap": "#424242",
     "other": "#bdbdbd",
+    "straggler_wait": "#f9a825",
+    "records_lost": "#000000",
 }
 
 
@@ -137,8 +141,23 @@ def _shade_bands(ax: Any, data: dict[str, Any], top: float, unit: float) -> None
         labelled.add(kind)
 
 
-def plots(data: dict[str, Any], out: Path) -> dict[str, str]:
-    """Every PNG of the report into ``out``; their paths by name."""
+def goodput_bar(b: Any) -> dict[str, Any]:
+    """What ``goodput.png`` draws from the breakdown ``b``: the title's goodput and each
+    segment's share, in order (zero shares are not drawn)."""
+    shares = b.shares()
+    return {
+        "goodput": shares["goodput"],
+        "segments": {k: v for k, v in shares.items() if v > 0},
+        "title": f"Goodput {shares['goodput']:.1%} over {b.total_s / 60:.1f} min, "
+        f"{b.attempts} attempt(s)",
+    }
+
+
+def plots(data: dict[str, Any], out: Path, drawn: dict[str, Any] | None = None) -> dict[str, str]:
+    """Every PNG of the report into ``out``; their paths by name. ``drawn`` (when given)
+    receives what they drew: ``goodput`` (``goodput_bar``), ``ranks`` (the heatmap's row
+    labels)."""
+    drawn = drawn if drawn is not None else {}
     matplotlib = require("matplotlib", "the report's plots")
 
     matplotlib.use("Agg")  # no display; safe in threads and on servers
@@ -184,19 +203,17 @@ def plots(data: dict[str, Any], out: Path) -> dict[str, str]:
     fig.savefig(paths["waits"], dpi=100)
     plt.close(fig)
 
-    b = data["breakdown"]
+    bar = drawn["goodput"] = goodput_bar(data["breakdown"])
     fig, ax = plt.subplots(figsize=(10, 3))
     left = 0.0
-    parts = [("goodput", b.goodput)] + list(b.badput_fraction().items())
-    for name, frac in parts:
-        if frac <= 0:
-            continue
-        ax.barh(0, frac, left=left, color=_COLORS[name], label=f"{name} {frac:.1%}")
+    for name, frac in bar["segments"].items():
+        color = _COLORS.get(name, "#8d6e63")  # a bucket added later still gets drawn
+        ax.barh(0, frac, left=left, color=color, label=f"{name} {frac:.1%}")
         left += frac
     ax.set_xlim(0, 1)
     ax.set_yticks([])
     ax.set_xlabel("share of job wall time")
-    ax.set_title(f"Goodput {b.goodput:.1%} over {b.total_s / 60:.1f} min, {b.attempts} attempt(s)")
+    ax.set_title(bar["title"])
     # The legend goes in its own strip under the axis label (inside the axes it would hide
     # the thin segments; overlapping the axis it hides the tick labels).
     fig.subplots_adjust(left=0.03, right=0.97, top=0.85, bottom=0.5)
@@ -208,7 +225,7 @@ def plots(data: dict[str, Any], out: Path) -> dict[str, str]:
         "restarts": [int(st.get("restored_step") or 0) for st in data["starts"][1:]],
         "crashes": [c["step"] for c in data.get("crashes", [])],
     }
-    heat = plot_heatmaps(data["ranks"], marks, data["device"], out, plt)
+    heat = plot_heatmaps(data["ranks"], marks, data["device"], out, plt, drawn)
     if heat is not None:
         paths["ranks"] = Path(heat)
     timeline = plot_timeline(data, out, plt)  # per node: attempts, crashes, incidents

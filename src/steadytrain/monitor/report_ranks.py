@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.monitor.alerts import AlertConfig
+from steadytrain.monitor.goodput import Breakdown
 from steadytrain.monitor.ranks import RanksView, read_ranks
 from steadytrain.monitor.records import Rejects, finite_tree
 from steadytrain.monitor.straggler import analyze
@@ -24,6 +25,7 @@ __all__ = [
     "attach_ranks",
     "crashes",
     "per_unit",
+    "node_rows",
     "plot_heatmaps",
     "rank_section",
     "ranks_html",
@@ -166,7 +168,21 @@ def attach_ranks(
 
 
 def _label(row: dict[str, Any]) -> str:
-    return f"rank {row['rank']} ({row['node']})" if row.get("node") else f"rank {row['rank']}"
+    """ "rank 1 (node-1, node-2)": every node the rank ran on, oldest first."""
+    nodes = row.get("nodes") or ([row["node"]] if row.get("node") else [])
+    return f"rank {row['rank']} ({', '.join(nodes)})" if nodes else f"rank {row['rank']}"
+
+
+def node_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks table's lines: one per (rank, node). A rank that a restart placed on
+    another node has one line per node (its ``per_node`` entries), each with that node's
+    steps and data wait; read p99 and cache figures of such a line are the rank's own
+    (``None`` where only the whole rank's is known)."""
+    out = []
+    for r in rows:
+        for p in r.get("per_node") or [r]:
+            out.append({**r, **p, "read_p99_s": r["read_p99_s"] if p is r else None})
+    return out
 
 
 def plot_heatmaps(
@@ -175,6 +191,7 @@ def plot_heatmaps(
     device: str | None,
     out: Path,
     plt: Any,
+    drawn: dict[str, Any] | None = None,
 ) -> str | None:
     """``ranks.png``: data wait and step time per step, one row per rank, x = step bins
     (``RanksView.aligned()``); dashed lines: restarts (from the restored step), red: crashes."""
@@ -188,6 +205,8 @@ def plot_heatmaps(
         return None
     unit = per_unit(device)
     labels = [_label(view.ranks[r].row()) for r in ranks]
+    if drawn is not None:
+        drawn["ranks"] = {"rows": labels}
     height = min(12.0, 1.5 + 0.25 * len(ranks))
     fig, axes = plt.subplots(2, 1, figsize=(11, 2 * height), sharex=True)
     extent = (0.5, (last + 1) * width + 0.5, len(ranks) - 0.5, -0.5)
@@ -241,9 +260,9 @@ def ranks_html(summary: dict[str, Any], img: Any) -> str:
         f"<td>{num(r['read_p99_s'] and r['read_p99_s'] * 1e3, '.1f')}</td>"
         f"<td>{r['cache_misses']}</td><td>{num(r['rss_mib'], '.0f')}</td>"
         f"<td>{num(r['shm_mib'], '.0f')}</td><td>{num(r['checkpoint_block_s'], '.2f')}</td></tr>"
-        for r in rows
+        for r in node_rows(rows)
     )
-    parts = [f"<h2>Ranks (one row per {unit})</h2>"]
+    parts = [f"<h2>Ranks (one row per {unit} and node it ran on)</h2>"]
     if summary.get("missing_ranks"):
         miss = ", ".join(
             f"rank {m['rank']} of attempt {m['attempt']} ({m['reason']})"
@@ -289,15 +308,8 @@ def straggler_wait_s(view: RanksView) -> float:
     return total
 
 
-def charge_straggler_wait(summary: dict[str, Any], view: RanksView) -> None:
-    """Move ``straggler_wait_s(view)`` (capped at the productive time) from goodput into
-    its own badput bucket ``straggler_wait`` of the report's ``summary``: rank 0's ledger
-    alone cannot see it."""
-    extra = min(straggler_wait_s(view), float(summary.get("goodput_s") or 0.0))
-    summary["badput_s"]["straggler_wait"] = extra
-    summary["goodput_s"] = float(summary["goodput_s"]) - extra
-    total = float(summary.get("total_s") or 0.0)
-    summary["goodput"] = summary["goodput_s"] / total if total > 0 else 0.0
-    summary["badput"] = {
-        k: (v / total if total > 0 else 0.0) for k, v in summary["badput_s"].items()
-    }
+def charge_straggler_wait(b: Breakdown, view: RanksView) -> Breakdown:
+    """``b`` with ``straggler_wait_s(view)`` (capped at the productive time) moved from
+    goodput into its own badput bucket ``straggler_wait``: rank 0's ledger alone cannot
+    see it. The report calls this once; every view prints the breakdown it returns."""
+    return b.charged("straggler_wait", straggler_wait_s(view))

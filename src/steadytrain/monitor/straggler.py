@@ -367,7 +367,6 @@ def analyze(
     it ended)."""
     cfg = cfg or AlertConfig()
     width, grid = view.aligned()
-    nodes = {r: s.node for r, s in view.ranks.items()}
     bins = sorted({b for g in grid.values() for b in g if (b + 1) * width > cfg.warmup})
     if not bins:
         return []
@@ -384,6 +383,8 @@ def analyze(
             continue
         last = (chunk[-1] + 1) * width
         seen = set()
+        # where each rank ran this window (a restart may have moved it to another node)
+        nodes = {r: s.node_at(chunk[0] * width + 1) for r, s in view.ranks.items()}
         for f in classify(recent, base, nodes, cfg):
             k = finding_key(f)
             seen.add(k)
