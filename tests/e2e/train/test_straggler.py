@@ -115,7 +115,7 @@ def test_one_slow_node_is_named(dataset: str, tmp_path) -> None:
 
     page = open(s["html"]).read()
     assert 'alt="ranks"' in page and os.path.getsize(s["plots"]["ranks"]) > 1000
-    assert "Ranks (one row per rank)" in page and "per GPU" not in page
+    assert "Ranks (one row per rank and node it ran on)" in page and "per GPU" not in page
     text = subprocess.run(
         [PY, "-m", "steadytrain.cli", "report", run_dir],
         env=env(),
