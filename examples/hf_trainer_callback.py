@@ -112,7 +112,9 @@ def main() -> None:
     if args.crash_at_step:
         callbacks.append(CrashAt(args.crash_at_step))
     trainer = Trainer(model=model, args=targs, train_dataset=train_set, callbacks=callbacks)
-    # The Trainer's own resume: its newest checkpoint (None on a fresh start).
+    # The Trainer's own resume: its newest checkpoint (None on a fresh start). Every rank
+    # looks, and only rank 0 creates output_dir: make sure it exists before listing it.
+    os.makedirs(targs.output_dir, exist_ok=True)
     trainer.train(resume_from_checkpoint=get_last_checkpoint(targs.output_dir))
     if trainer.is_world_process_zero():
         with open(os.path.join(args.run_dir, "final.json"), "w") as f:

@@ -204,3 +204,26 @@ def test_live_check_fires_once_per_incident(tmp_path: Path) -> None:
     _write(tmp_path, _slow_storage({3}))
     assert len(check.check()) == 1
     assert check.check() == []  # still the same incident: no new alert
+
+
+def test_slow_reads_with_a_growing_loader_and_no_misses_are_loader_memory() -> None:
+    """The loader-memory replay under a loaded host: the naive loader's reads were 4x the
+    other rank's p99 with no cache misses on either, while its memory grew 320 MB against
+    160 MB. Slow reads alone are not storage's signature when the loader's own memory
+    explains them; cache misses still are."""
+    from steadytrain.monitor.alerts import AlertConfig
+    from steadytrain.monitor.straggler import Window, _data_cause
+
+    MB = 1 << 20
+
+    def w(p99: float, misses: float, grow: float) -> Window:
+        return Window(n=10, step_s=1.5, data_wait_s=1.2, cache_misses=misses, read_p99_s=p99,
+                      mem_first=1000 * MB, mem_last=1000 * MB + grow)  # fmt: skip
+
+    cfg = AlertConfig()
+    naive = {1: w(0.006, 0.0, 320 * MB), 0: w(0.00145, 0.0, 160 * MB)}
+    assert _data_cause(1, naive, None, cfg)[0] == "data-loader memory"
+    evicted = {1: w(0.006, 10.0, 320 * MB), 0: w(0.00145, 0.0, 160 * MB)}
+    assert _data_cause(1, evicted, None, cfg)[0] == "storage"  # misses: storage still
+    slow_store = {1: w(0.006, 0.0, 0.0), 0: w(0.00145, 0.0, 0.0)}
+    assert _data_cause(1, slow_store, None, cfg)[0] == "storage"  # flat memory: storage

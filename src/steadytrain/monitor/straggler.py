@@ -149,19 +149,22 @@ def _data_cause(
     p99, o99 = me.read_p99_s, _median(w.read_p99_s for w in others)
     b99 = base[r].read_p99_s if base and r in base else None
     ev.update(read_p99_s=p99, others_read_p99_s=o99, baseline_read_p99_s=b99)
-    storage = False
+    slow_reads = False
     for ref in (o99, b99):
         if p99 is not None and ref is not None:
-            storage |= p99 >= max(cfg.read_p99_factor * ref, cfg.read_p99_min_s)
+            slow_reads |= p99 >= max(cfg.read_p99_factor * ref, cfg.read_p99_min_s)
     miss, omiss = me.per(me.cache_misses), _median(w.per(w.cache_misses) for w in others)
     ev.update(cache_misses_per_step=miss, others_cache_misses_per_step=omiss)
-    if miss is not None and omiss is not None:
-        storage |= miss >= max(2 * omiss, omiss + 0.5)
+    missing = miss is not None and omiss is not None and miss >= max(2 * omiss, omiss + 0.5)
     grow, ogrow = me.mem_growth, _median(w.mem_growth for w in others)
     ev.update(memory_growth_bytes=grow, others_memory_growth_bytes=ogrow)
-    if storage:
+    memory = grow is not None and grow - (ogrow or 0.0) >= cfg.straggler_memory_bytes
+    # Cache misses are storage's own signature. Slow reads alone are not, when this rank's
+    # loader memory grew far past the others': a loader whose index grows slows its own
+    # lookups (and a loaded host slows every read), so the memory is the better explanation.
+    if missing or (slow_reads and not memory):
         return "storage", ev
-    if grow is not None and grow - (ogrow or 0.0) >= cfg.straggler_memory_bytes:
+    if memory:
         return "data-loader memory", ev
     return "data loading", ev
 
