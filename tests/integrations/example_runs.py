@@ -18,6 +18,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "e2e
 
 from harness import REPO, env, kill_tree  # noqa: E402
 
+from steadytrain.testing.incidents.common import report  # noqa: E402
+
 EXAMPLES = os.path.join(REPO, "examples")
 STEPS = 12
 # A crash after the save of step 8 started: that save waited for step 4's to commit (one
@@ -104,14 +106,7 @@ def assert_crash_reported(crashed: str) -> None:
     train`` gets it through ``steadytrain.Run``: the first attempt is a crash (rank 0 died
     of gloo's "Connection reset by peer", never the clean ``interpreter_exit``), the restart
     gap and the start-up are booked, and "other" holds under 10 % of the wall time."""
-    out = subprocess.run(
-        [sys.executable, "-m", "steadytrain.cli", "report", crashed, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    rep = json.loads(out.stdout)
+    rep = report(crashed)
     assert [c["attempt"] for c in rep["crashes"]] == [0], rep["crashes"]
     assert rep["crashes"][0]["reason"] not in ("finished", "interpreter_exit", "killed")
     assert rep["restarts"] == 1, rep["restarts"]

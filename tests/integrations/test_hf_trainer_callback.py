@@ -20,18 +20,9 @@ import sys
 import pytest
 from example_runs import CRASH_AT, STEPS, finish, start_example
 
+from steadytrain.testing.incidents.common import report as _report
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-
-
-def _report(run_dir: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "steadytrain.cli", "report", run_dir, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
 
 
 def test_hf_trainer_callback_records_crash_and_resume(dataset: str, tmp_path) -> None:

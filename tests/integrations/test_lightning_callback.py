@@ -19,22 +19,13 @@ import sys
 import pytest
 from example_runs import CRASH_AT, STEPS, finish, start_example
 
+from steadytrain.testing.incidents.common import report as _report
+
 pytest.importorskip("lightning.pytorch")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
-
-
-def _report(run_dir: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "steadytrain.cli", "report", run_dir, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
 
 
 def _steps_by_attempt(records: list[dict]) -> dict[int, list[int]]:

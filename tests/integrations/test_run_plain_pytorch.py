@@ -12,7 +12,6 @@ torchrun, 2 gloo ranks, ``--max-restarts 1``; the two runs go side by side:
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from example_runs import finish
 from harness import REPO, env
 
 from steadytrain.monitor.ledger import read_ledger
+from steadytrain.testing.incidents.common import report
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -37,17 +37,6 @@ def start(data: str, run_dir: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-
-
-def report(run_dir: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "steadytrain.cli", "report", run_dir, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
 
 
 def test_plain_loop_crash_and_hang_under_torchrun(dataset: str, tmp_path) -> None:

@@ -14,12 +14,13 @@ test_run_plain_pytorch.py.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from steadytrain.testing.incidents.common import report as _report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e", "train"))
@@ -40,17 +41,6 @@ def _run(data: str, run_dir: str, *args: str, attempt: int = 0) -> subprocess.Co
         env.pop(key, None)
     cmd = [sys.executable, WORKER, "--data", data, "--run-dir", run_dir, *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
-
-
-def _report(run_dir: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "steadytrain.cli", "report", run_dir, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
 
 
 def _committed(ckpt_dir: str) -> list[int]:

@@ -37,7 +37,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from steadytrain.integrations.hooks import ExitGuard, TrainerSaves
+from steadytrain.integrations.hooks import CallbackState, ExitGuard, TrainerSaves
 from steadytrain.run import Run
 
 __all__ = ["SteadytrainCallback"]
@@ -47,7 +47,7 @@ __all__ = ["SteadytrainCallback"]
 CHECKPOINT_PREFIX = "checkpoint"
 
 
-class SteadytrainCallback(TrainerCallback):
+class SteadytrainCallback(CallbackState, TrainerCallback):
     """Records a ``Trainer`` run in steadytrain's ledger (module docstring).
 
     ``run_dir``: where the ledger goes (default ``OUTPUT_DIR/steadytrain``).
@@ -57,29 +57,7 @@ class SteadytrainCallback(TrainerCallback):
     ``monitor``, ``config``, ``device``, ``backend_timeout_s``: as ``steadytrain.Run``.
     """
 
-    def __init__(
-        self,
-        run_dir: str | os.PathLike[str] | None = None,
-        *,
-        tokens_per_step: int | None = None,
-        monitor: Any = None,
-        config: dict[str, Any] | None = None,
-        device: str | None = None,
-        backend_timeout_s: float | None = None,
-    ) -> None:
-        self.run_dir = None if run_dir is None else os.fspath(run_dir)
-        self.tokens_per_step = tokens_per_step
-        self._run_kw = {
-            "monitor": monitor,
-            "config": config,
-            "device": device,
-            "backend_timeout_s": backend_timeout_s,
-        }
-        self.run: Run | None = None
-        self._saves: TrainerSaves | None = None
-        self._guard: ExitGuard | None = None
-        self._phase: Any = None
-        self._pending: dict[str, Any] | None = None
+    def _init_trainer_state(self) -> None:
         self._ready = self._begin = time.perf_counter()
         self._tokens_seen = 0
 

@@ -18,6 +18,7 @@ A callback opens the ``Run`` in one hook and closes it in another, so it cannot 
 from __future__ import annotations
 
 import atexit
+import os
 import signal
 import sys
 import threading
@@ -26,7 +27,46 @@ from typing import Any
 
 from steadytrain.run_support import Terminated
 
-__all__ = ["ExitGuard", "TrainerSaves"]
+__all__ = ["CallbackState", "ExitGuard", "TrainerSaves"]
+
+
+class CallbackState:
+    """What both trainer callbacks are given and hold (``hf.py``, ``lightning.py``).
+
+    ``run_dir``: where the ledger goes (None: a ``steadytrain`` folder in the trainer's own
+    output directory). ``tokens_per_step``: tokens of one optimizer step over all ranks (None:
+    each callback works it out, see its docstring). ``monitor``, ``config``, ``device``,
+    ``backend_timeout_s``: as ``steadytrain.Run``. The trainer-specific hooks live in each
+    callback; this base keeps the settings and the open ``Run``.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | None = None,
+        *,
+        tokens_per_step: int | None = None,
+        monitor: Any = None,
+        config: dict[str, Any] | None = None,
+        device: str | None = None,
+        backend_timeout_s: float | None = None,
+    ) -> None:
+        self.run_dir = None if run_dir is None else os.fspath(run_dir)
+        self.tokens_per_step = tokens_per_step
+        self._run_kw = {
+            "monitor": monitor,
+            "config": config,
+            "device": device,
+            "backend_timeout_s": backend_timeout_s,
+        }
+        self.run: Any = None  # the open steadytrain.Run, between train start and end
+        self._saves: TrainerSaves | None = None
+        self._guard: ExitGuard | None = None
+        self._phase: Any = None
+        self._pending: dict[str, Any] | None = None
+        self._init_trainer_state()
+
+    def _init_trainer_state(self) -> None:
+        """A callback's own per-step state (its timers and counters)."""
 
 
 class TrainerSaves:

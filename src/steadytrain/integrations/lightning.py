@@ -34,14 +34,14 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-from steadytrain.integrations.hooks import ExitGuard, TrainerSaves
+from steadytrain.integrations.hooks import CallbackState, ExitGuard, TrainerSaves
 from steadytrain.run import Run
 from steadytrain.run_support import Terminated
 
 __all__ = ["SteadytrainCallback"]
 
 
-class SteadytrainCallback(Callback):
+class SteadytrainCallback(CallbackState, Callback):
     """Records a Lightning run in steadytrain's ledger (module docstring).
 
     ``run_dir``: where the ledger goes (default ``trainer.default_root_dir/steadytrain``).
@@ -50,29 +50,7 @@ class SteadytrainCallback(Callback):
     ``monitor``, ``config``, ``device``, ``backend_timeout_s``: as ``steadytrain.Run``.
     """
 
-    def __init__(
-        self,
-        run_dir: str | os.PathLike[str] | None = None,
-        *,
-        tokens_per_step: int | None = None,
-        monitor: Any = None,
-        config: dict[str, Any] | None = None,
-        device: str | None = None,
-        backend_timeout_s: float | None = None,
-    ) -> None:
-        self.run_dir = None if run_dir is None else os.fspath(run_dir)
-        self.tokens_per_step = tokens_per_step
-        self._run_kw = {
-            "monitor": monitor,
-            "config": config,
-            "device": device,
-            "backend_timeout_s": backend_timeout_s,
-        }
-        self.run: Run | None = None
-        self._saves: TrainerSaves | None = None
-        self._guard: ExitGuard | None = None
-        self._phase: Any = None
-        self._pending: dict[str, Any] | None = None
+    def _init_trainer_state(self) -> None:
         self._save_t: float | None = None
         self._reset_step(0)
 
