@@ -16,7 +16,14 @@ import time
 import pytest
 
 from steadytrain.monitor.goodput import compute_goodput
-from steadytrain.monitor.hangs import HANGS_DIR, RECORDED, classify_stack, decide, hang_dir
+from steadytrain.monitor.hangs import (
+    DECISION,
+    HANGS_DIR,
+    RECORDED,
+    classify_stack,
+    decide,
+    hang_dir,
+)
 from steadytrain.monitor.ledger import read_ledger
 from steadytrain.monitor.meter import GoodputMeter
 from steadytrain.monitor.watchdog import (
@@ -151,7 +158,8 @@ def test_a_hang_dumps_records_through_the_meter_and_exits(tmp_path) -> None:
     meter.job_start()
     exited: list[int] = []
     done = threading.Event()
-    cfg = WatchdogConfig(floor_s=0.2, poll_s=0.05, warmup_steps=1, init_s=0.2, grace_s=5)
+    cfg = WatchdogConfig(floor_s=0.2, poll_s=0.05, warmup_steps=1, init_s=0.2, grace_s=5,
+                         reaper=False)  # fmt: skip
     wd = HangWatchdog(run, 0, 2, attempt=3, meter=meter, config=cfg,
                       exit=lambda code: (exited.append(code), done.set()))  # fmt: skip
     wd.beat(1)
@@ -169,9 +177,54 @@ def test_a_hang_dumps_records_through_the_meter_and_exits(tmp_path) -> None:
     assert hang[0]["stuck"][0]["stack"] == wd.fired["stack"]
     assert hang[0]["step"] == 1 and hang[0]["recovered"] is False
     assert json.loads((d / RECORDED).read_text())["stuck_ranks"] == [0]
+    decision = json.loads((d / DECISION.format(rank=0)).read_text())  # for the reapers
+    assert decision["stuck_ranks"] == [0] and decision["missing_ranks"] == []
+    assert decision["attempt"] == 3 and decision["rank"] == 0
     again = GoodputMeter(run)
     assert recover_hang_records(run, again) == 0  # recorded already
     again.close()
+
+
+def test_a_rank_does_not_wait_for_the_record_of_a_silent_rank_0(tmp_path) -> None:
+    run = tmp_path / "run"
+    d = hang_dir(run, 0)
+    exited: list[float] = []
+    done = threading.Event()
+    grace = 4.0
+    cfg = WatchdogConfig(floor_s=0.2, poll_s=0.05, warmup_steps=1, init_s=0.2, grace_s=grace,
+                         reaper=False)  # fmt: skip
+    wd = HangWatchdog(run, 1, 2, config=cfg,
+                      exit=lambda code: (exited.append(time.time()), done.set()))  # fmt: skip
+    wd.beat(1)
+    assert done.wait(60), "the watchdog never fired"
+    wd.close()
+    decision = json.loads((d / DECISION.format(rank=1)).read_text())
+    assert decision["missing_ranks"] == [0] and decision["stuck_ranks"] == [0, 1]  # we: stuck
+    assert not (d / RECORDED).exists()  # rank 0 (SIGSTOPped) writes none
+    # The verdict wait (grace) only: waiting 2 x grace more for rank 0's record, which
+    # cannot come, would end at 3 x grace at the earliest.
+    assert exited[0] - wd.fired["detect_t"] < 3 * grace
+
+
+def test_a_reaper_runs_beside_the_watchdog_of_a_rank_and_ends_with_it(tmp_path) -> None:
+    cfg = WatchdogConfig(floor_s=60, poll_s=0.5)
+    alone = HangWatchdog(tmp_path, 0, 1, config=cfg)  # one rank: nobody decides a hang
+    assert alone.reaper is None
+    alone.close()
+    off = HangWatchdog(tmp_path, 0, 2, config=WatchdogConfig(floor_s=60, reaper=False))
+    assert off.reaper is None
+    off.close()
+    wd = HangWatchdog(tmp_path, 1, 2, attempt=2, config=cfg)
+    proc = wd.reaper
+    try:
+        assert proc is not None and proc.poll() is None
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        assert argv[3].endswith("reaper.py") and f"--parent={os.getpid()}" in argv
+        assert f"--dir={hang_dir(tmp_path, 2)}" in argv and "--rank=1" in argv
+    finally:
+        wd.close()
+    assert proc.poll() is not None and wd.reaper is None  # killed and waited for
 
 
 def test_next_attempt_records_a_hang_rank_0_could_not_once(tmp_path) -> None:

@@ -19,17 +19,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from steadytrain.monitor.reaper import DECISION, REAPED, reaped_path  # the reaper's files
 from steadytrain.monitor.records import VERDICT_FIELDS, Rejects, check_fields, read_json
 from steadytrain.storage.publish import publish_bytes
 
 __all__ = [
+    "DECISION",
     "HANGS_DIR",
+    "REAPED",
     "RECORDED",
     "classify_stack",
     "decide",
     "hang_dir",
     "hang_record",
+    "publish_decision",
     "read_verdicts",
+    "reaped_path",
     "recover_hang_records",
     "thread_frames",
     "where",
@@ -150,6 +155,20 @@ def read_verdicts(d: Path, rejects: Rejects | None = None) -> dict[int, dict[str
             continue
         out[int(v["rank"])] = v
     return out
+
+
+def publish_decision(d: Path, rank: int, attempt: int, decision: dict[str, Any]) -> None:
+    """Publish this rank's ``decide`` result as ``decision-{R}.json``: the reapers
+    (reaper.py) read it to kill the silent ranks, since a stopped rank cannot exit itself."""
+    doc = {
+        "rank": rank,
+        "attempt": attempt,
+        "t": time.time(),
+        "stuck_ranks": decision["stuck_ranks"],
+        "missing_ranks": decision["missing_ranks"],
+        "cause": decision["cause"],
+    }
+    publish_bytes(str(d / DECISION.format(rank=rank)), json.dumps(doc))
 
 
 def hang_record(

@@ -27,12 +27,22 @@ too) and, each bounded in time:
    not (``stuck``);
 3. waits up to ``grace_s`` for the other ranks' verdicts and decides the culprits
    (``decide``): ranks that are not waiting, and ranks that never answered (SIGSTOPped, node
-   gone); when every rank waits, the ranks behind the others, else all of them;
+   gone); when every rank waits, the ranks behind the others, else all of them; publishes
+   that decision ``decision-{R}.json`` (for the reapers, below);
 4. rank 0 appends a ``hang`` record to the ledger through the meter and publishes
    ``recorded.json``; the other ranks wait for that file (bounded) so torchrun does
-   not kill rank 0 before the record is on disk;
+   not kill rank 0 before the record is on disk -- unless rank 0 never answered;
 5. exits with ``HANG_EXIT_CODE`` through ``os._exit``: a graceful shutdown can deadlock on
    the very collective that hangs. torchrun then restarts the job.
+
+A rank that cannot do any of this -- SIGSTOPped (every thread stops, this one too), or its
+watchdog thread unable to run -- would keep torchrun waiting out its SIGTERM grace (30 s) on
+a stopped process. So with two or more ranks the watchdog also starts the rank's **reaper**
+(reaper.py, ``reaper=True``): a child process on the same node, which a stopped parent does
+not stop. Once a decision names its rank silent, or its rank is stopped, it SIGKILLs the
+rank (after ``recorded.json``, bounded) and publishes ``reaped-rank-{R}.json``; a rank that
+answered is left to its own exit (killed only as a backstop). ``close`` ends the reaper;
+so does the rank's death.
 
 If rank 0 could not write the record (it was the stuck one), the next attempt's rank 0 does,
 from the verdict files, marked ``recovered`` (``recover_hang_records``); ``recorded.json``
@@ -42,6 +52,7 @@ makes that happen once. The verdict logic and the record live in hangs.py. The e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import json
@@ -49,6 +60,7 @@ import logging
 import math
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -65,11 +77,13 @@ from steadytrain.monitor.hangs import (
     decide,
     hang_dir,
     hang_record,
+    publish_decision,
     read_verdicts,
     recover_hang_records,
     thread_frames,
     where,
 )
+from steadytrain.monitor.reaper import spawn as spawn_reaper
 from steadytrain.settings import check
 from steadytrain.storage.publish import publish_bytes
 
@@ -103,6 +117,9 @@ class WatchdogConfig:
     window: int = 200  # recent step times the p99 is taken over
     poll_s: float = 1.0  # how often the daemon thread looks; adds to detection time
     grace_s: float = 10.0  # bounded waits for the other ranks' verdicts and the record
+    # A child process per rank (reaper.py) that SIGKILLs the rank once a hang is decided
+    # and the rank cannot exit itself (SIGSTOPped, its watchdog thread unable to run).
+    reaper: bool = True
 
     def __post_init__(self) -> None:
         check(self.k >= 1, "k", self.k, "use 1 or more (a multiple of the p99 step time)")
@@ -207,6 +224,7 @@ class HangWatchdog:
                 backend_timeout_s,
             )
         self._thread: threading.Thread | None = None
+        self.reaper = self._start_reaper() if cfg.enabled and cfg.reaper else None
         if cfg.enabled:
             self._thread = threading.Thread(target=self._run, name="steadytrain-watchdog")
             self._thread.daemon = True  # never keeps a finished process alive
@@ -231,6 +249,31 @@ class HangWatchdog:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.poll_s + 1)
+        proc, self.reaper = self.reaper, None
+        if proc is not None:  # never outlives a closed watchdog (it would outlive us briefly)
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+
+    def _start_reaper(self) -> subprocess.Popen[bytes] | None:
+        """This rank's reaper (reaper.py); only with other ranks: they decide the hang."""
+        if self.world_size < 2:
+            return None
+        cfg = self.config
+        try:
+            return spawn_reaper(
+                hang_dir(self.run_dir, self.attempt),
+                rank=self.rank,
+                node=self.node,
+                attempt=self.attempt,
+                poll_s=min(0.25, cfg.poll_s),
+                idle_s=cfg.poll_s,
+                record_wait_s=2 * cfg.grace_s,  # what the other ranks wait for the record
+                backstop_s=3 * cfg.grace_s + 10,  # our own exit path's bound, and then some
+            )
+        except Exception as e:  # never a reason not to train: the restart is only slower
+            log.warning("hang watchdog: no reaper for rank %d (%s)", self.rank, e)
+            return None
 
     def __enter__(self) -> HangWatchdog:
         return self
@@ -325,6 +368,10 @@ class HangWatchdog:
             time.sleep(min(0.05, cfg.poll_s))
             verdicts = read_verdicts(d)
         decision = decide(verdicts, self.world_size)
+        try:  # the reapers (reaper.py) kill the silent ranks from it
+            publish_decision(d, self.rank, self.attempt, decision)
+        except OSError as e:
+            log.warning("hang watchdog: decision not published (%s)", e)
         if self.rank == 0:
             rec = hang_record(
                 self.attempt,
@@ -338,7 +385,9 @@ class HangWatchdog:
                 self.meter.event(rec)
                 self.meter.flush(timeout=max(1.0, cfg.grace_s))
             publish_bytes(str(d / RECORDED), json.dumps(rec))
-        else:  # if we exit first, torchrun may kill rank 0 before its record is on disk
+        elif 0 not in decision["missing_ranks"]:
+            # If we exit first, torchrun may kill rank 0 before its record is on disk. A
+            # silent rank 0 writes none: the next attempt's rank 0 recovers it.
             until = time.monotonic() + 2 * cfg.grace_s  # rank 0's verdict wait, then its flush
             while not (d / RECORDED).exists() and time.monotonic() < until:
                 time.sleep(min(0.05, cfg.poll_s))
