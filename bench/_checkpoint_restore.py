@@ -1,7 +1,8 @@
 """Helpers of bench/checkpoint_block.py: the collective timers and the cold-restore benchmark.
 
 Restore from a cold page cache: ``Checkpointer.restore_latest`` (``verify='full'`` and
-``'overlap'``) and plain ``dcp.load`` against reading the checkpoint's bytes sequentially.
+``'overlap'``) and plain ``dcp.load`` against reading the checkpoint's bytes with as many
+readers as the restore has.
 """
 
 from __future__ import annotations
@@ -42,21 +43,20 @@ def _evict(directory: str, rank: int) -> None:
 
 
 def bench_restore(ck_dir: str, step: int, states: dict, rank: int, reps: int) -> dict:
-    """Restore vs reading the checkpoint's bytes sequentially, all from a cold page cache.
+    """Restore vs reading the checkpoint's bytes, all from a cold page cache.
 
     Every repetition runs every method once, each after evicting the checkpoint's files
     (fsync + ``POSIX_FADV_DONTNEED``; the same for all methods, other workers' caches are left
     alone); the order rotates between repetitions so no method always runs first. Methods:
-    - ``sequential_read``: the baseline, one reader (rank 0) reads every file front to back
-      in 16 MiB ``read()`` calls (the bytes, nothing else),
-    - ``parallel_read``: each rank reads the files its rank wrote, both ranks at once (the
-      I/O a 2-rank restore cannot avoid),
+    - ``parallel_read``: the baseline, each rank reads the files its rank wrote in 16 MiB
+      ``read()`` calls, both ranks at once: as many readers as the restore has, the I/O a
+      2-rank restore cannot avoid,
+    - ``sequential_read``: for reference, one reader (rank 0) reads every file front to back
+      (the baseline of earlier tables, which compared a 2-rank restore with one reader),
     - ``restore_full`` / ``restore_overlap``: ``Checkpointer.restore_latest`` on both ranks,
     - ``dcp_load_unverified``: plain ``dcp.load`` with ``raw_records.ShardReader`` (DCP's
       ``FileSystemReader`` plus raw records, read as DCP reads its archives: into a fresh
       tensor, then copied; no checksums, no COMMIT, no JSON/RNG): what DCP alone costs,
-    - ``previous_full``: what ``verify='full'`` did before ``reader.py`` (every file hashed
-      up front, split between the ranks, then plain ``dcp.load``), for the before/after.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -73,16 +73,6 @@ def bench_restore(ck_dir: str, step: int, states: dict, rank: int, reps: int) ->
                 with open(os.path.join(step_dir, n), "rb", buffering=0) as f:
                     while f.read(16 << 20):
                         pass
-
-    from steadytrain.checkpoint import commit as C
-
-    with open(os.path.join(step_dir, "COMMIT"), "rb") as f:
-        manifest = C.parse_commit(f.read(), step_dir)
-
-    def previous_full() -> None:
-        C.verify_local(step_dir, manifest, part=(rank, dist.get_world_size()))
-        dist.barrier()
-        dcp.load({"blob": states["blob"].state_dict()}, storage_reader=ShardReader(step_dir))
 
     from steadytrain.checkpoint.writer import rank_files
 
@@ -105,7 +95,6 @@ def bench_restore(ck_dir: str, step: int, states: dict, rank: int, reps: int) ->
         "dcp_load_unverified": lambda: dcp.load(
             {"blob": states["blob"].state_dict()}, storage_reader=ShardReader(step_dir)
         ),
-        "previous_full": previous_full,
     }
     names = list(methods)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -123,11 +112,22 @@ def bench_restore(ck_dir: str, step: int, states: dict, rank: int, reps: int) ->
     seq = out["sequential_read_s"]
     out["sequential_read_gb_s"] = out["checkpoint_bytes"] / seq / 1e9
     par = out["parallel_read_s"]
-    for name in ("restore_full", "restore_overlap", "dcp_load_unverified", "previous_full"):
+    for name in ("restore_full", "restore_overlap", "dcp_load_unverified"):
         out[f"ratio_{name.removeprefix('restore_')}"] = out[f"{name}_s"] / seq
         out[f"ratio_{name.removeprefix('restore_')}_vs_parallel_read"] = out[f"{name}_s"] / par
-    # per repetition, against the baseline read of the same repetition (robust to drift)
-    out["ratio_full_per_rep"] = [
-        f / b for f, b in zip(times["restore_full"], times["sequential_read"], strict=True)
-    ]
+    # per repetition, against the same repetition's 2-reader read (robust to drift)
+    for name in ("restore_full", "restore_overlap", "dcp_load_unverified"):
+        key = name.removeprefix("restore_")
+        out[f"ratio_{key}_vs_parallel_read_per_rep"] = [
+            f / b for f, b in zip(times[name], times["parallel_read"], strict=True)
+        ]
+        out[f"{name}_spread_s"] = {
+            "min": min(times[name]), "median": statistics.median(times[name]),
+            "max": max(times[name]),
+        }  # fmt: skip
+    out["parallel_read_spread_s"] = {
+        "min": min(times["parallel_read"]),
+        "median": statistics.median(times["parallel_read"]),
+        "max": max(times["parallel_read"]),
+    }
     return out

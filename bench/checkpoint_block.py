@@ -11,12 +11,15 @@ Each rank holds half of the state (as FSDP would) in 16 tensors. Per size, in on
   DCP), DCP ``async_save`` with the thread and process executor,
   each with one persistent ``DefaultStager`` created once and reused for every save, as
   torch's docs recommend (``StagingOptions``: pinned memory, async staging and non-blocking
-  copies where CUDA is available; shared memory for the process executor),
+  copies where CUDA is available; shared memory for the process executor), and
+  ``DefaultSavePlanner(enable_plan_caching=True)`` (DCP's plan reuse across saves),
 - ours: ``Checkpointer`` in ``thread`` and ``process`` mode (staging into reused buffers),
-- the floor: per-rank state bytes / memcpy bandwidth into a preallocated buffer (fastest of
-  5 copies), measured on both ranks at once (they share the memory bus, as in staging),
+- the memcpy reference: the copy our staging does (``np.copyto``) into buffers allocated
+  and touched once and reused, both ranks at once (they share the memory bus, as in
+  staging), run in the rotation like every contender and reported as a spread,
 - restore: ``Checkpointer.restore_latest`` (``verify='full'`` and ``'overlap'``) and plain
-  ``dcp.load`` vs reading the checkpoint's bytes sequentially (one reader), all from a cold
+  ``dcp.load`` vs both ranks reading their own files at once (as many readers as the
+  restore; one reader reading everything is kept in the JSON for reference), all from a cold
   page cache (each run after fsync + ``posix_fadvise(DONTNEED)`` of the checkpoint's files),
   interleaved in rotating order, medians of ``--restore-reps`` (5).
 Every repetition runs every save contender once, in an order that rotates by one place per
@@ -42,7 +45,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _checkpoint_restore import bench_restore, max_over_ranks, timed  # noqa: E402
+from _checkpoint_restore import bench_restore, max_over_ranks  # noqa: E402
 
 WORK = os.path.join(HERE, ".work", "checkpoint_block")
 OUT = os.path.join(HERE, "results", "checkpoint_block.json")
@@ -103,6 +106,19 @@ def _dcp_stager(shared_memory: bool):
     )
 
 
+def _dcp_caching_planners() -> dict:
+    """``DefaultSavePlanner(enable_plan_caching=True)``, one class per async executor
+    (``_dcp_planners.py`` says why)."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from _dcp_planners import ProcessCachingPlanner, ThreadCachingPlanner
+
+    return {
+        AsyncCheckpointerType.THREAD: ThreadCachingPlanner(enable_plan_caching=True),
+        AsyncCheckpointerType.PROCESS: ProcessCachingPlanner(enable_plan_caching=True),
+    }
+
+
 def _save_contenders(tensors: dict, base: str, pg, rank: int, world: int) -> tuple[dict, list]:
     """name -> fn(rep) returning (blocked_s, durable_s) on this rank; and what to close."""
     import torch
@@ -144,6 +160,7 @@ def _save_contenders(tensors: dict, base: str, pg, rank: int, world: int) -> tup
         finally:
             torch.serialization.set_crc32_options(True)
 
+    planners = _dcp_caching_planners()
     stagers = {
         AsyncCheckpointerType.THREAD: _dcp_stager(shared_memory=False),
         AsyncCheckpointerType.PROCESS: _dcp_stager(shared_memory=True),
@@ -158,6 +175,7 @@ def _save_contenders(tensors: dict, base: str, pg, rank: int, world: int) -> tup
                 process_group=pg,
                 async_checkpointer_type=kind,
                 async_stager=stagers[kind],
+                planner=planners[kind],
             )
             upload = getattr(res, "upload_completion", res)
             if upload is not res:  # asynchronous staging (CUDA): the loop waits for the copy
@@ -184,7 +202,22 @@ def _save_contenders(tensors: dict, base: str, pg, rank: int, world: int) -> tup
 
         return go
 
+    # The memcpy reference: the copy our staging does (np.copyto, one thread) into buffers
+    # allocated and touched once, before any timed save, and reused: what staging costs with
+    # nothing else. It runs in the rotation like every contender, so it sees the same
+    # machine; a contender whose blocked time falls below it in one repetition shows the noise.
+    import numpy as np
+
+    bufs = {k: torch.empty_like(t) for k, t in tensors.items()}
+    for k, t in tensors.items():
+        np.copyto(bufs[k].numpy(), t.numpy())
+
+    def memcpy(i: int) -> None:
+        for k, t in tensors.items():
+            np.copyto(bufs[k].numpy(), t.numpy())
+
     contenders = {
+        "memcpy_reference": timed_sync(memcpy),
         "torch_save_rank0_gathered": timed_sync(torch_save_gathered),
         "dcp_sync": timed_sync(dcp_sync),
         "dcp_sync_no_crc": timed_sync(dcp_sync_no_crc),
@@ -226,6 +259,17 @@ def _bench_saves(row: dict, tensors: dict, base: str, pg, repeats: int) -> list:
     for name in names:
         row[name] = _summary(blocked[name], durable[name])
     # durable after, against DCP sync's whole save in the same repetition (drift-robust)
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    # DCP's plan cache on this rank after the saves (the process executor's lives in its
+    # daemon, so only the thread one can be seen here): proof the caching planner was used
+    row["dcp_thread_plan_cached"] = "ThreadCachingPlanner" in SavePlanner._cached_global_plan
+    row["blocked_vs_memcpy_per_rep"] = {
+        mode: [
+            b / f for b, f in zip(blocked[mode][1:], blocked["memcpy_reference"][1:], strict=True)
+        ]
+        for mode in ("ours_thread", "ours_process", "dcp_async_thread", "dcp_async_process")
+    }
     row["durable_vs_dcp_sync_per_rep"] = {
         mode: [d / s for d, s in zip(durable[mode][1:], durable["dcp_sync"][1:], strict=True)]
         for mode in ("ours_thread", "ours_process")
@@ -235,7 +279,6 @@ def _bench_saves(row: dict, tensors: dict, base: str, pg, repeats: int) -> list:
 
 def bench_size(mib: int, repeats: int, pg, restore_reps: int = 5, only: str = "all") -> dict:
     """All methods at one state size; returns the result row (complete on rank 0)."""
-    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -253,24 +296,6 @@ def bench_size(mib: int, repeats: int, pg, restore_reps: int = 5, only: str = "a
         shutil.rmtree(base, ignore_errors=True)
         os.makedirs(base)
     dist.barrier()
-
-    # Floor: memcpy into preallocated buffers, both ranks at once.
-    bufs = {k: torch.empty_like(t) for k, t in tensors.items()}
-    copies = [  # the floor: the same copy the staging does, into memory touched before
-        timed(
-            dist,
-            lambda: [np.copyto(bufs[k].numpy(), t.numpy()) for k, t in tensors.items()],
-        )
-        for _ in range(5)
-    ]
-    t_copy = min(copies)  # a best case: the 2x target is judged against the fastest copy
-    row["floor"] = {
-        "s": t_copy,
-        "median_s": statistics.median(copies),
-        "max_s": max(copies),
-        "memcpy_gb_s": nbytes / t_copy / 1e9,
-    }
-    bufs.clear()  # free the floor buffers before the methods allocate their own
 
     if only == "restore":
         ck_dir = os.path.join(base, "ours-thread")
@@ -297,11 +322,15 @@ def bench_size(mib: int, repeats: int, pg, restore_reps: int = 5, only: str = "a
 
 def _targets(row: dict, only: str) -> dict:
     """Ratios of medians (steady saves), and whether each target is met."""
+    # Restore against the bytes read with as many readers as the restore has (both ranks
+    # reading their own files at once); the one-reader sequential read stays in the JSON.
+    rs = row["restore"]
     out = {
-        "restore_full_vs_sequential_read": row["restore"]["ratio_full"],
-        "restore_overlap_vs_sequential_read": row["restore"]["ratio_overlap"],
-        "meets_restore_1_3x": row["restore"]["ratio_full"] <= 1.3,
-        "meets_restore_1_3x_overlap": row["restore"]["ratio_overlap"] <= 1.3,
+        "restore_full_vs_parallel_read": rs["ratio_full_vs_parallel_read"],
+        "restore_overlap_vs_parallel_read": rs["ratio_overlap_vs_parallel_read"],
+        "dcp_load_vs_parallel_read": rs["ratio_dcp_load_unverified_vs_parallel_read"],
+        "meets_restore_1_3x": rs["ratio_full_vs_parallel_read"] <= 1.3,
+        "meets_restore_1_3x_overlap": rs["ratio_overlap_vs_parallel_read"] <= 1.3,
     }
     if only == "restore":
         return out
@@ -311,15 +340,16 @@ def _targets(row: dict, only: str) -> dict:
         if isinstance(row[n], dict) and "blocked" in row[n]
     }
     dur = {n: row[n]["durable"]["median"] for n in med}
-    floor = row["floor"]["s"]
+    floor = med["memcpy_reference"]
     ours = med["ours_thread"]
     return {
         "ours_vs_dcp_sync": ours / med["dcp_sync"],
         "ours_vs_dcp_async_thread": ours / med["dcp_async_thread"],
         "ours_process_vs_dcp_async_process": med["ours_process"] / med["dcp_async_process"],
-        "ours_vs_floor": ours / floor,
+        "ours_vs_memcpy": ours / floor,
+        "dcp_async_thread_vs_memcpy": med["dcp_async_thread"] / floor,
         "meets_1_5_of_dcp_sync": ours <= med["dcp_sync"] / 5,
-        "meets_2x_floor": ours <= 2 * floor,
+        "meets_2x_memcpy": ours <= 2 * floor,
         "durable_vs_dcp_sync": dur["ours_thread"] / dur["dcp_sync"],
         "durable_process_vs_dcp_sync": dur["ours_process"] / dur["dcp_sync"],
         "durable_vs_dcp_async_thread": dur["ours_thread"] / dur["dcp_async_thread"],

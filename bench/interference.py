@@ -27,7 +27,10 @@ A step's time is its compute only: ``next()`` waits and a save's blocking copy a
 out (the ledger books them as data wait and checkpoint block). Each round runs every
 contender once, in an order that rotates by one place per round, ``--warmup`` steps then
 ``--steps`` timed ones, right after a baseline block of its own; a contender's slowdown in a
-round is its median step time over that baseline block's median, minus 1. Reported: min /
+round is its median step time over that baseline block's median, minus 1, on wall time (the
+headline: what the job feels, a core taken by the writer included) and, beside it, on wall
+time minus the run-queue wait (``free_core``: the step as it would run with a core free for
+the background work; it hides the writer's CPU where cores are scarce). Reported: min /
 median / max over rounds with a 95 % interval for the median; the median step of the steps
 that ran beside a save ("in flight"); and the throughput slowdown, every timed step's total
 over the paired baselines' total (what a job's wall time feels at this save cadence) with a
@@ -80,7 +83,11 @@ CONTENDERS: dict[str, tuple[str | None, str | None]] = {
     "w1_process": ("w1", "process"),
 }
 DEFAULTS = ("loader_thread", "ckpt_thread", "defaults")
-VIEWS = ("free_core", "wall")  # the slowdown with run-queue waits left out, and as is
+# The headline is wall time, as is: on a machine whose cores are scarce, a writer's CPU
+# takes the training thread's core, and a job feels that. Beside it, "free_core" leaves
+# the run-queue waits out (the step as it would run with a core free for the background
+# work), which hides exactly that cost, so it is never the headline.
+VIEWS = ("wall", "free_core")
 # Part B: one rank, ~0.8M parameters (~10 MB with AdamW's moments: a save spans steps).
 TRAIN_MODEL = (
     "model.n_layer=4 model.n_head=4 model.n_embd=128 data.seq_len=32 data.global_batch=8 "
@@ -330,9 +337,12 @@ class Contender:
         # the block's whole compute time, for throughput: a median ignores the steps a
         # sparse save slows, a job's wall time does not
         out["total_free_core_s"] = sum(g["wall"] - g["runq"] for g in got)
+        out["total_wall_s"] = sum(g["wall"] for g in got)
         flying = [g["wall"] - g["runq"] for g in got if g["in_flight"]]
         out["in_flight_steps"], out["steps"] = len(flying), len(got)
         out["in_flight_free_core_s"] = statistics.median(flying) if flying else None
+        flying_wall = [g["wall"] for g in got if g["in_flight"]]
+        out["in_flight_wall_s"] = statistics.median(flying_wall) if flying_wall else None
         out["data_wait_s"] = statistics.mean(g["wait"] for g in got)
         return out | {"saves": self.saves - saves0}
 
@@ -356,17 +366,19 @@ def _paired_round(
     for n in order:
         base = contenders["baseline"].run(args.warmup, args.steps)
         got[n] = contenders[n].run(args.warmup, args.steps)
-        got[n]["baseline_free_core_s"] = base["free_core_s"]
-        got[n]["baseline_total_free_core_s"] = base["total_free_core_s"]
+        for view in VIEWS:
+            got[n][f"baseline_{view}_s"] = base[f"{view}_s"]
+            got[n][f"baseline_total_{view}_s"] = base[f"total_{view}_s"]
         for view in VIEWS:
             ratio = got[n][f"{view}_s"] / base[f"{view}_s"]
             got[n][f"slowdown_{view}_pct"] = 100.0 * (ratio - 1.0)
         bases.append(base)
     got["baseline"] = dict(bases[0])
     # A/A for throughput too: each baseline block's total against the one before it
-    got["baseline"]["total_free_core_s"] = sum(b["total_free_core_s"] for b in bases[1:])
-    got["baseline"]["baseline_total_free_core_s"] = sum(b["total_free_core_s"] for b in bases[:-1])
     for view in VIEWS:
+        key = f"total_{view}_s"
+        got["baseline"][key] = sum(b[key] for b in bases[1:])
+        got["baseline"][f"baseline_{key}"] = sum(b[key] for b in bases[:-1])
         pairs = zip(bases, bases[1:], strict=False)
         aa = [100.0 * (b[f"{view}_s"] / a[f"{view}_s"] - 1.0) for a, b in pairs]
         got["baseline"][f"slowdown_{view}_pct"] = statistics.median(aa) if aa else 0.0
@@ -417,7 +429,11 @@ def part_a(args: argparse.Namespace, tmp: str, dataset: str) -> dict[str, Any]:
             )
             print(
                 f"[bench] round {r + 1}/{args.rounds} (load {os.getloadavg()[0]:.1f}): "
-                + ", ".join(f"{n} {got[n]['slowdown_free_core_pct']:+.1f}%" for n in names[1:]),
+                + ", ".join(
+                    f"{n} {got[n]['slowdown_wall_pct']:+.1f}% "
+                    f"({got[n]['slowdown_free_core_pct']:+.1f}% free core)"
+                    for n in names[1:]
+                ),
                 flush=True,
             )
     finally:
@@ -432,18 +448,23 @@ def part_a(args: argparse.Namespace, tmp: str, dataset: str) -> dict[str, Any]:
         for k in ("wall", "free_core", "cpu", "blocked", "runq", "data_wait"):
             summary[n][f"{k}_ms"] = spread([1e3 * p[f"{k}_s"] for p in per])
         summary[n]["saves_per_round"] = spread([float(p["saves"]) for p in per])
+        # headline: wall time; "_free_core" beside it (run-queue waits left out)
         summary[n]["throughput_slowdown_pct"] = pooled_slowdown(
+            [(p["total_wall_s"], p["baseline_total_wall_s"]) for p in per]
+        )
+        summary[n]["throughput_slowdown_free_core_pct"] = pooled_slowdown(
             [(p["total_free_core_s"], p["baseline_total_free_core_s"]) for p in per]
         )
         summary[n]["in_flight_share"] = sum(p["in_flight_steps"] for p in per) / sum(
             p["steps"] for p in per
         )
-        flying = [
-            100.0 * (p["in_flight_free_core_s"] / p["baseline_free_core_s"] - 1.0)
-            for p in per
-            if p["in_flight_free_core_s"] is not None
-        ]
-        summary[n]["slowdown_in_flight_pct"] = spread(flying) if flying else None
+        for view, suffix in (("wall", ""), ("free_core", "_free_core")):
+            flying = [
+                100.0 * (p[f"in_flight_{view}_s"] / p[f"baseline_{view}_s"] - 1.0)
+                for p in per
+                if p[f"in_flight_{view}_s"] is not None
+            ]
+            summary[n][f"slowdown_in_flight{suffix}_pct"] = spread(flying) if flying else None
         summary[n]["save_background_s"] = contenders[n].save_s
         summary[n]["durable_s_median"] = contenders[n].durable_s()
     return {"summary": summary, "rounds": rounds}
@@ -582,15 +603,19 @@ def main() -> None:
     doc |= {
         "benchmark": "interference",
         "machine": f"{os.cpu_count()} CPU cores, shared with other work",
-        "goal": "slowdown <= 2 % (median over rounds) with the default modes",
+        "goal": "slowdown <= 2 % (median over rounds, wall time) with the default modes",
+        "headline_view": "wall (free_core beside it: run-queue waits left out)",
         # where the 95 % interval for that median reaches above 2 %, the rounds cannot tell
         "defaults_median_ci95_pct": {
-            n: a["summary"][n]["slowdown_free_core_pct"]["median_ci95"]
+            n: {v: a["summary"][n][f"slowdown_{v}_pct"]["median_ci95"] for v in VIEWS}
             for n in DEFAULTS
             if a is not None and n in a["summary"]
         },
         "defaults_throughput_pct": {
-            n: a["summary"][n]["throughput_slowdown_pct"]
+            n: {
+                "wall": a["summary"][n]["throughput_slowdown_pct"],
+                "free_core": a["summary"][n].get("throughput_slowdown_free_core_pct"),
+            }
             for n in DEFAULTS
             if a is not None and n in a["summary"] and "throughput_slowdown_pct" in a["summary"][n]
         },
@@ -615,9 +640,11 @@ def main() -> None:
         line += f" | blocked {s['blocked_ms']['median']:.2f} ms | saves/round {saves:g}"
         if "throughput_slowdown_pct" in s:
             tp, fly = s["throughput_slowdown_pct"], s["slowdown_in_flight_pct"]
-            line += " | throughput {:+.1f} % ({:+.1f} to {:+.1f})".format(
+            line += " | throughput wall {:+.1f} % ({:+.1f} to {:+.1f})".format(
                 tp["estimate"], *tp["ci95"]
             )
+            tf = s.get("throughput_slowdown_free_core_pct")
+            line += f", free core {tf['estimate']:+.1f} %" if tf else ""
             line += f" | in flight {100 * s['in_flight_share']:.0f} % of steps"
             line += f", those {fly['median']:+.1f} %" if fly else ""
         print(line)

@@ -127,6 +127,9 @@ def test_checkpoint_contender_saves_at_a_fixed_cadence(bench, tmp_path, every, m
     assert 1 <= got["in_flight_steps"] <= got["steps"] == 7
     assert got["in_flight_free_core_s"] is not None
     assert got["total_free_core_s"] >= 7 * 0.5 * got["free_core_s"]
+    # the wall view (the headline) counts the run-queue waits the free-core view leaves out
+    assert got["total_wall_s"] >= got["total_free_core_s"] > 0
+    assert got["in_flight_wall_s"] >= got["in_flight_free_core_s"]
     assert contender.durable_s() is not None and contender.durable_s() > 0
 
 
