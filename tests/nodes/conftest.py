@@ -1,13 +1,15 @@
 """Fixtures of the node-harness tests: one harness with 2 nodes and a dataset in its bucket,
 shared by the module's tests (SeaweedFS and namespaces cost seconds to set up), and the
-incident replays, started together in the background (``replays``).
+incident replays and the diagnosis matrix's combined cases, started together in the
+background (``replays``).
 
 Why in the background: a replay spends most of its minute waiting (a backend timeout, a
 rendezvous seat expiring, a requeue, a slowed link), each on its own harness with its own
 subnet and nodes. Run one after another the five took 5-6 minutes of the node tests'
 6-minute budget (issue 15); two at a time (``LANES``), next to the other node tests, they
 take about half. Each replay is the user's command, ``steadytrain demo --incident NAME
---json``; its test waits for its own JSON.
+--json``; the matrix is ``python -m steadytrain.testing.incidents.matrix --json``
+(``CI_CASES``); each test waits for its own JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import pytest
 
 from steadytrain.testing import netns
+from steadytrain.testing.incidents.matrix import CI_CASES
 from steadytrain.testing.nodes import Node, NodeHarness
 from steadytrain.testing.s3_server import find_weed
 
@@ -81,14 +84,17 @@ REPLAY_MODULES = {
     "test_replay_storage.py": "storage",
     "test_replay_loader_memory.py": "loader-memory",
     "test_replay_noisy_loss.py": "noisy-loss",
+    "test_diagnosis_matrix.py": "matrix",
 }
 # Two lanes, each one replay at a time (on 2 cores, more would stretch the timed ones).
 # storage starts once the harness and Slurm tests are over (its diagnosis compares node-1's
 # read p99 with node-0's, which a CPU-starved object store inflates too). loader-memory
 # fills the machine's /dev/shm, which every rank's meter samples: it never runs beside
-# storage, whose diagnosis must name storage and nothing else (AFTER).
-LANES = (("node-loss", "loader-memory"), ("hang", "storage", "noisy-loss"))
-AFTER = {"loader-memory": "storage"}
+# storage, whose report must find storage and nothing else (AFTER). The matrix's combined
+# cases slow storage and fill /dev/shm too: they wait for the replays whose clean runs
+# must stay clean.
+LANES = (("node-loss", "loader-memory", "matrix"), ("hang", "storage", "noisy-loss"))
+AFTER = {"loader-memory": ("storage",), "matrix": ("storage", "noisy-loss")}
 REPLAY_TIMEOUT_S = 900
 
 
@@ -110,9 +116,8 @@ class Replays:
 
     def _lane(self, names: list[str]) -> None:
         for name in names:
-            before = self._runs.get(AFTER.get(name, ""))
-            if before is not None:
-                futures_wait([before])
+            before = [self._runs[b] for b in AFTER.get(name, ()) if b in self._runs]
+            futures_wait(before)
             if self._closing:
                 self._runs[name].set_exception(RuntimeError("the session ended first"))
                 continue
@@ -123,11 +128,15 @@ class Replays:
 
     def _run(self, name: str) -> tuple[int, str, str, float]:
         t0 = time.monotonic()
+        if name == "matrix":
+            argv = ["-m", "steadytrain.testing.incidents.matrix", "--json",
+                    "--cases", ",".join(CI_CASES), "--workdir", str(self.root / name)]  # fmt: skip
+        else:
+            argv = ["-m", "steadytrain.cli", "demo", "--incident", name, "--json",
+                    "--run-dir", str(self.root / name)]  # fmt: skip
         p = subprocess.Popen(
-            [sys.executable, "-m", "steadytrain.cli", "demo", "--incident", name, "--json",
-             "--run-dir", str(self.root / name)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         self._procs.append(p)
         try:
             out, err = p.communicate(timeout=REPLAY_TIMEOUT_S)
@@ -145,7 +154,7 @@ class Replays:
         if name not in self._runs:
             pytest.fail(f"replay {name!r} was not started (REPLAY_MODULES in conftest.py)")
         code, out, err, took = self._runs[name].result()
-        assert code == 0, f"steadytrain demo --incident {name} exited {code}:\n{err[-6000:]}"
+        assert code == 0, f"replay {name} exited {code}:\n{err[-6000:]}"
         print(f"[replays] {name}: {took:.0f} s", flush=True)
         return json.loads(out), err  # stdout is exactly one JSON object
 
@@ -163,7 +172,14 @@ def replays(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Replays | None]:
     """Starts, with the first node test, every replay whose test module is selected."""
-    selected = {os.path.basename(str(item.fspath)) for item in request.session.items}
+    # A module counts when one of its selected tests waits for a run (the matrix module's
+    # scoring tests need no harness: they alone start nothing).
+    selected = {
+        os.path.basename(str(item.fspath))
+        for item in request.session.items
+        if "matrix" in getattr(item, "fixturenames", ())
+        or os.path.basename(str(item.fspath)) != "test_diagnosis_matrix.py"
+    }
     names = [n for m, n in REPLAY_MODULES.items() if m in selected]
     if find_weed() is None or not names:
         yield None  # their tests skip (no `weed`) or none was selected

@@ -5,8 +5,9 @@ node-loss --json``, started in the background with the other replays: ``replays`
 conftest.py): a reference 2-node run (it also shows that a plain 2-node job puts one rank
 on each node, each reading through its own link into its own cache), then node-1 killed mid-run without a spare
 (the job continues on MIN = 1 node) and with a staged spare waiting (it takes the seat).
-The tests check the JSON it prints: the diagnosis names node-1 and the step, the job
-finished both times, the spare read nothing remote after ``stage``, and the continuation is
+The tests check the JSON it prints: the report (steadytrain.diagnose, not the replay) finds
+one ``node-loss`` naming node-1, its rank and the step, and nothing else (the reference run:
+nothing at all), the job finished both times, the spare read nothing remote after ``stage``, and the continuation is
 bit-exact where the world size did not change.
 
 The issue's "bad input" case, a spare whose cache is only partly staged, is
@@ -15,13 +16,13 @@ tests/nodes/test_nodes_harness.py's (on the shared harness).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import pytest
 
 from steadytrain.testing.incidents.common import ROW_KEYS
+from steadytrain.testing.incidents.expect import verify
 from steadytrain.testing.incidents.node_loss import EVERY, KILL_AT, REL_TOL, STEPS
 from steadytrain.testing.s3_server import find_weed
 
@@ -39,15 +40,12 @@ def result(replays) -> dict[str, Any]:
     return out
 
 
-def _rows(result: dict[str, Any], run: str) -> list[dict[str, Any]]:
-    return [i for i in result["incidents"] if i["run"] == run and i["kind"] == "node-loss"]
-
-
 def test_json_is_the_replay_contract(result) -> None:
     assert result["incident"] == "node-loss"
     assert result["mode"] in ("netns", "loopback") and result["mode_reason"]
-    for row in result["incidents"]:
+    for row in result["incidents"]:  # the report's incidents, tagged with their run
         assert set(ROW_KEYS) | {"run"} <= set(row), row
+        assert row["run"] in ("without_fix", "with_fix", "reference"), row
     for run in ("without_fix", "with_fix"):
         assert 0 < result["goodput"][run] <= 1
         assert os.path.isfile(result["runs"][run]["report_html"])
@@ -58,15 +56,22 @@ def test_json_is_the_replay_contract(result) -> None:
     ("run", "resumed_on"), [("without_fix", ["node-0"]), ("with_fix", ["node-0", "node-2"])]
 )
 def test_diagnosis_names_the_lost_node_and_step(result, run, resumed_on) -> None:
-    rows = _rows(result, run)
-    assert len(rows) == 1, json.dumps(result["incidents"], indent=1)
-    row = rows[0]
-    assert (row["diagnosis"], row["node"], row["resumed_on"]) == ("node lost", "node-1", resumed_on)
+    [want] = result["expected"][run]
+    assert (want["kind"], want["nodes"]) == ("node-loss", ["node-1"]), want
     # The crash's step: the newest step when the kill came (one more may have been recorded
     # between reading the trace and the SIGKILL).
     assert result["killed_at"][run] >= KILL_AT
-    assert result["killed_at"][run] <= row["step"] <= result["killed_at"][run] + 1
+    killed_at = result["killed_at"][run]
+    assert want["first_step"] == [killed_at - 1, killed_at + 1], want
+    [hit] = verify(result, run)  # and nothing else: no failed save, no straggler
+    assert hit["lost_s"] > 0, hit  # the restart cost wall time
+    assert result["runs"][run]["resumed_on"] == resumed_on  # the replay's own reading
     assert result["runs"][run]["attempts"] == 2
+
+
+def test_the_uninterrupted_run_has_no_incident(result) -> None:
+    assert result["expected"]["reference"] == []
+    verify(result, "reference")
 
 
 def test_the_reference_run_trains_on_two_nodes_each_with_its_own_link_and_cache(result) -> None:

@@ -3,7 +3,9 @@ stored in topic order, read with ``data.shuffle=sequential`` against ``global``.
 
 The sequential run's loss jumps each time a new topic block begins; the global run's every
 batch mixes all topics. The replay measures the variance of the step-to-step loss change of
-both curves; sequential must be clearly the larger.
+both curves; sequential must be clearly the larger. From the sequential run alone (its
+loss and configured order) the report must find one ``data-order`` incident, from the global
+run none: the replay writes no diagnosis of its own.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 
 import pytest
 
+from steadytrain.testing.incidents.expect import verify
 from steadytrain.testing.incidents.noisy_loss import BURN_IN, STEPS, step_variance
 from steadytrain.testing.s3_server import find_weed
 
@@ -41,14 +44,17 @@ def test_sequential_reading_of_ordered_documents_makes_the_loss_noisy(replays) -
     assert var["ratio"] == pytest.approx(var["sequential"] / var["global"])
     assert var["ratio"] > MIN_RATIO, var
 
-    [row] = [i for i in r["incidents"] if i["kind"] == "noisy-loss"]
-    assert row["diagnosis"] == "unshuffled sequential reading"
-    assert row["run"] == "without_fix" and row["node"] is None and row["rank"] is None
-    assert "data.shuffle=global" in row["fix"]
-    # The largest jump is one of the sequential curve's, after the burn-in.
+    # The report's diagnosis: data order in the sequential run, nothing in the global one.
+    [want] = r["expected"]["without_fix"]
+    assert want["kind"] == "data-order" and want["last_step"][1] == STEPS, want
+    [hit] = verify(r, "without_fix")
+    assert "shuffle" in hit["advice"], hit
+    assert r["expected"]["with_fix"] == []
+    verify(r, "with_fix")
+    # The replay's own measurement: the largest jump is one of the sequential curve's.
     pairs = enumerate(zip(seq, seq[1:], strict=False), 1)  # (step of a, (a, b))
     jumps = {s + 1: abs(b - a) for s, (a, b) in pairs if s > BURN_IN}
-    assert row["step"] == max(jumps, key=jumps.get)
+    assert r["largest_jump"]["step"] == max(jumps, key=jumps.get)
     assert r["runs"]["without_fix"]["shuffle"] == "sequential"
     assert r["runs"]["with_fix"]["shuffle"] == "global"
 

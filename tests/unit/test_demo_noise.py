@@ -136,7 +136,7 @@ def _two_attempt_run(run_dir: Path) -> None:
 def test_report_bands_and_heading_agree_with_the_incidents(tmp_path) -> None:
     _two_attempt_run(tmp_path)
     s = build_report(tmp_path, tmp_path / "rep")
-    bands = [i for i in s["incidents"] if i["kind"] == "throughput_band"]
+    bands = [i for i in s["alerts"] if i["kind"] == "throughput_band"]  # the live alerts
     assert len(bands) == 2
     learned = [b["band"][0] for b in s["bands_per_attempt"]]
     # Each attempt's shaded band is the one its own incident names.

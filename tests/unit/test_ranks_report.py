@@ -93,19 +93,20 @@ def test_report_names_the_straggler_despite_bad_input(
     assert s["torn_lines"] == 1  # the partial last line: skipped and counted
     assert s["missing_ranks"] == [{"rank": 2, "attempt": 0, "reason": "no rank file"}]
 
-    [st] = [a for a in s["incidents"] if a["kind"] == "straggler"]
-    assert (st["rank"], st["node"], st["cause"]) == (1, "node-b", "data loading on rank 1")
-    assert st["source"] == "report"  # the live check was off: found after the run
-    # Aligned by step, not by the hour-ahead clock: the window starts before the fault and
-    # its time is rank 0's time of that step, inside the run.
-    assert FAULT_FROM - 20 <= st["step"] <= FAULT_FROM
+    # The diagnosis engine's incident: one, for the whole episode, on rank 1's node.
+    [st] = s["incidents"]
+    assert (st["kind"], st["nodes"], st["ranks"]) == ("dataloader", ["node-b"], [1])
+    assert (st["rank"], st["node"], st["diagnosis"]) == (1, "node-b", "dataloader")
+    # Aligned by step, not by the hour-ahead clock: the episode starts at the fault and its
+    # time is rank 0's time of that step, inside the run.
+    assert (st["first_step"], st["last_step"]) == (FAULT_FROM, STEPS) and st["step"] == FAULT_FROM
     assert 0 <= st["minutes"] <= s["total_s"] / 60
+    assert st["lost_s"] == pytest.approx((STEPS - FAULT_FROM + 1) * (0.09 - 0.002), rel=0.05)
     ev = st["evidence"]
-    assert ev["data_wait_s_per_step"] > 10 * ev["others_data_wait_s_per_step"]
-    for a in s["incidents"]:
+    assert ev["data_wait_s_per_step"] > 10 * ev["healthy_data_wait_s_per_step"]
+    for a in s["alerts"]:  # the live alerts of rank 0's own ledger: rank 0, on its node
         assert {"rank", "node", "evidence"} <= set(a)
-        if a["kind"] != "straggler":  # rank 0's own alerts: rank 0, on its node
-            assert (a["rank"], a["node"]) == (0, "node-a")
+        assert (a["rank"], a["node"]) == (0, "node-a")
 
     # Rank 0 booked its wait for rank 1 as compute; the report moves it to its own bucket:
     # rank 1's excess data wait per step over rank 0's, over the slow steps.
@@ -136,7 +137,7 @@ def test_cli_json_and_text_name_the_straggler(
     assert s["missing_ranks"][0]["rank"] == 2
     text = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert text.returncode == 0, text.stderr
-    assert "on rank 1 (node-b): straggler" in text.stdout
+    assert "incident 1: dataloader on node-b (rank 1) steps 30-60" in text.stdout
     assert "missing: rank 2 of attempt 0 (no rank file)" in text.stdout
     assert "1 torn line(s)" in text.stdout
 

@@ -174,8 +174,8 @@ def test_every_rank_on_every_node_and_rank_1_wait_visible(
     assert re.search(r"rank 1 +node-2 +30 steps", text)
     assert "most data wait: rank 1 (node-1)" in text
     # The incident names the node rank 1 straggled on (node-1), not its newest (node-2).
-    [st] = [a for a in s["incidents"] if a["kind"] == "straggler"]
-    assert (st["rank"], st["node"]) == (1, "node-1")
+    [st] = s["incidents"]
+    assert (st["kind"], st["ranks"], st["nodes"]) == ("dataloader", [1], ["node-1"])
 
 
 def test_records_lost_time_is_a_bucket_of_its_own(tmp_path: Path, capsys) -> None:

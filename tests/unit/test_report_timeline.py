@@ -103,14 +103,14 @@ def test_report_draws_the_timeline_with_the_straggler_on_its_node(
     run = tmp_path / "run"
     _make_run(run, monkeypatch)
     s = build_report(run)
-    [st] = [a for a in s["incidents"] if a["kind"] == "straggler"]
-    assert st["node"] == "node-b"
+    [st] = [a for a in s["incidents"] if a["kind"] == "dataloader"]  # the engine's
+    assert st["nodes"] == ["node-b"]
     index = s["incidents"].index(st) + 1
 
     rows = {r["node"]: r for r in timeline(s, node_attempts(read_ranks(run)))}
     assert list(rows) == ["node-a", "node-b"]
-    assert [i["index"] for i in rows["node-b"]["incidents"] if i["kind"] == "straggler"] == [index]
-    assert not [i for i in rows["node-a"]["incidents"] if i["kind"] == "straggler"]
+    assert [i["index"] for i in rows["node-b"]["incidents"] if i["kind"] == "dataloader"] == [index]
+    assert not [i for i in rows["node-a"]["incidents"] if i["kind"] == "dataloader"]
     assert all(len(r["attempts"]) == 1 for r in rows.values())
 
     png = Path(s["plots"]["timeline"])

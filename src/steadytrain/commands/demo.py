@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 HELP = "run the demo on the embedded corpus (the Python standard library's source)"
 DESCRIPTION = (
@@ -99,11 +100,16 @@ def _incident(args: argparse.Namespace, out) -> int:  # noqa: ANN001
         f"{pct(gp.get('without_fix'))}, with it {pct(gp.get('with_fix'))}; "
         f"{result.get('seconds', 0):.0f} s"
     )
-    for i in result.get("incidents", []):
-        print(
-            f"  [{i.get('run')}] step {i.get('step')}: {i.get('kind')} -> {i.get('diagnosis')}"
-            f" on node {i.get('node')} rank {i.get('rank')}"
-        )
+    checks = result.get("checks", {})
+    for run in [*result.get("runs", {}), *(r for r in checks if r not in result.get("runs", {}))]:
+        found = [i for i in result.get("incidents", []) if i.get("run") == run]
+        print(f"  [{run}] the report's incidents: " + ("none" if not found else ""))
+        for i in found:
+            for line in incident_lines(i):
+                print(f"    {line}")
+        check = checks.get(run)
+        if check is not None:
+            print(f"    injected vs diagnosed: {_verdict(check)}")
     lv = result.get("loss_variance")
     if lv:
         print(
@@ -124,3 +130,32 @@ def _incident(args: argparse.Namespace, out) -> int:  # noqa: ANN001
     for run, r in result.get("runs", {}).items():
         print(f"  {run}: {r.get('report_html')}")
     return 0
+
+
+def incident_lines(i: dict[str, Any]) -> list[str]:
+    """One report incident (``steadytrain report --json``) as the demo prints it: kind,
+    where, steps, what it cost, then the advice."""
+    nodes = ", ".join(i.get("nodes") or []) or "-"
+    ranks = ", ".join(str(r) for r in i.get("ranks") or []) or "-"
+    first, last = i.get("first_step"), i.get("last_step")
+    steps = "?" if first is None else (f"{first}" if last in (None, first) else f"{first}-{last}")
+    lost = i.get("lost_s")
+    head = f"{i.get('kind')} on node(s) {nodes} (rank(s) {ranks}), step(s) {steps}" + (
+        "" if lost is None else f", lost {lost:.1f} s"
+    )
+    out = [head]
+    if i.get("message"):
+        out.append(f"  {i['message']}")
+    if i.get("advice"):
+        out.append(f"  advice: {i['advice']}")
+    return out
+
+
+def _verdict(check: dict[str, Any]) -> str:
+    """A replay's check of one run (steadytrain.testing.incidents.expect.check)."""
+    parts = [f"found {e['kind']} on {', '.join(e['nodes']) or 'the job'}"
+             for e, _ in check.get("matched", [])]  # fmt: skip
+    parts += [f"MISSED {m['expected']['kind']} on {', '.join(m['expected']['nodes']) or 'the job'}"
+              for m in check.get("missed", [])]  # fmt: skip
+    parts += [f"FALSE ALARM {i.get('kind')}" for i in check.get("extra", [])]
+    return "; ".join(parts) or "clean, as injected"

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         rejected_lines,
         slowdown_note,
     )
-    from steadytrain.monitor.report_ranks import node_rows, who
+    from steadytrain.monitor.report_ranks import node_rows, where
 
     s = build_report(args.run_dir, args.out)
     if args.json:
@@ -49,12 +49,22 @@ def run(args: argparse.Namespace) -> int:
     )
     if note := slowdown_note(s):
         print(f"  {note}")
+    # The diagnosis engine's incidents (one per fault): kind, where, steps, cost, what, advice.
+    if not s["incidents"]:
+        print("incidents: none")
     for i, a in enumerate(s["incidents"], 1):
-        where = f" on {who(a)}" if who(a) else ""
-        print(
-            f"incident {i} at step {a['step']}{where}: {a['kind']} -> {a['diagnosis']}: "
-            f"{a['message']}"
+        at = where(a)
+        first, last = a.get("first_step"), a.get("last_step")
+        steps = (
+            ""
+            if first is None
+            else f" steps {first}" + (f"-{last}" if last not in (None, first) else "")
         )
+        print(f"incident {i}: {a['kind']}{' on ' + at if at else ''}{steps}, "
+              f"lost {a['lost_s']:.1f} s: {a['message']}")  # fmt: skip
+        print(f"  what to do: {a['advice']}")
+    if s.get("alerts"):
+        print(f"live alerts: {len(s['alerts'])} (in the HTML and --json under 'alerts')")
     if s["ranks"]:
         lines = node_rows(s["ranks"])
         nodes = {n for r in s["ranks"] for n in (r.get("nodes") or [r["node"]])}

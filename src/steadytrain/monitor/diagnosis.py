@@ -52,6 +52,12 @@ NEXT_STEPS = {
         "throttling (nvidia-smi -q -d PERFORMANCE), ECC/Xid errors in dmesg, a straggler "
         "rank (compare per-rank step times), NCCL bandwidth, and other processes on the node."
     ),
+    "host contention": (
+        "The host's CPUs were oversubscribed (run queue above the core count, steal or "
+        "throttling): look for other processes on the node (top), more threads than cores "
+        "(ranks per node x OMP_NUM_THREADS) and a throttled virtual machine. Not a hardware "
+        "fault of the rank."
+    ),
     "other": (
         "Time between steps grew outside data, compute and checkpointing: look at logging, "
         "evaluation, garbage collection and host-side synchronisation."

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -20,14 +21,122 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.monitor.appender import open_regular
-from steadytrain.monitor.ranks import RankFile, node_name, rank_files, rank_step_record
+from steadytrain.monitor.ranks import (
+    RankFile,
+    host_addrs,
+    node_name,
+    rank_files,
+    rank_step_record,
+)
 
-__all__ = ["RankRecorder", "RankPoller", "RankTail", "rank_windows", "Consumer"]
+__all__ = ["HostSampler", "RankRecorder", "RankPoller", "RankTail", "rank_windows", "Consumer"]
 
 log = logging.getLogger("steadytrain.monitor")
 
 # (new records by rank) -> ledger records to add (e.g. alerts)
 Consumer = Callable[[dict[int, list[dict[str, Any]]]], list[dict[str, Any]]]
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read(4096)
+    except OSError:
+        return None
+
+
+def _usable_cpus() -> int:
+    """Cores this process may use: its affinity, capped by a cgroup CPU quota."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    quota = None
+    text = _read("/sys/fs/cgroup/cpu.max")  # cgroup v2: "max 100000" or "200000 100000"
+    if text and not text.startswith("max"):
+        with contextlib.suppress(ValueError, IndexError):
+            q, p = text.split()[:2]
+            quota = float(q) / float(p)
+    else:
+        q1, p1 = (
+            _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+            _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+        )
+        with contextlib.suppress(ValueError, TypeError):
+            if q1 and p1 and float(q1) > 0:
+                quota = float(q1) / float(p1)
+    if quota is not None and quota > 0:
+        n = min(n, max(1, math.ceil(quota)))
+    return max(1, n)
+
+
+class HostSampler:
+    """The host's CPU pressure, sampled at most once per ``every_s`` (cheap: three small
+    /proc and cgroup reads): ``host_run_queue`` (runnable tasks, /proc/loadavg, less the
+    sampling thread itself), ``host_cpus`` (usable cores), ``host_steal`` (share of CPU
+    time the hypervisor stole since the last sample) and ``host_throttled`` (share of the
+    interval the cgroup was throttled). A signal that cannot be read is left out: the
+    diagnosis then treats the host as unknown, never as idle."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s = every_s
+        self.cpus = _usable_cpus()
+        self._due = 0.0
+        self._stat: tuple[float, float] | None = self._cpu_stat()
+        self._thr: tuple[float, float] | None = self._throttled()
+        self.last: dict[str, float] = {}
+
+    @staticmethod
+    def _cpu_stat() -> tuple[float, float] | None:
+        """(total, steal) jiffies of all CPUs from /proc/stat."""
+        text = _read("/proc/stat")
+        if not text or not text.startswith("cpu "):
+            return None
+        try:
+            v = [float(x) for x in text.split("\n", 1)[0].split()[1:]]
+        except ValueError:
+            return None
+        # user nice system idle iowait irq softirq steal (guest time is inside user)
+        return sum(v[:8]), (v[7] if len(v) > 7 else 0.0)
+
+    @staticmethod
+    def _throttled() -> tuple[float, float] | None:
+        """(monotonic s, throttled s) of this cgroup, or None where it is not readable."""
+        text = _read("/sys/fs/cgroup/cpu.stat")  # v2: throttled_usec
+        scale, key = 1e-6, "throttled_usec"
+        if text is None:
+            text, scale, key = _read("/sys/fs/cgroup/cpu/cpu.stat"), 1e-9, "throttled_time"
+        if not text:
+            return None
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == key:
+                with contextlib.suppress(ValueError):
+                    return time.monotonic(), float(parts[1]) * scale
+        return None
+
+    def sample(self) -> dict[str, float]:
+        """The newest sample (taken now when the last is ``every_s`` old)."""
+        now = time.monotonic()
+        if now < self._due and self.last:
+            return self.last
+        self._due = now + self.every_s
+        out: dict[str, float] = {"host_cpus": float(self.cpus)}
+        text = _read("/proc/loadavg")  # "0.5 0.4 0.3 3/145 6555": 3 runnable
+        if text:
+            with contextlib.suppress(ValueError, IndexError):
+                out["host_run_queue"] = max(0.0, float(text.split()[3].split("/")[0]) - 1)
+        stat = self._cpu_stat()
+        if stat is not None and self._stat is not None and stat[0] > self._stat[0]:
+            out["host_steal"] = max(0.0, (stat[1] - self._stat[1]) / (stat[0] - self._stat[0]))
+        self._stat = stat or self._stat
+        thr = self._throttled()
+        if thr is not None and self._thr is not None and thr[0] > self._thr[0]:
+            share = (thr[1] - self._thr[1]) / (thr[0] - self._thr[0])
+            out["host_throttled"] = min(1.0, max(0.0, share))
+        self._thr = thr or self._thr
+        self.last = out
+        return out
 
 
 class RankRecorder:
@@ -41,6 +150,7 @@ class RankRecorder:
         self.node = node_name()
         self.attempt = 0  # set by the meter at job_start
         self._file: RankFile | None = None
+        self._host: HostSampler | None = None  # made on the meter's thread, at first use
 
     def start_record(self, t: float, device: str | None) -> dict[str, Any]:
         return {
@@ -53,7 +163,14 @@ class RankRecorder:
             "world_size": self.world_size,
             "device": device,
             "pid": os.getpid(),
+            "addrs": self._addrs(),
         }
+
+    def _addrs(self) -> list[str]:
+        """The host's addresses, listed once (a restart is a new process: listed again)."""
+        if not hasattr(self, "_host_addrs"):
+            self._host_addrs = host_addrs()
+        return self._host_addrs
 
     def open(self) -> None:
         try:
@@ -70,7 +187,9 @@ class RankRecorder:
         for rec in batch:
             kind = rec.get("type")
             if kind == "step":
-                out.append(rank_step_record(rec, self.attempt))
+                if self._host is None:
+                    self._host = HostSampler()
+                out.append({**rank_step_record(rec, self.attempt), **self._host.sample()})
             elif kind == "job_start":  # rank 0's ledger record: its rank file gets its own
                 out.append(self.start_record(rec["t"], rec.get("device")))
             elif kind in ("rank_start", "hang"):

@@ -32,9 +32,11 @@ RANK_KEYS = (
     "shm_bytes",
 )
 MAX_BINS = 256  # step bins kept per rank (the heatmap's resolution)
+EARLY_STEPS = 10  # an attempt's first steps, whose reads are kept apart (a spare's start)
 # 2: per-node tallies (``by_node``); a version-1 snapshot is not loaded (the reader then
-# folds the whole rank file again, which rebuilds them).
-SUMMARY_VERSION = 2
+# folds the whole rank file again, which rebuilds them). 3: per-attempt facts in each
+# ``attempts`` entry (last step and time, rank_end, early reads).
+SUMMARY_VERSION = 3
 # Nodes a rank's tallies are kept apart for (a rank moves only at a restart); beyond these
 # a rank's steps are added to its newest kept node's tally.
 MAX_NODES = 64
@@ -47,12 +49,19 @@ _SUMS = tuple(k for k in RANK_KEYS if k not in _GAUGES)
 _H_LO, _H_PER_DECADE, _H_BINS = -6.0, 10, 90
 
 
+def _num(v: Any) -> float | None:
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
 class StepSeries:
     """Per step bin, aligned by step index: sums of the timing fields, maxima of memory.
     At most ``max_bins`` bins; when a step falls beyond them, neighbours merge in pairs
     and the bin width doubles (memory flat in the run's length, resolution halves)."""
 
     FIELDS = ("step_s", "data_wait_s", "forward_s", "compute_s", "cache_misses")
+    # host signals of rank_recorder.HostSampler, summed per bin like the timings (mean =
+    # sum / n): the diagnosis tells host contention from a slow rank with them
+    HOST = ("host_run_queue", "host_cpus", "host_steal", "host_throttled")
     MAXES = ("rss_bytes", "shm_bytes", "read_p99_s")
 
     def __init__(self, max_bins: int = MAX_BINS) -> None:
@@ -67,7 +76,7 @@ class StepSeries:
             idx = max(0, step - 1) // self.width
         b = self.bins.setdefault(idx, {"n": 0})
         b["n"] += 1
-        for k in self.FIELDS:
+        for k in self.FIELDS + self.HOST:
             v = rec.get(k)
             if v is not None:
                 b[k] = b.get(k, 0.0) + float(v)
@@ -90,7 +99,7 @@ class StepSeries:
         for idx, b in self.bins.items():
             m = out.setdefault(idx // factor, {"n": 0})
             m["n"] += b["n"]
-            for k in self.FIELDS:
+            for k in self.FIELDS + self.HOST:
                 if k in b:
                     m[k] = m.get(k, 0.0) + b[k]
             for k in self.MAXES:
@@ -149,7 +158,7 @@ class RankSummary:
             self.node = node
             if node is not None and node not in self.nodes:
                 self.nodes.append(node)
-            keep = ("attempt", "node", "world_size", "local_rank", "pid", "t", "device")
+            keep = ("attempt", "node", "world_size", "local_rank", "pid", "t", "device", "addrs")
             self.attempts.append({k: rec.get(k) for k in keep})
             tally = self._tally()
             if tally is not None and rec.get("attempt") not in tally["attempts"]:
@@ -157,9 +166,48 @@ class RankSummary:
             self.ended = None
         elif kind == "rank_end":
             self.ended = {k: rec.get(k) for k in ("attempt", "step", "reason", "t")}
+            cur = self._current(rec)
+            if cur is not None:
+                cur["end"] = dict(self.ended)
+
+    def _current(self, rec: dict[str, Any]) -> dict[str, Any] | None:
+        """The ``attempts`` entry ``rec`` belongs to (the newest, when the attempt numbers
+        agree or ``rec`` names none), else None."""
+        if not self.attempts:
+            return None
+        cur = self.attempts[-1]
+        a = rec.get("attempt")
+        return cur if a is None or cur.get("attempt") is None or a == cur["attempt"] else None
+
+    def _add_attempt_step(self, rec: dict[str, Any], step: int) -> None:
+        """Per-attempt facts the failure diagnosis reads (diagnose/failures.py): the steps
+        it ran, when it last made progress, and what its first ``EARLY_STEPS`` steps read
+        (a spare that read remotely at its start). Kept in the ``attempts`` entry, so a
+        snapshot carries them; flat in the run's length."""
+        cur = self._current(rec)
+        if cur is None:
+            return
+        # a snapshot's entry is read back from disk: a non-number counts as absent
+        cur["steps"] = int(_num(cur.get("steps")) or 0) + 1
+        first, last = _num(cur.get("first_step")), _num(cur.get("last_step"))
+        cur["first_step"] = step if first is None else min(int(first), step)
+        cur["last_step"] = step if last is None else max(int(last), step)
+        if rec.get("t") is not None:
+            cur["last_t"] = float(rec["t"])
+        early = cur["steps"] <= EARLY_STEPS
+        for k in ("bytes_read", "cache_misses", "cache_hits"):
+            v = rec.get(k)
+            if v is None:
+                continue
+            cur[k] = (_num(cur.get(k)) or 0.0) + float(v)
+            if early:
+                cur[f"early_{k}"] = (_num(cur.get(f"early_{k}")) or 0.0) + float(v)
+        if early:
+            cur["early_steps"] = cur["steps"]
 
     def _add_step(self, rec: dict[str, Any]) -> None:
         step = int(rec["step"])
+        self._add_attempt_step(rec, step)
         self.steps += 1
         self.first_step = step if self.first_step is None else min(self.first_step, step)
         self.last_step = step if self.last_step is None else max(self.last_step, step)

@@ -43,6 +43,7 @@ from steadytrain.monitor.records import RANK_FIELDS, Rejects, iter_records
 __all__ = [
     "RANKS_DIR",
     "RANK_KEYS",
+    "host_addrs",
     "node_name",
     "rank_path",
     "rank_snapshot_path",
@@ -64,6 +65,27 @@ def node_name() -> str:
     """This node's name in every record: ``STEADYTRAIN_NODE`` (tests and the node harness
     set it), else the host name."""
     return os.environ.get("STEADYTRAIN_NODE") or socket.gethostname()
+
+
+def host_addrs(limit: int = 16) -> list[str]:
+    """This host's non-loopback IP addresses (``rank_start``'s ``addrs``), so a reader maps
+    the peer address in a collective's error ("Connection closed by peer [10.0.0.2]:...")
+    to a node name. Best effort: ``[]`` when the interfaces cannot be listed."""
+    out: list[str] = []
+    try:
+        import psutil
+
+        for snics in psutil.net_if_addrs().values():
+            for a in snics:
+                if a.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                addr = str(a.address).split("%", 1)[0]  # fe80::1%eth0: no zone
+                if addr.startswith("127.") or addr == "::1" or addr in out:
+                    continue
+                out.append(addr)
+    except Exception:  # noqa: BLE001 - a missing address costs a node name, never the run
+        return out[:limit]
+    return out[:limit]
 
 
 def rank_path(run_dir: str | os.PathLike[str], rank: int) -> Path:

@@ -135,6 +135,7 @@ RANK_FIELDS: dict[str, dict[str, str]] = {
         "world_size": "world?",
         "device": "str?",
         "pid": "int?",
+        "addrs": "list?",  # the host's IP addresses (ranks.host_addrs), optional
     },
     "rank_step": {
         "step": "!int",
@@ -146,6 +147,12 @@ RANK_FIELDS: dict[str, dict[str, str]] = {
         "forward_s": "dur?",
         "checkpoint_block_s": "dur?",
         **_STEP_METRICS,
+        # host signals (rank_recorder.HostSampler), sampled about once a second: runnable
+        # tasks, usable cores, shares of the sample interval stolen / cgroup-throttled
+        "host_run_queue": "nonneg?",
+        "host_cpus": "nonneg?",
+        "host_steal": "nonneg?",
+        "host_throttled": "nonneg?",
     },
     "rank_end": {"t": "time?", "attempt": "int?", "step": "int?", "reason": "str?"},
     "hang": LEDGER_FIELDS["hang"],

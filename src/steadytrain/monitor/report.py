@@ -29,6 +29,9 @@ from array import array
 from pathlib import Path
 from typing import Any
 
+from steadytrain.diagnose.engine import diagnose
+from steadytrain.diagnose.incident import Incident
+from steadytrain.diagnose.inputs import load
 from steadytrain.errors import SteadyError
 from steadytrain.monitor.goodput import Breakdown, GoodputAccumulator
 from steadytrain.monitor.ledger import iter_ledger, ledger_path
@@ -43,6 +46,7 @@ from steadytrain.monitor.report_ranks import (
     node_rows,
     rank_section,
     ranks_html,
+    where,
     who,
 )
 from steadytrain.redact import redact
@@ -52,6 +56,7 @@ __all__ = [
     "breakdown",
     "bucket_rows",
     "build_report",
+    "incident_rows",
     "data_bound",
     "goodput_class",
     "rejected_lines",
@@ -174,6 +179,26 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
     }
 
 
+def incident_rows(incidents: list[Incident], t0: float | None) -> list[dict[str, Any]]:
+    """The engine's incidents as the report prints them: ``Incident.to_dict()`` plus the
+    keys the report's readers knew before the engine (``step`` = first_step, ``node`` (the
+    first node), ``rank`` (the only rank), ``diagnosis`` = kind, ``next`` = advice) and
+    ``minutes`` since the run began."""
+    out = []
+    for inc in incidents:
+        d = inc.to_dict()
+        d.update(
+            step=inc.first_step,
+            node=inc.nodes[0] if inc.nodes else None,
+            rank=inc.ranks[0] if len(inc.ranks) == 1 else None,
+            diagnosis=inc.kind,
+            next=inc.advice,
+            minutes=None if inc.t is None or t0 is None else (inc.t - t0) / 60,
+        )
+        out.append(d)
+    return out
+
+
 def breakdown(data: dict[str, Any], section: dict[str, Any]) -> Breakdown:
     """THE breakdown of the report: rank 0's ledger (``data["ledger_breakdown"]``) with
     ``straggler_wait`` (rank 0 waiting inside a collective for a slower rank's data, from
@@ -248,6 +273,14 @@ def rejected_lines(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+def _steps(a: dict[str, Any]) -> str:
+    """ "12-40", "12", or "" for an incident's step span."""
+    first, last = a.get("first_step"), a.get("last_step")
+    if first is None:
+        return ""
+    return str(first) if last in (None, first) else f"{first}-{last}"
+
+
 def goodput_class(goodput: float) -> str:
     """The heading's colour class: "good" (green) from GOODPUT_GOOD, "fair" (amber) from
     GOODPUT_FAIR, else "poor" (red): 4.5 % is never shown in green."""
@@ -286,11 +319,17 @@ def _html(summary: dict[str, Any], out: Path) -> Path:
         + ".</p>"
     )
     inc = "".join(
-        f"<tr><td>{i}</td><td>{'' if a['minutes'] is None else format(a['minutes'], '.1f')}</td><td>{a.get('step')}</td>"
-        f"<td>{e(who(a))}</td>"
-        f"<td>{e(str(a['kind']))}</td><td><b>{e(str(a['diagnosis']))}</b></td>"
-        f"<td>{e(str(a['message']))}</td><td>{e(str(a.get('next', '')))}</td></tr>"
+        f"<tr><td>{i}</td><td>{'' if a['minutes'] is None else format(a['minutes'], '.1f')}</td>"
+        f"<td><b>{e(str(a['kind']))}</b></td><td>{e(where(a))}</td>"
+        f"<td>{_steps(a)}</td><td>{a['lost_s']:.1f} s</td>"
+        f"<td>{e(str(a['message']))}</td><td>{e(str(a.get('advice', '')))}</td></tr>"
         for i, a in enumerate(summary["incidents"], 1)
+    )
+    alerts = "".join(
+        f"<tr><td>{'' if a['minutes'] is None else format(a['minutes'], '.1f')}</td>"
+        f"<td>{a.get('step')}</td><td>{e(who(a))}</td><td>{e(str(a['kind']))}</td>"
+        f"<td>{e(str(a['diagnosis']))}</td><td>{e(str(a['message']))}</td></tr>"
+        for a in summary["alerts"]
     )
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <title>steadytrain report: {e(summary["run_dir"])}</title>
@@ -314,7 +353,8 @@ recovery point age at the end {summary["recovery_point_age_s"] or 0:.0f} s.</p>
 {"".join(f"<p>{e(w)}</p>" for w in rejected_lines(summary))}
 <h2>Incidents</h2>
 {"<p>None.</p>" if not inc else ""}
-{"<table><tr><th>#</th><th>min</th><th>step</th><th>where</th><th>alert</th><th>diagnosis</th><th>what</th><th>look at next</th></tr>" + inc + "</table>" if inc else ""}
+{"<table><tr><th>#</th><th>min</th><th>kind</th><th>where</th><th>steps</th><th>lost</th><th>what</th><th>what to do</th></tr>" + inc + "</table>" if inc else ""}
+{"<details><summary>Live alerts (" + str(len(summary["alerts"])) + ")</summary><table><tr><th>min</th><th>step</th><th>where</th><th>alert</th><th>diagnosis</th><th>what</th></tr>" + alerts + "</table></details>" if alerts else ""}
 {"<h2>Timeline per node</h2>" + img("timeline") if "timeline" in summary["plots"] else ""}
 {ranks_html(summary, img)}
 <h2>Throughput</h2>{img("throughput")}
@@ -345,6 +385,9 @@ def build_report(
     s = data["series"]
     step_t = dict(zip(s.step, s.t, strict=True))  # a redone step: its newest attempt's time
     data["alerts"] = attach_ranks(data["alerts"], section["stragglers"], section["ranks"], step_t)
+    # The incidents: the diagnosis engine's, from the run's own records (diagnose/); the
+    # plots mark these, numbered as in the table.
+    data["incidents"] = incident_rows(diagnose(load(run)), t0)
     summary = b.to_dict()
     summary.pop("attempt_summaries")
     summary.update(
@@ -369,7 +412,11 @@ def build_report(
             # spans of records a failing run-directory disk made the writers drop
             # (monitor/records_lost.py): [{"file", "first_step", "last_step", "count", ...}]
             "records_lost": data["records_lost"],
-            "incidents": [
+            # one per fault (diagnose.Incident.to_dict() plus compatibility keys: step,
+            # node, rank, diagnosis, next, minutes): docs/monitoring.md "Incidents"
+            "incidents": data["incidents"],
+            # what the live checks wrote into the ledger as the run went (alert records)
+            "alerts": [
                 {
                     "minutes": None if a.get("t") is None else (a["t"] - t0) / 60,
                     **{k: a.get(k) for k in INCIDENT_KEYS},

@@ -95,7 +95,8 @@ def _mark_events(ax: Any, data: dict[str, Any], label: bool, unit: float) -> Non
     last_x, level = None, 0
     marks = sorted(
         ((a["t"] - t0) / unit, j)
-        for j, a in enumerate(data["alerts"], 1)
+        # the report's incidents (the engine's, numbered as in the table)
+        for j, a in enumerate(data["incidents"] if "incidents" in data else data["alerts"], 1)
         if a.get("t") is not None  # a post-hoc finding past the ledger's last step
     )
     for x, j in marks:

@@ -9,16 +9,14 @@ step heatmaps of data wait and step time, with restarts and crashes marked on th
 
 from __future__ import annotations
 
-import dataclasses
 import html
 from pathlib import Path
 from typing import Any
 
-from steadytrain.monitor.alerts import AlertConfig
+from steadytrain.diagnose.stragglers import alert_config
 from steadytrain.monitor.goodput import Breakdown
 from steadytrain.monitor.ranks import RanksView, read_ranks
-from steadytrain.monitor.records import Rejects, finite_tree
-from steadytrain.monitor.straggler import analyze
+from steadytrain.monitor.records import Rejects
 
 __all__ = [
     "INCIDENT_KEYS",
@@ -29,6 +27,7 @@ __all__ = [
     "plot_heatmaps",
     "rank_section",
     "ranks_html",
+    "where",
     "who",
 ]
 
@@ -88,26 +87,21 @@ def who(a: dict[str, Any]) -> str:
     return who + (f" ({a['node']})" if a.get("node") else "")
 
 
+def where(inc: dict[str, Any]) -> str:
+    """Where an engine incident happened: "node-1, node-2 (ranks 1, 2)", "rank 3", ""."""
+    nodes, ranks = inc.get("nodes") or [], inc.get("ranks") or []
+    r = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
+    if nodes:
+        return ", ".join(nodes) + (f" ({r})" if r else "")
+    return r
+
+
 def per_unit(device: str | None) -> str:
     """ "GPU" only on a CUDA run: a CPU (or unknown) run's unit is the rank."""
     return "GPU" if device == "cuda" else "rank"
 
 
-def _alert_config(starts: list[dict[str, Any]]) -> AlertConfig:
-    """The alert thresholds the newest attempt ran with (defaults when it did not say)."""
-    for st in reversed(starts):
-        given = _obj(_obj(st.get("config")).get("monitor")).get("alerts")
-        if isinstance(given, dict):
-            names = {f.name for f in dataclasses.fields(AlertConfig)}
-            try:
-                cfg = AlertConfig(**{k: v for k, v in given.items() if k in names})
-            except (TypeError, ValueError, ArithmeticError):
-                break
-            # Read back from the ledger: NaN or inf thresholds would break the analysis.
-            if finite_tree(dataclasses.asdict(cfg), nonneg=True):
-                return cfg
-            break
-    return AlertConfig()
+_alert_config = alert_config  # the thresholds the newest attempt ran with
 
 
 def _obj(v: Any) -> dict[str, Any]:
@@ -129,8 +123,9 @@ def rank_section(
         int(st.get("attempt", i)): int(st.get("world_size") or 1) for i, st in enumerate(starts)
     }
     view = read_ranks(run_dir, expected if per_rank else None, rejects)
-    device = next((st.get("device") for st in reversed(starts) if st.get("device")), None)
-    stragglers = analyze(view, _alert_config(starts), device) if view.ranks else []
+    # post-hoc stragglers are the diagnosis engine's now (diagnose/stragglers.py: the
+    # report's ``incidents``); ``stragglers`` stays for callers of attach_ranks
+    stragglers: list[dict[str, Any]] = []
     return {
         "ranks": view.rows(),
         "missing_ranks": view.missing,

@@ -39,6 +39,8 @@ def _natural(name: str) -> list[Any]:
 
 
 def _incident_nodes(a: dict[str, Any], rank_node: dict[int, str], nodes: list[str]) -> list:
+    if a.get("nodes"):  # the engine's incidents name every node
+        return sorted(set(a["nodes"]), key=_natural)
     if a.get("node"):
         return [a["node"]]
     ranks = a.get("ranks") or ([a["rank"]] if a.get("rank") is not None else [])
@@ -136,7 +138,7 @@ def plot_timeline(data: dict[str, Any], out: Path, plt: Any) -> str | None:
     summary = {
         "attempts_detail": data["breakdown"].attempt_summaries,
         "crashes": data.get("crashes") or [],
-        "incidents": data.get("alerts") or [],
+        "incidents": data["incidents"] if "incidents" in data else data.get("alerts") or [],
         "ranks": section.get("ranks") or [],
     }
     view = section.get("view")

@@ -6,7 +6,8 @@ batch makes every other rank wait inside the collective, so wall time alone cann
 spends on its *own* work before the sync point: its data wait (time inside ``next()``) and
 its forward pass (``forward_s``, before DDP's collectives). So, over a window of steps
 aligned by step index (never by the ranks' wall clocks), each rank is compared with the
-median of the *other* ranks:
+*healthy* ranks (``diagnose.windows.healthy_ref``: the fastest quarter of the ranks, so two
+slow nodes of three are both named; the median of the others would itself be slow):
 
 * **data straggler**: its data wait per step exceeds the others' by at least
   ``straggler_share`` of the median step time (and ``straggler_min_s``); the cause is
@@ -14,26 +15,39 @@ median of the *other* ranks:
   or its own baseline), ``data-loader memory`` on that rank when its RSS + /dev/shm grew by
   ``straggler_memory_bytes`` more than the others', ``data loading`` on that rank otherwise.
   When every rank of one node straggles (and only those), one alert names the node.
-* **compute straggler**: its forward time is ``straggler_compute_factor`` x the others'
-  (and at least ``straggler_min_s`` more per step).
+* **compute straggler**: its forward time is ``straggler_compute_factor`` x the healthy
+  ranks' (and at least ``straggler_min_s`` more per step); ``host contention`` instead when
+  its host's run queue exceeded its cores or the host was stolen from / throttled, more
+  than the healthy ranks' hosts; nothing when every rank's host was as contended (one
+  shared machine), nor on a CPU rank without host signals under twice that factor
+  (``diagnose.windows.compute_kind``).
 * **shared slowdown**: no rank stands out, but every rank's step time is up by
   ``shared_slowdown`` over its own baseline: the cause is one they share (storage every
   node reads, data loading, compute on every rank, or the collectives / host work between).
 
-The same ``classify`` runs live (``straggler_live.StragglerCheck``: rank 0's background
-thread reads every rank's new records through ``RankTail``) and after the run (``analyze``: the report, over
-``RanksView.aligned()``), so the report names a straggler even when the live check was off.
+The window judgment and the causes are ``steadytrain.diagnose.windows``'s, the code the
+diagnosis engine (diagnose/stragglers.py) runs over whole episodes for the report. The same
+``classify`` runs live (``straggler_live.StragglerCheck``: rank 0's background
+thread reads every rank's new records through ``RankTail``); ``analyze`` runs it over the
+windows of ``RanksView.aligned()`` after the run (the report's incidents are the engine's).
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
+from steadytrain.diagnose.windows import (
+    LEGACY_DIAGNOSIS,
+    Window,
+    compute_kind,
+    data_cause,
+    fold,
+    healthy_ref,
+    median,
+)
 from steadytrain.monitor.alerts import AlertConfig
 from steadytrain.monitor.diagnosis import advice
 from steadytrain.monitor.ranks import RanksView
@@ -43,95 +57,8 @@ __all__ = ["Window", "fold", "classify", "analyze", "to_alert", "finding_key", "
 MiB = 1 << 20
 
 
-@dataclass
-class Window:
-    """One rank's aggregates over a window of steps (per step means via ``per``)."""
-
-    n: int = 0
-    step_s: float = 0.0
-    data_wait_s: float = 0.0
-    forward_s: float | None = None
-    cache_misses: float | None = None
-    read_p99_s: float | None = None  # the window's maximum
-    mem_first: float | None = None  # RSS + /dev/shm at the window's first sample
-    mem_last: float | None = None
-    first_step: int | None = None
-    last_step: int | None = None
-
-    def per(self, total: float | None) -> float | None:
-        return None if total is None or self.n <= 0 else total / self.n
-
-    @property
-    def mem_growth(self) -> float | None:
-        if self.mem_first is None or self.mem_last is None:
-            return None
-        return self.mem_last - self.mem_first
-
-
-def fold(parts: Iterable[tuple[int, dict[str, Any]]]) -> Window:
-    """A ``Window`` from ``(step, part)`` pairs in step order; a part is a ``rank_step``
-    record (one step) or a step bin of ``RanksView.aligned()`` (``n`` steps, sums).
-    Plain locals, not attributes: the live check folds every rank's window each time."""
-    n = 0
-    step_s = wait = 0.0
-    fwd = miss = p99 = mem_first = mem_last = None
-    first = last = None
-    for step, p in parts:
-        k = p.get("n", 1)
-        if k <= 0:
-            continue
-        n += k
-        first = step if first is None else first
-        last = step
-        step_s += p.get("step_s") or 0.0
-        wait += p.get("data_wait_s") or 0.0
-        if (v := p.get("forward_s")) is not None:
-            fwd = (fwd or 0.0) + v
-        if (v := p.get("cache_misses")) is not None:
-            miss = (miss or 0.0) + v
-        if (v := p.get("read_p99_s")) is not None:
-            p99 = v if p99 is None or v > p99 else p99
-        rss, shm = p.get("rss_bytes"), p.get("shm_bytes")
-        if rss is not None or shm is not None:
-            mem_last = float((rss or 0.0) + (shm or 0.0))
-            mem_first = mem_last if mem_first is None else mem_first
-    return Window(
-        n=int(n),
-        step_s=float(step_s),
-        data_wait_s=float(wait),
-        forward_s=fwd,
-        cache_misses=miss,
-        read_p99_s=p99,
-        mem_first=mem_first,
-        mem_last=mem_last,
-        first_step=first,
-        last_step=last,
-    )
-
-
-def _others_medians(values: dict[int, float | None]) -> dict[int, float | None]:
-    """For every rank, the median of the *other* ranks' values, in O(N log N): the sorted
-    values once, then each rank's own value left out by index arithmetic (a check over
-    thousands of ranks must not cost N^2 in rank 0's background thread)."""
-    ranked = sorted(v for v in values.values() if v is not None)
-    out: dict[int, float | None] = {}
-    for r, v in values.items():
-        skip = bisect.bisect_left(ranked, v) if v is not None else len(ranked)
-        n = len(ranked) - (v is not None)
-        if n <= 0:
-            out[r] = None
-            continue
-
-        def at(k: int, skip: int = skip) -> float:
-            return ranked[k if k < skip else k + 1]
-
-        out[r] = at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
-    return out
-
-
 def _median(values: Iterable[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
+    return median(values)
 
 
 def _where(ranks: list[int], nodes: dict[int, str | None]) -> str:
@@ -143,30 +70,15 @@ def _where(ranks: list[int], nodes: dict[int, str | None]) -> str:
 def _data_cause(
     r: int, recent: dict[int, Window], base: dict[int, Window] | None, cfg: AlertConfig
 ) -> tuple[str, dict[str, Any]]:
-    """(diagnosis, evidence) for a rank that waits for data longer than the others."""
-    me, others = recent[r], [w for o, w in recent.items() if o != r]
-    ev: dict[str, Any] = {}
-    p99, o99 = me.read_p99_s, _median(w.read_p99_s for w in others)
-    b99 = base[r].read_p99_s if base and r in base else None
-    ev.update(read_p99_s=p99, others_read_p99_s=o99, baseline_read_p99_s=b99)
-    slow_reads = False
-    for ref in (o99, b99):
-        if p99 is not None and ref is not None:
-            slow_reads |= p99 >= max(cfg.read_p99_factor * ref, cfg.read_p99_min_s)
-    miss, omiss = me.per(me.cache_misses), _median(w.per(w.cache_misses) for w in others)
-    ev.update(cache_misses_per_step=miss, others_cache_misses_per_step=omiss)
-    missing = miss is not None and omiss is not None and miss >= max(2 * omiss, omiss + 0.5)
-    grow, ogrow = me.mem_growth, _median(w.mem_growth for w in others)
-    ev.update(memory_growth_bytes=grow, others_memory_growth_bytes=ogrow)
-    memory = grow is not None and grow - (ogrow or 0.0) >= cfg.straggler_memory_bytes
-    # Cache misses are storage's own signature. Slow reads alone are not, when this rank's
-    # loader memory grew far past the others': a loader whose index grows slows its own
-    # lookups (and a loaded host slows every read), so the memory is the better explanation.
-    if missing or (slow_reads and not memory):
-        return "storage", ev
-    if memory:
-        return "data-loader memory", ev
-    return "data loading", ev
+    """(diagnosis, evidence) for a rank that waits for data longer than the others (the
+    engine's ``data_cause`` against the other ranks, in the alerts' words)."""
+    others = [w for o, w in recent.items() if o != r]
+    kind, ev = data_cause(recent[r], others, base.get(r) if base else None, cfg)
+    # the alert's older evidence names
+    ev.update(others_read_p99_s=ev["healthy_read_p99_s"])
+    ev.update(others_cache_misses_per_step=ev["healthy_cache_misses_per_step"])
+    ev.update(others_memory_growth_bytes=ev["healthy_memory_growth_bytes"])
+    return LEGACY_DIAGNOSIS[kind], ev
 
 
 def classify(
@@ -174,6 +86,7 @@ def classify(
     base: dict[int, Window] | None,
     nodes: dict[int, str | None],
     cfg: AlertConfig,
+    device: str | None = None,
 ) -> list[dict[str, Any]]:
     """Findings for one window: ``{kind, ranks, node, diagnosis, cause, message,
     evidence}`` per straggler (or node), or one shared slowdown; ``[]`` when healthy."""
@@ -187,27 +100,31 @@ def classify(
     floor = max(cfg.straggler_min_s, cfg.straggler_share * med_step)
     data: dict[int, dict[str, Any]] = {}
     compute: dict[int, dict[str, Any]] = {}
-    o_steps, o_waits, o_fwds = (
-        _others_medians({r: p[i] for r, p in per.items()}) for i in range(3)
-    )
+    # the healthy ranks' level of each signal, not the median of the others
+    h_step, h_wait, h_fwd = (healthy_ref(p[i] for p in per.values()) for i in range(3))
     for r, (step, wait, fwd) in per.items():
-        o_step, o_wait, o_fwd = o_steps[r], o_waits[r], o_fwds[r]
         common = {
             "steps": [recent[r].first_step, recent[r].last_step],
             "step_s_per_step": step,
-            "others_step_s_per_step": o_step,
+            "others_step_s_per_step": h_step,
             "data_wait_s_per_step": wait,
-            "others_data_wait_s_per_step": o_wait,
+            "others_data_wait_s_per_step": h_wait,
+            "healthy_data_wait_s_per_step": h_wait,
             "forward_s_per_step": fwd,
-            "others_forward_s_per_step": o_fwd,
+            "others_forward_s_per_step": h_fwd,
         }
         if base and r in base and base[r].n:
             common["baseline_data_wait_s_per_step"] = base[r].per(base[r].data_wait_s)
-        if wait is not None and o_wait is not None and wait - o_wait >= floor:
-            data[r] = {**common, "excess_s_per_step": wait - o_wait, "threshold_s": floor}
-        elif fwd is not None and o_fwd and fwd >= cfg.straggler_compute_factor * o_fwd:
-            if fwd - o_fwd >= cfg.straggler_min_s:
-                compute[r] = {**common, "forward_ratio": fwd / o_fwd}
+        if wait is not None and h_wait is not None and wait - h_wait >= floor:
+            data[r] = {**common, "excess_s_per_step": wait - h_wait, "threshold_s": floor}
+        elif fwd is not None and h_fwd and fwd >= cfg.straggler_compute_factor * h_fwd:
+            if fwd - h_fwd >= cfg.straggler_min_s:
+                ratio = fwd / h_fwd
+                peers = [w for o, w in recent.items() if o != r]
+                kind, host = compute_kind(recent[r], peers, ratio, device, cfg)
+                if kind is not None:
+                    compute[r] = {**common, "forward_ratio": ratio, "host": host,
+                                  "contended": kind == "host-contention"}  # fmt: skip
     out = []
     # The ranks of one node that all straggle (and nothing else does) make one node finding.
     by_node: dict[str | None, list[int]] = {}
@@ -224,7 +141,9 @@ def classify(
         groups += [[r] for r in sorted(r for r in data if nodes.get(r) == node)]
     for ranks in sorted(groups):
         r = max(ranks, key=lambda x: data[x]["excess_s_per_step"])  # the worst speaks
-        diagnosis, ev = _data_cause(r, recent, base, cfg)
+        # its cause against the healthy ranks (those not waiting), when there are any
+        peers = {o: w for o, w in recent.items() if o not in data} or dict(recent)
+        diagnosis, ev = _data_cause(r, {**peers, r: recent[r]}, base, cfg)
         node = nodes.get(r)
         cause = {
             "storage": f"storage on node {node}" if node else f"storage of rank {r}",
@@ -242,15 +161,20 @@ def classify(
         out.append(_finding("straggler", ranks, node, diagnosis, cause, msg, {**d, **ev}))
     for r, d in sorted(compute.items()):
         node = nodes.get(r)
+        if d["contended"]:
+            h = d["host"]
+            diagnosis = LEGACY_DIAGNOSIS["host-contention"]
+            cause = f"host CPU contention on node {node}" if node else f"host of rank {r}"
+            why = f" (run queue {h['run_queue']:.1f} on {h['cores']:.0f} cores)"
+        else:
+            diagnosis, cause, why = LEGACY_DIAGNOSIS["compute"], f"compute on rank {r}", ""
         msg = (
             f"straggler: {_where([r], nodes)} runs its forward pass "
-            f"{d['forward_ratio']:.1f}x slower than the other ranks "
+            f"{d['forward_ratio']:.1f}x slower than the healthy ranks "
             f"({d['forward_s_per_step']:.3f} vs {d['others_forward_s_per_step']:.3f} s/step); "
-            f"likely cause: compute on rank {r}"
+            f"likely cause: {cause}{why}"
         )
-        out.append(
-            _finding("straggler", [r], node, "compute/hardware", f"compute on rank {r}", msg, d)
-        )
+        out.append(_finding("straggler", [r], node, diagnosis, cause, msg, d))
     if not out and base:
         out += _shared(recent, base, nodes, cfg)
     return out
@@ -388,7 +312,7 @@ def analyze(
         seen = set()
         # where each rank ran this window (a restart may have moved it to another node)
         nodes = {r: s.node_at(chunk[0] * width + 1) for r, s in view.ranks.items()}
-        for f in classify(recent, base, nodes, cfg):
+        for f in classify(recent, base, nodes, cfg, device_of_ranks(view)):
             k = finding_key(f)
             seen.add(k)
             if k in open_:

@@ -116,7 +116,7 @@ class StragglerCheck:
                     self.base_folded[r] = fold(self.base[r])
             base = {r: self.base_folded[r] for r in ranks}
         out, seen = [], set()
-        for f in classify(recent, base, self.nodes, self.cfg):
+        for f in classify(recent, base, self.nodes, self.cfg, self.device):
             k = finding_key(f)
             seen.add(k)
             if k not in self.active:

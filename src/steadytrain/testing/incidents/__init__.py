@@ -8,7 +8,10 @@ The dict it returns (printed by ``demo --incident NAME --json``)::
     {
       "incident": NAME,
       "mode": "netns" | "loopback",           # the harness's, with "mode_reason"
-      "incidents": [{"kind", "diagnosis", "node", "rank", "step", "run", ...}],
+      "incidents": [{"kind", "nodes", "ranks", "first_step", "last_step", "lost_s",
+                     "evidence", "advice", "message", ..., "run"}],
+      "expected": {RUN: [expectation, ...]},  # what was injected in each run (expect.py)
+      "checks": {RUN: {"matched", "missed", "extra"}},  # the incidents against it
       "goodput": {"without_fix": float | None, "with_fix": float | None},
       "goodput_incl_startup": {...},          # the reports' own figures
       "runs": {"without_fix": {"run_dir", "report_html", ...}, "with_fix": {...}},
@@ -16,7 +19,12 @@ The dict it returns (printed by ``demo --incident NAME --json``)::
       ...                                     # what the replay itself measured
     }
 
-``incidents`` lists what the runs' reports diagnosed (``run``: which of the two runs).
+``incidents`` are the runs' reports' incidents (``steadytrain report --json``, from
+steadytrain.diagnose), each tagged with ``run``; a replay injects a fault and measures
+(goodput, timings, memory), but never writes a diagnosis of its own, so a replay whose
+report misses the fault fails its check. ``matrix.py`` runs the same faults alone, together
+and on several nodes (the diagnosis matrix, bench/diagnosis_matrix.py).
+
 ``goodput`` is each report's goodput (net of ``straggler_wait``: a rank 0 waiting inside a
 collective for a rank that waits on data) over the run's wall time less its first start-up
 (``common.goodput_after_startup``): a replay is tens of steps, and a first start-up of

@@ -47,8 +47,9 @@ TINY_SETTINGS = [
     'monitor.sinks=["jsonl"]',
 ]
 
-# The keys of one row of a replay's ``incidents`` (the contract of ``demo --incident --json``).
-ROW_KEYS = ("kind", "diagnosis", "node", "rank", "step")
+# The keys of one row of a replay's ``incidents``: the report's incident (``steadytrain
+# report --json``, steadytrain.diagnose) and ``run``, which of the replay's runs it is from.
+ROW_KEYS = ("kind", "nodes", "ranks", "first_step", "last_step", "lost_s", "evidence", "advice")
 
 
 def small_shards(
@@ -80,9 +81,10 @@ def small_shards(
     return dest
 
 
-def train_args(settings: Sequence[str]) -> list[str]:
-    """``python -m steadytrain.cli train demo --set ...`` as torchrun's script arguments."""
-    args = ["-m", "steadytrain.cli", "train", "demo"]
+def train_args(settings: Sequence[str], module: str = "steadytrain.cli") -> list[str]:
+    """``python -m MODULE train demo --set ...`` as torchrun's script arguments (``module``:
+    the CLI, or ``steadytrain.testing.naive_loader``, which takes the same arguments)."""
+    args = ["-m", module, "train", "demo"]
     for s in settings:
         args += ["--set", s]
     return args
@@ -117,15 +119,9 @@ def report(run_dir: str, *, timeout: float = 180) -> dict[str, Any]:
 
 
 def incident_rows(summary: dict[str, Any], run: str) -> list[dict[str, Any]]:
-    """The report's incidents as replay rows: ``ROW_KEYS`` first, then ``run`` (which of
-    the replay's runs) and the rest the report gives (cause, evidence, message)."""
-    rows = []
-    for i in summary.get("incidents", []):
-        row = {k: i.get(k) for k in ROW_KEYS}
-        row["run"] = run
-        row.update({k: v for k, v in i.items() if k not in row})
-        rows.append(row)
-    return rows
+    """The report's incidents, each tagged with ``run`` (which of the replay's runs). A
+    replay never adds a row of its own: what it prints is what the product diagnosed."""
+    return [{**i, "run": run} for i in summary.get("incidents", [])]
 
 
 class IncidentJob:
@@ -144,11 +140,12 @@ class IncidentJob:
         max_restarts: int = 0,
         rdzv_conf: str = "",
         env: dict[str, str] | None = None,
+        module: str = "steadytrain.cli",
     ) -> None:
         self.h, self.nodes, self.run_dir = h, list(nodes), run_dir
         self.logs = run_dir + "-logs"
         os.makedirs(self.logs, exist_ok=True)
-        args = train_args([*TINY_SETTINGS, f"run_dir={run_dir}", *settings])
+        args = train_args([*TINY_SETTINGS, f"run_dir={run_dir}", *settings], module)
         self.agents = {
             n.name: h.torchrun(
                 n,

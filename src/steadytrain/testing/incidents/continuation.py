@@ -1,5 +1,6 @@
 """How a run went on after a failure, from the files it left: its steps against a
-reference run's, the nodes it lost, what each process fetched.
+reference run's, which rank ran on which node, what each process fetched. (Which node was
+lost, and why, is the report's to say: steadytrain.diagnose.)
 
 Shared by the incident replays (``node_loss``) and their tests; it reads a run directory
 (``trace-rank*.jsonl``, ``ranks/``, ``ledger.jsonl``, ``final.json``) and a node's log.
@@ -16,7 +17,7 @@ from typing import Any
 
 from steadytrain.testing.incidents.common import read_trace
 
-__all__ = ["FETCHED_RE", "compare", "effective", "fetched_lines", "final", "lost_nodes", "measured"]
+__all__ = ["FETCHED_RE", "compare", "effective", "fetched_lines", "final", "measured", "rank_nodes"]
 
 # What each training process says on its way out (train/support.py, say_fetched).
 FETCHED_RE = re.compile(
@@ -125,40 +126,6 @@ def rank_nodes(run_dir: str) -> dict[str, list[str]]:
         if r.get("type") == "rank_start":
             out[str(r["rank"])].add(str(r["node"]))
     return {k: sorted(v) for k, v in sorted(out.items())}
-
-
-def lost_nodes(run_dir: str, rep: dict[str, Any]) -> list[dict[str, Any]]:
-    """One ``node-loss`` row per node lost: a crashed attempt (the report's ``crashes``)
-    whose ranks on that node started it, never ended it, and are absent from the next one."""
-    started: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
-    ended: dict[int, set[int]] = defaultdict(set)
-    for r in _rank_records(run_dir):
-        if r.get("type") == "rank_start":
-            started[int(r["attempt"])][str(r["node"])].append(int(r["rank"]))
-        elif r.get("type") == "rank_end":
-            ended[int(r["attempt"])].add(int(r.get("rank", -1)))
-    rows = []
-    for crash in rep.get("crashes", []):
-        a = int(crash["attempt"])
-        for node, ranks in sorted(started.get(a, {}).items()):
-            silent = [rk for rk in ranks if rk not in ended[a]]
-            if not silent or node in started.get(a + 1, {}):
-                continue
-            rows.append(
-                {
-                    "kind": "node-loss",
-                    "diagnosis": "node lost",
-                    "node": node,
-                    "rank": min(silent),
-                    "step": crash["step"],
-                    "ranks": sorted(silent),
-                    "attempt": a,
-                    "cause": f"{node} stopped answering: its rank(s) {sorted(silent)} wrote "
-                    f"no end record in attempt {a} and none joined attempt {a + 1}",
-                    "resumed_on": sorted(started.get(a + 1, {})),
-                }
-            )
-    return rows
 
 
 def fetched_lines(text: str) -> list[dict[str, Any]]:

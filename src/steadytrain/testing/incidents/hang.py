@@ -22,7 +22,9 @@ size); if node-1's agent survives it rejoins, as it did in our runs.
 
 ``detect_s`` per run is from the last step record before the partition to the failure: the
 watchdog's detection (the ``hang`` record's ``detect_t``), or the attempt's end with the
-backend's error (its ``job_end``); ``restart_s`` to the next attempt's process start.
+backend's error (its ``job_end``); ``restart_s`` to the next attempt's process start:
+timings the replay measures. The diagnosis is the report's alone (``incidents``): in both
+runs one ``hang`` at the partition's step naming node-1 (``expected``, ``checks``).
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from steadytrain.testing.incidents.common import (
     run_summary,
     small_shards,
 )
+from steadytrain.testing.incidents.expect import expectation, judge, node_ranks
 from steadytrain.testing.nodes import NodeHarness
 
-__all__ = ["BACKEND_TIMEOUT_S", "FLOOR_S", "STEPS", "replay"]
+__all__ = ["BACKEND_TIMEOUT_S", "FLOOR_S", "STEPS", "expected", "replay"]
 
 STEPS = 20
 EVERY = 4  # checkpoint interval (steps)
@@ -51,6 +54,7 @@ PARTITION_AT = 9  # the link goes down after this step (the checkpoint of step 8
 PACE_S = 0.2  # each step's read stalls this long (once per step and rank): a steady pace
 BACKEND_TIMEOUT_S = 15.0  # the gloo collective timeout of both runs (torch default: 30 min)
 FLOOR_S = 3.0  # the watchdog's step deadline (tiny steps: k x p99 stays below it)
+STEP_SLACK = 2  # a step or two may complete between the trace read and the link going down
 RDZV = "last_call_timeout=4,keep_alive_interval=2,keep_alive_max_attempt=4"
 PARTITIONED = "node-1"
 WATCHDOG = [
@@ -107,38 +111,12 @@ def _timing(run_dir: str, partitioned_t: float) -> dict[str, Any]:
     return out
 
 
-def _row(run: str, timing: dict[str, Any]) -> dict[str, Any]:
-    """The hang as a replay row: the watchdog's verdict when it fired, else the backend's."""
-    hang = timing["hang_record"]
-    if hang is not None:
-        blamed = hang.get("nodes") or []
-        ranks = hang.get("stuck_ranks") or []
-        return {
-            "kind": "hang",
-            "diagnosis": hang.get("cause"),
-            "node": PARTITIONED if PARTITIONED in blamed or not blamed else blamed[0],
-            "rank": ranks[0] if len(ranks) == 1 else None,
-            "step": hang.get("step"),
-            "run": run,
-            "stuck_ranks": ranks,
-            "blamed_nodes": blamed,
-            "frame": hang.get("frame"),
-            "detect_s": timing["detect_s"],
-            "deadline_s": hang.get("deadline_s"),
-            "dump_dir": hang.get("dump_dir"),
-            "source": "watchdog",
-        }
-    return {
-        "kind": "hang",
-        "diagnosis": "backend timeout" if timing["detected_by"] else "undetected",
-        "node": PARTITIONED,
-        "rank": None,
-        "step": timing["last_step"],
-        "run": run,
-        "detect_s": timing["detect_s"],
-        "error": (timing["error"] or "")[:500] or None,
-        "source": "backend",
-    }
+def expected(run_dir: str) -> dict[str, Any]:
+    """One ``hang`` at the partition, naming node-1 (its rank). Cut off, both sides wait in
+    the same collective, so the report may name node-0 too; it may not miss node-1."""
+    others = [n for n in node_ranks(run_dir) if n != PARTITIONED]
+    near = (PARTITION_AT, PARTITION_AT + STEP_SLACK)
+    return expectation("hang", [PARTITIONED], node_ranks(run_dir), near, near, allow_nodes=others)
 
 
 def _one_run(h: NodeHarness, workdir: str, dataset: str, name: str, log: Log) -> dict[str, Any]:
@@ -221,14 +199,16 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
     shutil.rmtree(os.path.join(workdir, "harness", "seaweed"), ignore_errors=True)
     incidents = []
     for name, r in results.items():
-        incidents.append(_row(name, r["timing"]))
         incidents += incident_rows(r["report"], name)
+    want = {name: [expected(r["summary"]["run_dir"])] for name, r in results.items()}
     detect = {k: r["timing"]["detect_s"] for k, r in results.items()}
     return {
         "incident": "hang",
         "mode": mode,
         "mode_reason": reason,
         "incidents": incidents,
+        "expected": want,
+        "checks": judge(want, incidents),
         "goodput": {k: r["report"].get("goodput") for k, r in results.items()},
         "runs": {k: r["summary"] for k, r in results.items()},
         "detect_s": detect,

@@ -7,11 +7,10 @@ each, train the tiny GPT on a local real-text dataset for ``STEPS`` steps, twice
 - **without the fix**: node-1's rank uses ``NaiveIndexLoader`` (steadytrain.testing.
   naive_loader: every step appends a few MiB of index to a file in /dev/shm and scans it
   whole), node-0's keeps TokenLoader. Nothing is faked: the meter samples RSS and /dev/shm
-  (monitor/memory.py) into each rank's file, and the report's straggler analysis
-  (monitor/straggler.py) must name node-1's rank, with the diagnosis ``data-loader memory``
-  and the growth as evidence.
+  (monitor/memory.py) into each rank's file, and the report (steadytrain.diagnose) must find
+  one ``loader-memory`` incident on node-1 (its rank), lasting to the end, and nothing else.
 - **with the fix**: TokenLoader on both nodes (its state is a handful of integers, invariant
-  2): no such incident, /dev/shm flat.
+  2): no incident at all, /dev/shm flat.
 
 /dev/shm is one file system for the whole machine, so node-0's rank sees node-1's growth
 too (its ``shm_bytes`` rise); what sets node-1's rank apart is that the index pages are
@@ -34,7 +33,6 @@ from typing import Any
 
 from steadytrain.testing import naive_loader
 from steadytrain.testing.incidents.common import (
-    TINY_SETTINGS,
     IncidentJob,
     Log,
     incident_rows,
@@ -42,47 +40,46 @@ from steadytrain.testing.incidents.common import (
     run_summary,
     small_shards,
 )
+from steadytrain.testing.incidents.expect import expectation, judge, node_ranks
 from steadytrain.testing.nodes import Node, NodeHarness
 
-__all__ = ["STEPS", "replay"]
+__all__ = ["STEPS", "expected", "leftover_index_files", "naive_job", "replay"]
 
 STEPS = 24  # the live check needs 10 steps, the report a window of 10+ after warm-up (5)
 NAIVE_NODE = "node-1"
+TAIL_STEPS = 6  # the growth lasts to the end: so must the incident, within this many steps
 MiB = 1 << 20
 
 
-class NaiveLoaderJob(IncidentJob):
-    """``IncidentJob`` whose agents run ``python -m steadytrain.testing.naive_loader``
+def naive_job(
+    h: NodeHarness,
+    nodes: Sequence[Node],
+    run_dir: str,
+    settings: Sequence[str],
+    *,
+    naive_nodes: Sequence[str],
+    **kwargs: Any,
+) -> IncidentJob:
+    """An ``IncidentJob`` whose agents run ``python -m steadytrain.testing.naive_loader``
     (the real training loop; the naive loader on ``naive_nodes``, TokenLoader elsewhere)."""
+    env = {**(kwargs.pop("env", None) or {}), naive_loader.NODES_ENV: ",".join(naive_nodes)}
+    return IncidentJob(
+        h, nodes, run_dir, settings, env=env, module="steadytrain.testing.naive_loader", **kwargs
+    )
 
-    def __init__(
-        self,
-        h: NodeHarness,
-        nodes: Sequence[Node],
-        run_dir: str,
-        settings: Sequence[str],
-        *,
-        naive_nodes: Sequence[str],
-    ) -> None:
-        self.h, self.nodes, self.run_dir = h, list(nodes), run_dir
-        self.logs = run_dir + "-logs"
-        os.makedirs(self.logs, exist_ok=True)
-        args = ["-m", "steadytrain.testing.naive_loader", "train", "demo"]
-        for s in [*TINY_SETTINGS, f"run_dir={run_dir}", *settings]:
-            args += ["--set", s]
-        env = {naive_loader.NODES_ENV: ",".join(naive_nodes)}
-        self.agents = {
-            n.name: h.torchrun(
-                n,
-                1,
-                args,
-                run_id=os.path.basename(run_dir),
-                nnodes=str(len(self.nodes)),
-                log_path=self.log_path(n.name),
-                env=env,
-            )
-            for n in self.nodes
-        }
+
+def expected(run_dir: str, nodes: Sequence[str], steps: int) -> dict[str, Any]:
+    """One ``loader-memory`` incident on ``nodes`` (their ranks): the index grows from the
+    first step, so it starts in the first half of the run and lasts to its end."""
+    return expectation(
+        "loader-memory", nodes, node_ranks(run_dir), (1, steps // 2), (steps - TAIL_STEPS, steps)
+    )
+
+
+def leftover_index_files(run_dir: str) -> list[str]:
+    """Index files a killed naive loader left in /dev/shm (none after a clean run)."""
+    tag = naive_loader.index_tag(run_dir)
+    return glob.glob(os.path.join("/dev/shm", f"{naive_loader.PREFIX}{tag}-*"))
 
 
 def _node_row(rep: dict[str, Any], node: str) -> dict[str, Any]:
@@ -97,12 +94,6 @@ def _node_row(rep: dict[str, Any], node: str) -> dict[str, Any]:
 def _growth_bytes(row: dict[str, Any], key: str) -> int | None:
     v = row.get(key)
     return None if v is None else int(v * MiB)
-
-
-def _leftover_index_files(run_dir: str) -> list[str]:
-    """Index files a killed naive loader left in /dev/shm (none after a clean run)."""
-    tag = naive_loader.index_tag(run_dir)
-    return glob.glob(os.path.join("/dev/shm", f"{naive_loader.PREFIX}{tag}-*"))
 
 
 def replay(workdir: str, *, log: Log) -> dict[str, Any]:
@@ -124,14 +115,12 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
             log(f"[loader-memory] {name}: {STEPS} steps on 2 nodes ({run_dir})")
             try:
                 if name == "without_fix":
-                    job: IncidentJob = NaiveLoaderJob(
-                        h, h.nodes, run_dir, settings, naive_nodes=[NAIVE_NODE]
-                    )
+                    job = naive_job(h, h.nodes, run_dir, settings, naive_nodes=[NAIVE_NODE])
                 else:
                     job = IncidentJob(h, h.nodes, run_dir, settings)
                 job.wait(timeout=600)
             finally:
-                for path in _leftover_index_files(run_dir):
+                for path in leftover_index_files(run_dir):
                     log(f"[loader-memory] removing {path} (its process was killed)")
                     os.unlink(path)
             reports[name] = rep = report(run_dir)
@@ -160,11 +149,17 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
     incidents = []
     for name, rep in reports.items():
         incidents += incident_rows(rep, name)
+    want = {
+        "without_fix": [expected(runs["without_fix"]["run_dir"], [NAIVE_NODE], STEPS)],
+        "with_fix": [],
+    }
     return {
         "incident": "loader-memory",
         "mode": mode,
         "mode_reason": reason,
         "incidents": incidents,
+        "expected": want,
+        "checks": judge(want, incidents),
         "goodput": {k: reports[k].get("goodput") for k in ("without_fix", "with_fix")},
         "runs": runs,
         "shm_growth_bytes": {k: runs[k]["shm_growth_bytes"] for k in runs},

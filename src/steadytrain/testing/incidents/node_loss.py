@@ -26,9 +26,11 @@ Continuation is checked against an uninterrupted 2-node reference run of the sam
   sample ids must be equal at every step, losses bit-exact on the steps run on 2 ranks and
   within ``REL_TOL`` after.
 
-The incident row (``kind`` ``node-loss``) comes from the run's records: the report's crash
-(the attempt that ended without finishing, at its last recorded step) and the rank files
-(the node whose rank started that attempt, never ended it, and is absent from the next).
+The replay writes no diagnosis: ``incidents`` are the reports'. Each must hold one
+``node-loss`` naming node-1 (its rank) at the step of the kill (``expected``, ``checks``),
+and nothing else: not the save that failed because the peer died, not a straggler on the
+healthy node. ``resumed_on`` (the nodes of the attempt after the kill, from the rank files)
+is the replay's own measurement.
 """
 
 from __future__ import annotations
@@ -54,13 +56,13 @@ from steadytrain.testing.incidents.continuation import (
     compare,
     fetched_lines,
     final,
-    lost_nodes,
     measured,
     rank_nodes,
 )
+from steadytrain.testing.incidents.expect import expectation, judge, node_ranks
 from steadytrain.testing.nodes import Node, NodeHarness
 
-__all__ = ["EVERY", "KILL_AT", "NNODES", "REL_TOL", "STEPS", "replay"]
+__all__ = ["EVERY", "KILL_AT", "NNODES", "REL_TOL", "STEPS", "expected", "replay"]
 
 STEPS, KILL_AT, NNODES = 16, 6, "1:2"
 EVERY = 2  # checkpoint interval (steps)
@@ -75,6 +77,20 @@ RDZV = "last_call_timeout=12,keep_alive_interval=2,keep_alive_max_attempt=4"
 # The steps around the kill each wait 0.3 s for data, so the kill lands mid-run (each such
 # fault fires once per run: the steps redone after the restart do not wait again).
 FAULTS = "slow_read_at_steps=" + ",".join(map(str, range(3, KILL_AT + 4))) + ";slow_read_s=0.3"
+
+
+def expected(run_dir: str, victim: str, killed_at: int) -> dict[str, Any]:
+    """One ``node-loss`` naming ``victim`` (its rank in the first attempt) at the step the
+    kill came (``killed_at``: the newest step any rank had traced then): the victim's own
+    last step may be one behind the others', or one ahead (a step may complete between
+    reading the trace and the SIGKILL)."""
+    near = (killed_at - 1, killed_at + 1)
+    return expectation("node-loss", [victim], node_ranks(run_dir), near)
+
+
+def resumed_on(run_dir: str) -> list[str]:
+    """The nodes of the attempt after the first (from the rank files)."""
+    return sorted(node_ranks(run_dir, attempt=1))
 
 
 def _clear(path: str) -> None:
@@ -266,38 +282,41 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
         spare_fetched = fetched_lines(_log_text(job, spare.name))
 
         log("[node-loss] building the reports")
-        naive, fixed = report(naive_dir), report(fixed_dir)
+        naive, fixed, ref = report(naive_dir), report(fixed_dir), report(ref_dir)
     leftovers = h.leftovers()
     # The object store's copy of the dataset is not worth keeping next to the reports.
     shutil.rmtree(os.path.join(workdir, "harness", "seaweed"), ignore_errors=True)
-    rows = lost_nodes(naive_dir, naive)
-    for r in rows:
-        r["run"] = "without_fix"
-    fixed_rows = lost_nodes(fixed_dir, fixed)
-    for r in fixed_rows:
-        r["run"] = "with_fix"
+    incidents = incident_rows(naive, "without_fix") + incident_rows(fixed, "with_fix")
+    want = {
+        "without_fix": [expected(naive_dir, node1.name, killed_at["without_fix"])],
+        "with_fix": [expected(fixed_dir, node1.name, killed_at["with_fix"])],
+        "reference": [],
+    }
     return {
         "incident": "node-loss",
         "mode": h.mode,
         "mode_reason": h.reason,
-        "incidents": rows + fixed_rows
-        + incident_rows(naive, "without_fix") + incident_rows(fixed, "with_fix"),
+        "incidents": incidents + incident_rows(ref, "reference"),
+        "expected": want,
+        "checks": judge(want, incidents + incident_rows(ref, "reference")),
         "goodput": {"without_fix": naive.get("goodput"), "with_fix": fixed.get("goodput")},
         "runs": {
             "without_fix": {
                 **run_summary(naive_dir, naive),
                 **compare(ref_dir, naive_dir),
+                "resumed_on": resumed_on(naive_dir),
                 "measured": measured(naive_dir),
             },
             "with_fix": {
                 **run_summary(fixed_dir, fixed),
                 **compare(ref_dir, fixed_dir),
+                "resumed_on": resumed_on(fixed_dir),
                 "measured": measured(fixed_dir),
             },
         },
-        # The uninterrupted 2-node run both are compared with (it has no report).
+        # The uninterrupted 2-node run both are compared with: a clean run for the report.
         "reference": {
-            "run_dir": ref_dir,
+            **run_summary(ref_dir, ref),
             "weights_sha256": final(ref_dir)["weights"],
             "final_step": final(ref_dir)["step"],
             **ref_nodes,

@@ -19,6 +19,10 @@ What it measures: each run's loss per step, and the variance of the step-to-step
 ``loss[t+1] - loss[t]`` after ``BURN_IN`` steps (while both curves fall steeply from
 ln(257), that fall, not the order, dominates). ``loss_variance.ratio`` (sequential over
 global) is the replay's number; ``loss.png``/``loss.html`` in the workdir show both curves.
+
+The replay writes no diagnosis: the sequential run's report must find one ``data-order``
+incident from the run's own loss and configured order (steadytrain.diagnose), the global
+run's none (``expected``, ``checks``).
 """
 
 from __future__ import annotations
@@ -39,9 +43,19 @@ from steadytrain.testing.incidents.common import (
     report,
     run_summary,
 )
+from steadytrain.testing.incidents.expect import expectation, judge, node_ranks
 from steadytrain.testing.nodes import NodeHarness
 
-__all__ = ["BLOCK_TOKENS", "BURN_IN", "STEPS", "loss_curve", "step_variance", "replay"]
+__all__ = [
+    "BLOCK_TOKENS",
+    "BURN_IN",
+    "STEPS",
+    "expected",
+    "loss_curve",
+    "ordered_documents",
+    "replay",
+    "step_variance",
+]
 
 # 32 samples x 64 tokens = 2,048 tokens a step: a block of 8,192 tokens is 4 steps of one
 # topic. A global batch of 8 (TINY_SETTINGS) would mix too few samples: its own loss would
@@ -116,39 +130,37 @@ def step_variance(losses: list[float]) -> float:
     return sum((x - mean) ** 2 for x in d) / (len(d) - 1)
 
 
-def _step_time(run_dir: str, step: int) -> float | None:
-    """When ``step`` ended, from the run's ledger (the timeline's clock)."""
-    from steadytrain.monitor.ledger import iter_ledger, ledger_path
+def expected(run_dir: str, steps: int) -> dict[str, Any]:
+    """One ``data-order`` incident over most of the run: the order is the job's, not a
+    node's, so the report may name the run's nodes or none (ranks are not checked)."""
+    nodes = list(node_ranks(run_dir))
+    return expectation(
+        "data-order",
+        [],
+        node_ranks(run_dir),
+        (1, steps // 2),
+        (steps // 2, steps),
+        allow_nodes=nodes,
+        check_ranks=False,
+    )
 
-    found = None
-    for rec in iter_ledger(ledger_path(run_dir)):
-        if rec.get("type") == "step" and rec.get("step") == step:
-            found = float(rec["t"])
-    return found
 
-
-def _timeline(run_dir: str, rep: dict[str, Any], row: dict[str, Any], path: str, plt: Any) -> None:
-    """The sequential run's per-node timeline with the replay's own incident on it (the
-    run's report cannot diagnose an order: it sees one run)."""
+def _timeline(run_dir: str, rep: dict[str, Any], path: str, plt: Any) -> None:
+    """The sequential run's per-node timeline with its report's incidents."""
     from steadytrain.monitor.ranks import read_ranks
     from steadytrain.monitor.report_timeline import draw_timeline, node_attempts, timeline
 
-    mine = {**row, "t": _step_time(run_dir, row["step"])}
-    rows = timeline(
-        {**rep, "incidents": [*rep.get("incidents", []), mine]},
-        node_attempts(read_ranks(run_dir)),
-    )
-    draw_timeline(rows, Path(path), plt)
+    draw_timeline(timeline(rep, node_attempts(read_ranks(run_dir))), Path(path), plt)
 
 
 def _plot(
     curves: dict[str, list[tuple[int, float]]],
     ratio: float,
     workdir: str,
-    seq_run: tuple[str, dict[str, Any], dict[str, Any]],
+    seq_run: tuple[str, dict[str, Any]],
 ) -> str:
-    """``loss.png`` (both curves), ``timeline.png`` (the sequential run's nodes and the
-    incident) and ``loss.html`` (the pictures and the numbers)."""
+    """``loss.png`` (both curves), ``timeline.png`` (the sequential run's nodes and its
+    report's incidents) and ``loss.html`` (the pictures and the numbers)."""
     from steadytrain.extras import require
 
     matplotlib = require("matplotlib", "the noisy-loss replay's plot")
@@ -229,28 +241,18 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
     seq = curves["sequential"]
     jumps = [(abs(b[1] - a[1]), b[0], b[1] - a[1]) for a, b in zip(seq, seq[1:], strict=False)
              if a[0] > BURN_IN]  # fmt: skip
-    size, at, signed = max(jumps)
-    row = {
-        "kind": "noisy-loss",
-        "diagnosis": "unshuffled sequential reading",
-        "node": None,  # the order, not a node: every rank reads its topic block
-        "rank": None,
-        "step": at,
-        "run": "without_fix",
-        "cause": "documents stored in topic order, read with data.shuffle=sequential",
-        "evidence": {"loss_jump": signed, "variance_ratio": ratio, **var},
-        "fix": "data.shuffle=global (or block), or `steadytrain shuffle` the dataset offline",
-    }
-    page = _plot(curves, ratio, workdir, (dirs["without_fix"], reps["without_fix"], row))
+    size, at, _ = max(jumps)
+    page = _plot(curves, ratio, workdir, (dirs["without_fix"], reps["without_fix"]))
+    incidents = [*incident_rows(reps["without_fix"], "without_fix"),
+                 *incident_rows(reps["with_fix"], "with_fix")]  # fmt: skip
+    want = {"without_fix": [expected(dirs["without_fix"], STEPS)], "with_fix": []}
     return {
         "incident": "noisy-loss",
         "mode": h.mode,
         "mode_reason": h.reason,
-        "incidents": [
-            row,
-            *incident_rows(reps["without_fix"], "without_fix"),
-            *incident_rows(reps["with_fix"], "with_fix"),
-        ],
+        "incidents": incidents,
+        "expected": want,
+        "checks": judge(want, incidents),
         "goodput": {run: reps[run].get("goodput") for run in runs},
         "runs": {run: {**run_summary(dirs[run], reps[run]), "shuffle": runs[run]} for run in runs},
         "seconds": time.monotonic() - t0,

@@ -7,10 +7,13 @@ when a tiering file system evicts that node's shards. The same job runs twice:
 
 - **without the fix**: no schedule-aware prefetch (``data.prefetch_steps=0``), empty node
   caches: each new shard is fetched on demand inside ``next()``. node-1's rank waits on
-  storage and node-0 waits for it in the all-reduce: the report's straggler incident names
-  node-1 and storage.
+  storage and node-0 waits for it in the all-reduce: the report must find one ``storage``
+  incident on node-1 (its rank), from about ``SLOW_AT`` to the end, and nothing else.
 - **with the fix**: ``steadytrain stage`` warmed each node's cache, and prefetch is on (the
-  default): the same slowdown costs nothing, and no incident names storage.
+  default): the same slowdown costs nothing, and the report must find no incident at all.
+
+The replay writes no diagnosis: ``incidents`` are the reports' (``expected`` says what was
+injected, ``checks`` how the reports' incidents compare: steadytrain.testing.incidents.expect).
 """
 
 from __future__ import annotations
@@ -28,13 +31,29 @@ from steadytrain.testing.incidents.common import (
     run_summary,
     small_shards,
 )
+from steadytrain.testing.incidents.expect import expectation, judge, node_ranks
 from steadytrain.testing.nodes import NodeHarness
 
-__all__ = ["LATENCY_S", "SLOW_AT", "STEPS", "replay"]
+__all__ = ["LATENCY_S", "SLOW_AT", "STEPS", "expected", "replay"]
 
 # 30 steps of 8 x 64 tokens read ~15k of the ~150k tokens: about 15 new shards after SLOW_AT
 # per node, each costing a request and its answer (2 x LATENCY_S) when read on demand.
 STEPS, SLOW_AT, LATENCY_S = 30, 4, 0.1
+SLOW_NODE = "node-1"
+# An incident needs persistence (a few steps of evidence) before it starts; the slow link
+# lasts to the end, so the incident must too.
+DETECT_STEPS, TAIL_STEPS = 8, 6
+
+
+def expected(run_dir: str, nodes: list[str], slow_at: int, steps: int) -> dict:
+    """One ``storage`` incident on ``nodes`` (their ranks), from about ``slow_at`` on."""
+    return expectation(
+        "storage",
+        nodes,
+        node_ranks(run_dir),
+        (slow_at, slow_at + DETECT_STEPS),
+        (steps - TAIL_STEPS, steps),
+    )
 
 
 def _clear(path: str) -> None:
@@ -55,7 +74,7 @@ def _run(h: NodeHarness, url: str, run_dir: str, extra: list[str], log: Log) -> 
         "monitor.straggler_every_s=0.5",
         *extra,
     ]
-    node1 = h.nodes[1]
+    node1 = next(n for n in h.nodes if n.name == SLOW_NODE)
     job = IncidentJob(h, h.nodes[:2], run_dir, settings)
     try:
         job.wait_for_step(SLOW_AT, timeout=300)
@@ -90,8 +109,8 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
         url = h.put_dataset(small_shards(os.path.join(workdir, "dataset")), "small-shards")
         for n in h.nodes:
             _clear(n.cache_dir)
-        log(f"[storage] without the fix: prefetch off, empty caches; node-1 slows at step "
-            f"{SLOW_AT}")  # fmt: skip
+        log(f"[storage] without the fix: prefetch off, empty caches; {SLOW_NODE} slows at "
+            f"step {SLOW_AT}")  # fmt: skip
         naive_dir = os.path.join(workdir, "without_fix")
         naive = _run(h, url, naive_dir, ["data.prefetch_steps=0"], log)
 
@@ -107,11 +126,15 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
     leftovers = h.leftovers()
     # The object store's copy of the dataset is not worth keeping next to the reports.
     shutil.rmtree(os.path.join(workdir, "harness", "seaweed"), ignore_errors=True)
+    incidents = incident_rows(naive, "without_fix") + incident_rows(fixed, "with_fix")
+    want = {"without_fix": [expected(naive_dir, [SLOW_NODE], SLOW_AT, STEPS)], "with_fix": []}
     return {
         "incident": "storage",
         "mode": h.mode,
         "mode_reason": h.reason,
-        "incidents": incident_rows(naive, "without_fix") + incident_rows(fixed, "with_fix"),
+        "incidents": incidents,
+        "expected": want,
+        "checks": judge(want, incidents),
         "goodput": {"without_fix": naive.get("goodput"), "with_fix": fixed.get("goodput")},
         "runs": {
             "without_fix": run_summary(naive_dir, naive),

@@ -1,0 +1,409 @@
+"""Stragglers from the rank files: which ranks made the others wait, why, and what it cost.
+
+Over the aligned step series of every rank (``RanksView.aligned()``: by step index, never
+by the nodes' clocks), windows of ``WINDOW_STEPS`` steps are judged with the shared code of
+``diagnose.windows``: a rank is slow when its data wait (or forward time) exceeds the
+**healthy** ranks' level (``healthy_ref``: the fastest quarter, so two slow nodes of three
+are both named) by more than a floor: ``straggler_min_s``, ``straggler_share`` of the step
+time, and ``NOISE_K`` times the run's own noise (the healthy level's window-to-window
+jitter: a shared 2-core host's jitter is not an incident).
+
+A rank's slow windows form an **episode** (gaps of one window are bridged); an episode
+needs ``MIN_WINDOWS`` slow windows and must cost at least ``MIN_LOST_SHARE`` of the job's
+step time. Its cause is judged over the whole episode (``data_cause``: read p99 and cache
+misses against the healthy ranks', memory growth since the start; ``host_state`` for a
+slow forward pass: a contended host is ``host-contention``, never ``compute``). Episodes of
+one kind that overlap are one incident naming every node and rank, spanning them all;
+``lost_s`` is the job time it cost: per window, the slowest of its ranks' excess per step
+times the window's steps (every other rank waited that long inside the all-reduce).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from steadytrain.diagnose.incident import Incident
+from steadytrain.diagnose.inputs import RunRecords
+from steadytrain.diagnose.windows import Window, compute_kind, data_cause, fold, healthy_ref
+from steadytrain.monitor.alerts import AlertConfig
+from steadytrain.monitor.records import finite_tree
+
+__all__ = ["alert_config", "detect", "windows_of", "MIN_WINDOWS", "NOISE_K", "WINDOW_STEPS"]
+
+WINDOW_STEPS = 5  # steps per judged window
+MIN_WINDOWS = 3  # slow windows an episode needs (persistence: 15 steps)
+NOISE_K = 3.0  # a window's excess must exceed this many times the run's own jitter
+MIN_LOST_SHARE = 0.02  # an episode must cost this share of the job's step time
+
+
+def alert_config(starts: list[dict[str, Any]]) -> AlertConfig:
+    """The alert thresholds the newest attempt ran with (defaults when it did not say)."""
+    for st in reversed(starts):
+        cfg = st.get("config")
+        mon = cfg.get("monitor") if isinstance(cfg, dict) else None
+        given = mon.get("alerts") if isinstance(mon, dict) else None
+        if isinstance(given, dict):
+            names = {f.name for f in dataclasses.fields(AlertConfig)}
+            try:
+                out = AlertConfig(**{k: v for k, v in given.items() if k in names})
+            except (TypeError, ValueError, ArithmeticError):
+                break
+            # Read back from the ledger: NaN or inf thresholds would break the analysis.
+            if finite_tree(dataclasses.asdict(out), nonneg=True):
+                return out
+            break
+    return AlertConfig()
+
+
+@dataclass
+class _Episode:
+    rank: int
+    signal: str  # "data" or "compute"
+    windows: list[int] = field(default_factory=list)  # window indices, slow ones
+    kind: str = ""
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def _jitter(series: list[float | None]) -> float:
+    """Robust window-to-window noise of a series: 1.4826 x the median absolute first
+    difference / sqrt(2) (a step change moves it once, noise every time)."""
+    vals = [v for v in series if v is not None]
+    d = [abs(b - a) for a, b in zip(vals, vals[1:], strict=False)]
+    return 1.4826 * statistics.median(d) / math.sqrt(2) if d else 0.0
+
+
+def _episodes(flags: list[bool]) -> list[list[int]]:
+    """Runs of flagged windows, gaps of one unflagged window bridged."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i, f in enumerate(flags):
+        if not f:
+            continue
+        if cur and i - cur[-1] > 2:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def windows_of(view: Any, cfg: AlertConfig) -> tuple[int, dict[int, dict[int, dict[str, float]]],
+                                                    list[list[int]], list[dict[int, Window]]]:  # fmt: skip
+    """``(width, grid, chunks, wins)``: the aligned step bins after ``warmup`` cut into
+    windows of about ``WINDOW_STEPS`` steps; ``wins[w][rank]`` is that rank's window (ranks
+    with steps in it only), ``chunks[w]`` its bin indices."""
+    width, grid = view.aligned()
+    bins = sorted({b for g in grid.values() for b in g if (b + 1) * width > cfg.warmup})
+    per = max(1, round(WINDOW_STEPS / width))
+    chunks = [bins[i : i + per] for i in range(0, len(bins), per)]
+    wins: list[dict[int, Window]] = []
+    for chunk in chunks:
+        row = {}
+        for r, g in grid.items():
+            w = fold((b * width + 1, g[b]) for b in chunk if b in g)
+            if w.n > 0:
+                row[r] = w
+        wins.append(row)
+    return width, grid, chunks, wins
+
+
+def detect(rec: RunRecords, cfg: AlertConfig | None = None) -> list[Incident]:
+    """Straggler incidents (storage, dataloader, loader-memory, compute, host-contention)."""
+    view = rec.view
+    if len(view.ranks) < 2:
+        return []  # one rank has nobody to be slower than
+    cfg = cfg or alert_config(rec.starts)
+    width, grid, chunks, wins = windows_of(view, cfg)
+    if not wins:
+        return []
+    device = rec.device or _device(view)
+    total_step_s = statistics.median(
+        [sum(w.step_s for row in wins for rr, w in row.items() if rr == r) for r in grid] or [0.0]
+    )
+    episodes: list[_Episode] = []
+    for signal in ("data", "compute"):
+        episodes += _signal_episodes(signal, wins, cfg, device, total_step_s)
+    for ep in episodes:
+        _cause(ep, wins, cfg, device)
+    episodes = [e for e in episodes if e.kind]
+    for ep in episodes:  # the episode's first and last slow step, not its windows' edges
+        ep.evidence["_steps"] = _edges(ep, chunks, grid, width, wins)
+    return _incidents(rec, episodes, wins)
+
+
+def _edges(ep: _Episode, chunks: list[list[int]], grid: dict[int, dict[int, dict[str, float]]],
+           width: int, wins: list[dict[int, Window]]) -> tuple[int, int]:  # fmt: skip
+    """(first, last) step of the episode: within its edge windows, the first and last step
+    bin where the rank stood above the window's healthy level by half its excess."""
+    key = "data_wait_s" if ep.signal == "data" else "forward_s"
+    g = grid[ep.rank]
+
+    def slow(i: int) -> list[int]:
+        ref = healthy_ref(_value(w, ep.signal) for w in wins[i].values()) or 0.0
+        mine = _value(wins[i][ep.rank], ep.signal) or 0.0
+        cut = ref + 0.5 * (mine - ref)
+        return [b for b in chunks[i] if b in g and g[b].get("n")
+                and g[b].get(key, 0.0) / g[b]["n"] >= cut]  # fmt: skip
+
+    first_bins, last_bins = slow(ep.windows[0]), slow(ep.windows[-1])
+    first_bin = first_bins[0] if first_bins else chunks[ep.windows[0]][0]
+    if ep.windows[0] == 0:  # slow from the start: the warm-up steps it was slow in count
+        w0 = wins[0]
+        ref = healthy_ref(_value(w, ep.signal) for w in w0.values()) or 0.0
+        cut = ref + 0.5 * ((_value(w0[ep.rank], ep.signal) or 0.0) - ref)
+        b = first_bin - 1
+        while b >= 0 and b in g and g[b].get("n") and g[b].get(key, 0.0) / g[b]["n"] >= cut:
+            first_bin, b = b, b - 1
+    first = first_bin * width + 1
+    last = ((last_bins[-1] if last_bins else chunks[ep.windows[-1]][-1]) + 1) * width
+    return first, last
+
+
+def _value(w: Window, signal: str) -> float | None:
+    return w.per(w.data_wait_s) if signal == "data" else w.per(w.forward_s)
+
+
+def _signal_episodes(
+    signal: str, wins: list[dict[int, Window]], cfg: AlertConfig, device: str | None,
+    total_step_s: float,
+) -> list[_Episode]:  # fmt: skip
+    refs = [healthy_ref(_value(w, signal) for w in row.values()) if len(row) > 1 else None
+            for row in wins]  # fmt: skip
+    noise = _jitter(refs)
+    ranks = sorted({r for row in wins for r in row})
+    out = []
+    for r in ranks:
+        flags = []
+        for row, ref in zip(wins, refs, strict=True):
+            w = row.get(r)
+            v = None if w is None else _value(w, signal)
+            if v is None or ref is None:
+                flags.append(False)
+                continue
+            step = statistics.median(x.per(x.step_s) or 0.0 for x in row.values())
+            floor = max(cfg.straggler_min_s, cfg.straggler_share * step, NOISE_K * noise)
+            slow = v - ref >= floor
+            if signal == "compute":
+                slow &= v >= cfg.straggler_compute_factor * ref
+            flags.append(slow)
+        for idx in _episodes(flags):
+            if sum(flags[i] for i in idx) < MIN_WINDOWS:
+                continue  # not persistent: one slow window is a hiccup, not a fault
+            span = range(idx[0], idx[-1] + 1)
+            lost = sum(_excess(wins[i], r, refs[i], signal) for i in span)
+            if lost < MIN_LOST_SHARE * total_step_s:
+                continue
+            ep = _Episode(r, signal, list(span))
+            ep.evidence = {"lost_s": lost, "noise_s_per_step": noise}
+            out.append(ep)
+    return out
+
+
+def _excess(row: dict[int, Window], r: int, ref: float | None, signal: str) -> float:
+    """Seconds rank ``r`` cost the job in this window: its excess per step x the steps."""
+    w = row.get(r)
+    v = None if w is None else _value(w, signal)
+    if v is None or ref is None or w is None:
+        return 0.0
+    return max(0.0, v - ref) * w.n
+
+
+def _cause(ep: _Episode, wins: list[dict[int, Window]], cfg: AlertConfig, device: str | None
+           ) -> None:  # fmt: skip
+    """Sets ``ep.kind`` (empty: dropped) and its evidence, judged over the whole episode."""
+    r, signal = ep.rank, ep.signal
+    parts = [(i, wins[i]) for i in ep.windows]
+    me = _fold_windows([row[r] for _, row in parts if r in row])
+    # healthy peers: ranks whose own value stayed near the healthy level in the episode
+    others = sorted({o for _, row in parts for o in row if o != r})
+    refs = [healthy_ref(_value(w, signal) for w in row.values()) for _, row in parts]
+    peers = []
+    for o in others:
+        excess = [
+            (_value(row[o], signal) or 0.0) - (ref or 0.0)
+            for (_, row), ref in zip(parts, refs, strict=True)
+            if o in row
+        ]
+        if excess and statistics.median(excess) < 0.5 * _median_excess(parts, refs, r, signal):
+            peers.append(_fold_windows([row[o] for _, row in parts if o in row]))
+    ref = statistics.median([x for x in refs if x is not None] or [0.0])
+    mine = _value(me, signal) or 0.0
+    ev: dict[str, Any] = {**ep.evidence}
+    if signal == "data":
+        # memory grows from the start: measure it from the first judged window
+        since = [wins[i][r] for i in range(0, ep.windows[-1] + 1) if r in wins[i]]
+        grown = _fold_windows(since)
+        peer_grown = [
+            _fold_windows([wins[i][o] for i in range(0, ep.windows[-1] + 1) if o in wins[i]])
+            for o in others
+        ]
+        me.mem_first, me.mem_last = grown.mem_first, grown.mem_last
+        healthy = peers or [_fold_windows([row[o] for _, row in parts if o in row])
+                            for o in others]  # fmt: skip
+        for p, g in zip(healthy, peer_grown, strict=False):
+            p.mem_first, p.mem_last = g.mem_first, g.mem_last
+        base = _fold_windows([wins[i][r] for i in range(0, ep.windows[0]) if r in wins[i]])
+        kind, cause_ev = data_cause(me, healthy, base if base.n else None, cfg)
+        ev.update(data_wait_s_per_step=mine, healthy_data_wait_s_per_step=ref, **cause_ev)
+    else:
+        ratio = mine / ref if ref > 0 else float("inf")
+        healthy = peers or [_fold_windows([row[o] for _, row in parts if o in row])
+                            for o in others]  # fmt: skip
+        found, host = compute_kind(me, healthy, ratio, device, cfg)
+        ev.update(forward_s_per_step=mine, healthy_forward_s_per_step=ref, forward_ratio=ratio)
+        ev.update(host=host or None)
+        if found is None:
+            return  # a loaded host is likelier than a fault of the rank: no incident
+        kind = found
+    ev["step_s_per_step"] = me.per(me.step_s)
+    ep.kind, ep.evidence = kind, ev
+
+
+def _median_excess(parts: list[tuple[int, dict[int, Window]]], refs: list[float | None],
+                   r: int, signal: str) -> float:  # fmt: skip
+    vals = [
+        (_value(row[r], signal) or 0.0) - (ref or 0.0)
+        for (_, row), ref in zip(parts, refs, strict=True)
+        if r in row
+    ]
+    return statistics.median(vals) if vals else 0.0
+
+
+def _fold_windows(ws: list[Window]) -> Window:
+    """Windows of one rank as one (sums add, p99: the median of the windows' maxima, so
+    one outlier read does not speak for an episode)."""
+    out = Window()
+    p99s = [w.read_p99_s for w in ws if w.read_p99_s is not None]
+    for w in ws:
+        out.n += w.n
+        out.step_s += w.step_s
+        out.data_wait_s += w.data_wait_s
+        if w.forward_s is not None:
+            out.forward_s = (out.forward_s or 0.0) + w.forward_s
+        if w.cache_misses is not None:
+            out.cache_misses = (out.cache_misses or 0.0) + w.cache_misses
+        if w.mem_first is not None and out.mem_first is None:
+            out.mem_first = w.mem_first
+        if w.mem_last is not None:
+            out.mem_last = w.mem_last
+        out.first_step = w.first_step if out.first_step is None else out.first_step
+        out.last_step = w.last_step if w.last_step is not None else out.last_step
+        out.host_n += w.host_n
+        out.run_queue += w.run_queue
+        out.cpus += w.cpus
+        if w.steal is not None:
+            out.steal = (out.steal or 0.0) + w.steal
+        if w.throttled is not None:
+            out.throttled = (out.throttled or 0.0) + w.throttled
+    out.read_p99_s = statistics.median(p99s) if p99s else None
+    return out
+
+
+def _device(view: Any) -> str | None:
+    for s in view.ranks.values():
+        for a in reversed(s.attempts):
+            if a.get("device") in ("cpu", "cuda"):
+                return a["device"]
+    return None
+
+
+def _incidents(rec: RunRecords, episodes: list[_Episode], wins: list[dict[int, Window]]
+               ) -> list[Incident]:  # fmt: skip
+    """Overlapping episodes of one kind as one incident (every node and rank named)."""
+    groups: list[list[_Episode]] = []
+    for ep in sorted(episodes, key=lambda e: (e.kind, e.windows[0])):
+        g = groups[-1] if groups and groups[-1][0].kind == ep.kind else None
+        if g is not None and ep.windows[0] <= max(e.windows[-1] for e in g) + 1:
+            g.append(ep)
+        else:
+            groups.append([ep])
+    out = []
+    for g in groups:
+        kind = g[0].kind
+        first_w, last_w = min(e.windows[0] for e in g), max(e.windows[-1] for e in g)
+        signal = g[0].signal
+        lost = 0.0
+        for i in range(first_w, last_w + 1):
+            row = wins[i]
+            ref = healthy_ref(_value(w, signal) for w in row.values())
+            lost += max((_excess(row, e.rank, ref, signal) for e in g), default=0.0)
+        first = min(e.evidence["_steps"][0] for e in g)
+        last = max(e.evidence["_steps"][1] for e in g)
+        ranks = sorted({e.rank for e in g})
+        nodes = rec.nodes_of(ranks, first)
+        worst = max(g, key=lambda e: e.evidence.get("lost_s", 0.0))
+        ev = {**worst.evidence, "worst_rank": worst.rank}
+        ev.pop("lost_s", None)
+        ev.pop("_steps", None)
+        if len(g) > 1:
+            ev["per_rank"] = {str(e.rank): _brief(e.evidence) for e in g}
+        inc = Incident(kind=kind, nodes=nodes, ranks=ranks, first_step=first, last_step=last,
+                       lost_s=lost, evidence=ev, t=_t_of(rec, first),
+                       attempt=_attempt_of(rec, first))  # fmt: skip
+        inc.message = _message(inc)
+        out.append(inc)
+    return out
+
+
+def _brief(ev: dict[str, Any]) -> dict[str, Any]:
+    keep = ("data_wait_s_per_step", "forward_s_per_step", "read_p99_s",
+            "cache_misses_per_step", "memory_growth_bytes", "forward_ratio")  # fmt: skip
+    return {k: ev[k] for k in keep if k in ev} | {"steps": list(ev["_steps"])}
+
+
+def _t_of(rec: RunRecords, step: int) -> float | None:
+    s = rec.steps
+    found = None
+    for i in range(len(s)):
+        if s.step[i] == step:
+            found = s.t[i]  # a redone step: its newest record
+    return found
+
+
+def _attempt_of(rec: RunRecords, step: int) -> int | None:
+    s = rec.steps
+    found = None
+    for i in range(len(s)):
+        if s.step[i] == step and s.attempt[i] >= 0:
+            found = int(s.attempt[i])
+    return found
+
+
+def _ms(v: Any) -> str:
+    return "?" if v is None else f"{v * 1e3:.0f} ms"
+
+
+def _message(inc: Incident) -> str:
+    ev = inc.evidence
+    who = f"rank{'s' if len(inc.ranks) > 1 else ''} {', '.join(map(str, inc.ranks))}"
+    where = f"{who} on {', '.join(inc.nodes)}" if inc.nodes else who
+    span = f"steps {inc.first_step}-{inc.last_step}"
+    cost = f"cost {inc.lost_s:.1f} s of job time"
+    if inc.kind in ("compute", "host-contention"):
+        msg = (f"{where}: forward pass {ev['forward_ratio']:.1f}x the healthy ranks' "
+               f"({ev['forward_s_per_step']:.3f} vs {ev['healthy_forward_s_per_step']:.3f} "
+               f"s/step) over {span}")  # fmt: skip
+        h = ev.get("host")
+        if inc.kind == "host-contention" and h:
+            msg += f"; host run queue {h['run_queue']:.1f} on {h['cores']:.0f} cores"
+            if h.get("steal_share"):
+                msg += f", steal {h['steal_share']:.0%}"
+            if h.get("throttled_share"):
+                msg += f", throttled {h['throttled_share']:.0%}"
+        return f"{msg}; {cost}"
+    msg = (f"{where} waited {ev['data_wait_s_per_step']:.3f} s/step for data vs "
+           f"{ev['healthy_data_wait_s_per_step']:.3f} s on the healthy ranks over {span}")  # fmt: skip
+    if inc.kind == "storage":
+        msg += f"; read p99 {_ms(ev.get('read_p99_s'))} vs {_ms(ev.get('healthy_read_p99_s'))}"
+        if ev.get("cache_misses_per_step"):
+            msg += f", {ev['cache_misses_per_step']:.1f} cache misses/step"
+    elif inc.kind == "loader-memory" and ev.get("memory_growth_bytes") is not None:
+        msg += f"; loader memory grew {ev['memory_growth_bytes'] / (1 << 20):.0f} MiB"
+        if ev.get("healthy_memory_growth_bytes") is not None:
+            msg += f" vs {ev['healthy_memory_growth_bytes'] / (1 << 20):.0f} MiB"
+    return f"{msg}; {cost}"

