@@ -20,7 +20,7 @@ A case's ``expected`` incidents come from what was injected (which rank ran on w
 from the run's rank files), its ``incidents`` from ``steadytrain report --json`` alone, and
 its ``check`` pairs them (steadytrain.testing.incidents.expect). Run it::
 
-    python -m steadytrain.testing.incidents.matrix --cases storage+loader-memory --json
+    python -m steadytrain.testing.incidents.matrix --cases storage+loader-memory --workdir DIR --json
 
 ``bench/diagnosis_matrix.py`` runs every case and 10 clean runs and writes precision and
 recall; tests/nodes/test_diagnosis_matrix.py runs the combined cases within the CI budget.
