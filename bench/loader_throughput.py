@@ -1,14 +1,17 @@
 """Loader throughput: tokens/s and CPU ns/token, global shuffle, seq 2048, micro-batch 8.
 
 Side by side on the same tokens (a 32 Mi-token steadytrain dataset in the page cache), every
-contender producing what a trainer needs, fresh contiguous int64 inputs and labels:
+contender producing what a trainer needs, contiguous int64 inputs and labels it may keep,
+and every one slicing the same plain ``np.asarray`` views of the shard maps (slicing the
+``np.memmap`` subclass itself costs more than a window's copy):
 
 - floors (numpy, in-process): the uint16 window gather; the int64 floor, built the way the
   fastest code would (gather the windows into one uint16 buffer, then one whole-batch cast
-  each for inputs and labels); and, for reference, one int64 cast of the windows with inputs
-  and labels as strided views of it (cheaper, but not the same contract);
-- steadytrain's TokenLoader in-process (``prefetch=0``), with its background thread
-  (``workers=0``) and with 1 and 2 worker processes;
+  each for inputs and labels, into fresh arrays); the same into one reused buffer (the copy's
+  physical limit, but a contract no loader can offer: each call overwrites the last); and one
+  int64 cast with inputs and labels as strided views of it (cheaper, not the same contract);
+- steadytrain's TokenLoader as shipped (``workers=0``: a background thread, ``prefetch=4``),
+  in-process (``prefetch=0``), and with 1 and 2 worker processes;
 - peers, each configured as its own documentation recommends (see bench/peers/): torchdata
   StatefulDataLoader fetching whole micro-batches (``BatchSampler`` + ``batch_size=None``),
   litdata StreamingDataset + TokensLoader + StreamingDataLoader, mosaicml-streaming MDS, each
@@ -16,11 +19,14 @@ contender producing what a trainer needs, fresh contiguous int64 inputs and labe
 
 Every configuration runs in its own process; rounds run all configurations in a rotating
 order (round r starts at the r-th), so machine load falls on all alike. Each row reports
-min/median/max over the rounds; ratios are taken from medians. "Per CPU-s" is tokens per
-CPU-second of all the configuration's processes, the figure that depends least on how busy
-the machine is.
+min/median/max over the rounds; ratios are taken from medians, and ``paired_per_cpu`` gives
+the per-round ratios (both contenders from the same round) as min/median/max. "Per CPU-s" is
+tokens per CPU-second of all the configuration's processes and threads, the figure that
+depends least on how busy the machine is.
 
     .venv/bin/python bench/loader_throughput.py              -> bench/results/loader_throughput.json
+    .venv/bin/python bench/loader_throughput.py --peers torchdata   (torchdata only; it runs in
+        this interpreter when it has torchdata, so the peer venv is not needed)
     .venv/bin/python bench/loader_throughput.py --only-ours  -> bench/results/loader_throughput_quick.json
 
 ``--only-ours`` runs the floors and the in-process / background-thread rows (no peers, no
@@ -31,6 +37,7 @@ worker processes), ``--quick`` adds our worker-process rows; both write
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -56,12 +63,14 @@ TOKENS = 32 << 20
 FLOOR_INT64 = "floor: gather, whole-batch int64 cast"
 FLOOR_UINT16 = "floor: gather uint16 windows"
 FLOOR_VIEWS = "reference: one int64 cast, inputs/labels as views"
+FLOOR_REUSED = "reference: int64 floor into one reused buffer"
 INPROC = "steadytrain TokenLoader in-process (prefetch=0)"
 PEERS = {  # row prefix -> loader_peers.py mode
     "torchdata (batched fetch)": "torchdata",
     "litdata": "litdata",
     "mosaic streaming": "streaming",
 }
+BASELINE = "baseline TokenLoader"  # --baseline-src: the loader of another checkout
 REFERENCE_PEER = "torchdata per-sample default"  # not a contender: shows the batched gain
 
 
@@ -95,6 +104,15 @@ def child_floor(data: str, kind: str, warmup: float, run: float) -> dict:
             both[0] = buf[:, :-1]
             both[1] = buf[:, 1:]
             return both
+    elif kind == "reused":  # the same casts into one buffer, overwritten every call
+
+        def nxt():
+            gather()
+            out[0] = buf[:, :-1]
+            out[1] = buf[:, 1:]
+            return out
+
+        out = np.empty((2, MICRO, SEQ), dtype=np.int64)
     else:  # "views": one cast; labels and inputs overlap in one array
 
         def nxt():
@@ -123,7 +141,13 @@ def build_configs(a: argparse.Namespace, data: str) -> tuple[dict, list[str]]:
     me = [sys.executable, os.path.abspath(__file__), "--data", data]
     me += ["--warmup", str(a.warmup), "--run", str(a.run)]
     configs: dict[str, tuple[list[str], dict | None]] = {}
-    for name, kind in ((FLOOR_UINT16, "uint16"), (FLOOR_INT64, "int64"), (FLOOR_VIEWS, "views")):
+    floors = (
+        (FLOOR_UINT16, "uint16"),
+        (FLOOR_INT64, "int64"),
+        (FLOOR_REUSED, "reused"),
+        (FLOOR_VIEWS, "views"),
+    )
+    for name, kind in floors:
         configs[name] = ([*me, "--child", "floor", "--kind", kind], None)
     configs[INPROC] = ([*me, "--child", "ours", "--workers", "0", "--prefetch", "0"], None)
     for w in (0,) if a.only_ours else (0, 1, 2):
@@ -131,20 +155,50 @@ def build_configs(a: argparse.Namespace, data: str) -> tuple[dict, list[str]]:
             [*me, "--child", "ours", "--workers", str(w)],
             None,
         )
+    if a.baseline_src:  # the same rows on another checkout's loader (a before/after pair)
+        env = {"PYTHONPATH": os.path.abspath(a.baseline_src)}
+        configs[f"{BASELINE} in-process (prefetch=0)"] = (
+            [*me, "--child", "ours", "--workers", "0", "--prefetch", "0"],
+            env,
+        )
+        configs[f"{BASELINE} workers=0"] = ([*me, "--child", "ours", "--workers", "0"], env)
     notes: list[str] = []
     if a.quick or a.only_ours:
         return configs, notes
-    py, note = ensure_peer_env()
+    wanted = set(a.peers.split(",")) if a.peers else set(PEERS.values())
+    py, note = peer_python(a.peer_python, wanted)
     notes.append(note)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "loader_peers.py")
     env = {"PYTHONPATH": STUB_DIR}
-    peer_rows = [(f"{n} workers={w}", m, w) for n, m in PEERS.items() for w in (0, 1, 2)]
-    peer_rows.append((f"{REFERENCE_PEER} workers=0", "torchdata-per-sample", 0))
+    peer_rows = [
+        (f"{n} workers={w}", m, w) for n, m in PEERS.items() if m in wanted for w in (0, 1, 2)
+    ]
+    if "torchdata" in wanted:
+        peer_rows.append((f"{REFERENCE_PEER} workers=0", "torchdata-per-sample", 0))
     for name, mode, w in peer_rows:
-        cmd = [PEER_PY, script, mode, "--data", data, "--work", os.path.join(WORK, "peers")]
+        cmd = [py or PEER_PY, script, mode, "--data", data, "--work", os.path.join(WORK, "peers")]
         cmd += ["--workers", str(w), "--warmup", str(a.warmup), "--run", str(a.run)]
         configs[name] = (cmd, env) if py is not None else ([], {"error": note})
     return configs, notes
+
+
+def peer_python(choice: str, wanted: set[str]) -> tuple[str | None, str]:
+    """The interpreter that runs the peers, and a note saying which. ``auto``: the peer venv
+    (installed on first use), except when only torchdata is asked for and this interpreter
+    has it (the project's dev environment pins the peer venv's torchdata 0.11.0 and torch
+    2.13.0), which saves installing the peer venv. ``self``: this interpreter; ``venv``: the
+    peer venv."""
+    if choice == "self" or (choice == "auto" and wanted <= {"torchdata"}):
+        if importlib.util.find_spec("torchdata") is not None:
+            from importlib.metadata import version
+
+            return (
+                sys.executable,
+                f"peers ran in this interpreter (torchdata {version('torchdata')})",
+            )
+        if choice == "self":
+            return None, f"torchdata is not importable by {sys.executable}"
+    return ensure_peer_env()
 
 
 def main() -> None:
@@ -158,6 +212,23 @@ def main() -> None:
     p.add_argument("--prefetch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5, help="rounds, in rotating order")
     p.add_argument("--quick", action="store_true", help="our loader and the floors only")
+    p.add_argument(
+        "--peers",
+        default="",
+        help=f"comma-separated peers to run (default all: {','.join(PEERS.values())})",
+    )
+    p.add_argument(
+        "--baseline-src",
+        default="",
+        help="a src/ directory of another checkout (e.g. `git archive HEAD src | tar -x -C "
+        "DIR`, then DIR/src): its loader runs as extra rows, for a before/after in one run",
+    )
+    p.add_argument(
+        "--peer-python",
+        default="auto",
+        choices=("auto", "self", "venv"),
+        help="interpreter for the peers (see peer_python)",
+    )
     p.add_argument(
         "--only-ours",
         action="store_true",
@@ -179,6 +250,7 @@ def main() -> None:
             obj = json.load(f)
         obj["rows"] = spread_rows(obj["runs"])
         obj["summary"] = summarise(obj["rows"])
+        obj["summary"]["paired_per_cpu"] = paired(obj["runs"])
         write_result("loader_throughput", obj)
         print_table(obj["rows"], obj["summary"])
         return
@@ -197,11 +269,14 @@ def main() -> None:
         for name in order:
             cmd, env = configs[name]
             res = run_json(cmd, 240, env=env) if cmd else dict(env or {})
+            if name.startswith(BASELINE) and "error" not in res:
+                res["loader_src"] = a.baseline_src
             res["round"] = r
             runs[name].append(res)
         print(f"round {r + 1}/{a.repeats} done, {time.time() - t_start:.0f} s", file=sys.stderr)
     rows = spread_rows(runs)
     summary = summarise(rows)
+    summary["paired_per_cpu"] = paired(runs)
     partial = a.quick or a.only_ours
     path = write_result(
         "loader_throughput_quick" if partial else "loader_throughput",
@@ -250,6 +325,44 @@ def spread_rows(runs: dict[str, list[dict]]) -> dict[str, dict]:
             row["cpu_ns_per_token"] = _spread([r["cpu_ns_per_token"] for r in timed])
         rows[name] = row
     return rows
+
+
+THREAD = "steadytrain TokenLoader workers=0"
+TORCHDATA_W0 = "torchdata (batched fetch) workers=0"
+
+
+def paired(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Per-round ratios of tokens per CPU-second (both contenders from the same round, so
+    the load they met was alike), as min/median/max over the rounds both completed."""
+    out: dict[str, dict[str, float]] = {}
+    pairs = [
+        (f"ours_{tag}_vs_{btag}", mine, base)
+        for tag, mine in (
+            ("thread", THREAD),
+            ("inproc", INPROC),
+            ("baseline_thread", f"{BASELINE} workers=0"),
+            ("baseline_inproc", f"{BASELINE} in-process (prefetch=0)"),
+        )
+        for btag, base in (
+            ("int64_floor", FLOOR_INT64),
+            ("reused_floor", FLOOR_REUSED),
+            ("torchdata_w0", TORCHDATA_W0),
+        )
+    ]
+    pairs += [
+        ("ours_thread_vs_baseline_thread", THREAD, f"{BASELINE} workers=0"),
+        ("ours_inproc_vs_baseline_inproc", INPROC, f"{BASELINE} in-process (prefetch=0)"),
+    ]
+    for key, mine, base in pairs:
+        by_round = {r["round"]: r for r in runs.get(base, []) if r.get("m_tokens_per_cpu_s")}
+        ratios = [
+            r["m_tokens_per_cpu_s"] / by_round[r["round"]]["m_tokens_per_cpu_s"]
+            for r in runs.get(mine, [])
+            if r.get("m_tokens_per_cpu_s") and r.get("round") in by_round
+        ]
+        if ratios:
+            out[key] = _spread(ratios)
+    return out
 
 
 def _med(row: dict | None, key: str) -> float | None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pickle
 import struct
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -24,6 +25,8 @@ from steadytrain.errors import DatasetError
 # node-cache hits and misses in this worker since its previous message (the worker's own
 # ShardCache counts them, out of the loader's sight otherwise)
 HEADER = struct.Struct("<qdqBII")
+# ndarray.max() without its Python wrapper (numpy/_core/_methods.py): ~1 us a micro-batch
+_MAX = np.maximum.reduce
 CHUNK = 256  # micro-batches whose positions are mapped together (amortises numpy overhead)
 
 
@@ -37,6 +40,57 @@ class _Chunk(NamedTuple):
     slots: list[int]
     offsets: list[int]  # in bytes on the byte path (``Reader.fill``), else in tokens
     nbytes: list[int] | None  # per micro-batch, when datasets of several dtypes blend
+
+
+class BufferRing:
+    """Reused output buffers for micro-batches: ``take()`` hands out a slot again only once
+    nothing outside the ring refers to its arrays any more.
+
+    The contract for the trainer is unchanged: a batch it keeps (or a view or tensor of it)
+    is never overwritten. Tensors made with ``torch.from_numpy`` hold a reference to the
+    array, numpy views hold their base, so an array's reference count is back at the ring's
+    own once every batch, tensor and view made of it is gone; only then is the slot refilled.
+    A slot still held is skipped, and when every slot is held (a caller that keeps its
+    batches) a fresh buffer replaces one in the ring (in turn), which the caller keeps.
+    Reuse saves the allocation (and, where malloc returns the memory, the page faults) of a
+    fresh ~256 KiB buffer a micro-batch: the int64 floor into a reused buffer ran 1.06x to
+    1.6x the one into fresh arrays per CPU-second, by run (bench/loader_throughput.py). Only what the ring can see is guarded: a
+    buffer must not be handed to anything that reads it after its last Python reference is
+    gone (an asynchronous copy from page-locked memory), so the loader never pins a ring.
+
+    One thread takes from a ring (each producer's ``Reader`` has its own).
+    """
+
+    def __init__(self, alloc: Callable[[], tuple[np.ndarray, np.ndarray]], size: int) -> None:
+        self._alloc = alloc
+        self._slots: list[tuple[np.ndarray, np.ndarray]] = []
+        self._size = max(1, size)
+        self._next = 0  # the slot replaced next when every one is held
+        self._base = 0  # the reference count of a free slot's array, seen from take()
+
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """A slot ``(inputs, labels)`` that nothing outside the ring refers to: the first
+        free one, so the fewest buffers stay in use and warm in the cache (measured in
+        thread mode, alternating rounds: 48.8 vs 50.7 us of CPU a micro-batch against
+        taking them in turn)."""
+        slots, base, count = self._slots, self._base, sys.getrefcount
+        for slot in slots:
+            if count(slot[0]) <= base and count(slot[1]) <= base:
+                return slot
+        slot = self._alloc()
+        if not base:
+            # Measured, not assumed (Python 3.14 borrows references on the stack): the
+            # count of an array held by its slot only, by the same expression as above.
+            self._base = count(slot[0])
+        if len(slots) < self._size:
+            slots.append(slot)
+        else:  # every slot held: the caller keeps the one replaced, the ring forgets it
+            slots[self._next] = slot
+            self._next = (self._next + 1) % len(slots)
+        return slot
+
+    def __len__(self) -> int:
+        return len(self._slots)
 
 
 class Reader:
@@ -62,10 +116,12 @@ class Reader:
         self._views: list[Any] = [None] * int(self._slot_base[-1])
         # The byte path: when every dataset has the staging dtype, windows are copied as
         # raw bytes between memoryviews, which costs less per row than numpy's slicing and
-        # assignment (measured: 7.8-9.0 vs 10.3-10.7 us per 8 x 2048 micro-batch). But it
-        # holds the GIL through each copy, where numpy releases it: a background thread
-        # beside the training loop passes byte_copies=False (measured there: 3.0 vs 2.5
-        # CPU ns/token for the pair of threads with byte copies).
+        # assignment (measured: 10.7 vs 15.0 us per 8 x 2048 micro-batch, best of 7). It
+        # holds the GIL through each 4 KiB copy, where numpy releases and retakes it per
+        # row: the loader's background thread uses it too since the threads hand over
+        # once per group of micro-batches (producers._Handoff; measured, interleaved in
+        # one process: 3.6 vs 4.2 CPU ns/token for the pair of threads with byte copies).
+        # byte_copies=False is kept for a caller that wants the GIL released per row.
         self._bytes = (
             byte_copies and self.dtype.isnative and all(d.dtype == self.dtype for d in datasets)
         )
@@ -77,10 +133,17 @@ class Reader:
             if len(set(self._itemsizes.tolist())) == 1
             else None
         )
-        # Reused staging windows in the token dtype (``fill_pair``): the per-sample copies
-        # stay small, and the widening to int64 runs as two whole-batch casts.
-        self._stage = np.empty((plan.micro_batch, self.window), dtype=self.dtype)
-        self._stage_bytes = memoryview(self._stage).cast("B")
+        # Reused staging windows in the token dtype (``fill_pair``), for groups of up to
+        # ``_stage.shape[0] // micro_batch`` micro-batches (grown on demand): the per-sample
+        # copies stay small, and the widening to int64 runs as two casts per group. Per
+        # group size: (bytes of the windows, the windows, the inputs' and the next-token
+        # labels' source views [n, micro, seq_len]), so a group's casts slice nothing.
+        self._stage = np.empty((0, self.window), dtype=self.dtype)
+        self._stages: dict[int, tuple[memoryview, np.ndarray, np.ndarray, np.ndarray]] = {}
+        # The int64 output blocks its user fills (the loader sets it on first use): one
+        # ring per reader, so per thread.
+        self.out_ring: BufferRing | None = None
+        self.staged: tuple[int, int] | None = None  # (q, n) of the group in the stage
         # Token ids are checked against vocab_size per micro-batch: one numpy max over the
         # filled windows (measured: ~1.2 us for 8 x 2049 uint16 ids, against ~8 us for the
         # copies), and the row-by-row search only when it fails. An id past the vocabulary
@@ -153,53 +216,128 @@ class Reader:
         assert chunk.nbytes is not None
         return chunk.nbytes[q - chunk.lo]
 
-    def fill_pair(
-        self, q: int, inputs: np.ndarray, labels: np.ndarray, *, shift: bool = True
-    ) -> int:
-        """Write micro-batch ``q``'s inputs and labels from the maps (labels shifted by one,
-        or, with ``shift=False``, equal to the inputs); returns bytes read. Windows are
-        gathered in the token dtype first, then widened by two whole-batch casts: two numpy
-        calls instead of two per sample (measured: 15.7 vs 17.0 us per 8 x 2048
-        micro-batch; the casts vectorise better than row by row). Equal labels are cast
-        from the narrow windows too, not copied from the wide inputs: a quarter of the
-        bytes read for uint16 tokens."""
-        stage = self._stage
-        nbytes = self.fill(q, stage, self._stage_bytes)
-        inputs[...] = stage[:, :-1]
-        labels[...] = stage[:, 1:] if shift else stage[:, :-1]
-        return nbytes
+    def group_end(self, q: int, n: int) -> int:
+        """End of the group of up to ``n`` micro-batches from ``q`` that one ``fill`` reads
+        (a group stays inside one chunk of mapped positions)."""
+        return min(q + n, q - q % CHUNK + CHUNK)
 
-    def fill(self, q: int, out: np.ndarray, out_bytes: memoryview | None = None) -> int:
-        """Copy micro-batch ``q``'s windows into ``out[row]``, a C-contiguous
-        ``[micro, seq_len + 1]`` array of ``self.dtype`` (``out_bytes``: its bytes, if the
-        caller keeps them); returns bytes read."""
+    def _stage_for(self, n: int) -> tuple[memoryview, np.ndarray, np.ndarray, np.ndarray]:
+        got = self._stages.get(n)
+        if got is None:
+            mb, w = self.plan.micro_batch, self.window
+            if self._stage.shape[0] < n * mb:  # grown: views of the old one are rebuilt
+                self._stage = np.empty((n * mb, w), dtype=self.dtype)
+                self._stages.clear()
+            stage = self._stage[: n * mb]
+            block = stage.reshape(n, mb, w)
+            got = (memoryview(stage).cast("B"), stage, block[:, :, :-1], block[:, :, 1:])
+            self._stages[n] = got
+        return got
+
+    def fill_pair(
+        self, q: int, inputs: np.ndarray, labels: np.ndarray, *, shift: bool = True, n: int = 1
+    ) -> None:
+        """Write the inputs and labels of micro-batches ``q .. q+n-1`` (``n`` up to
+        ``group_end``) into ``inputs[:n]`` and ``labels[:n]``, C-contiguous int64 blocks of
+        ``[>= n, micro, seq_len]`` (labels shifted by one, or, with ``shift=False``, equal
+        to the inputs): ``stage`` (unless ``stage(q, n, ahead=True)`` did already), then
+        ``widen``."""
+        if self.staged != (q, n):
+            self.stage(q, n)
+        self.widen(n, inputs, labels, shift=shift)
+
+    def stage(self, q: int, n: int, *, ahead: bool = False) -> bool:
+        """Gather the windows of micro-batches ``q .. q+n-1`` (``n`` up to ``group_end``)
+        into the staging buffer, in the token dtype, and check their ids. ``ahead``: a
+        look-ahead, done while earlier micro-batches wait to be handed over, which gives
+        up (returns False, nothing staged) instead of opening a shard not mapped yet (a
+        fetch can take long) or raising (the error is raised by the read that needs it)."""
+        self.staged = None
+        stage_bytes, stage, _, _ = self._stage_for(n)
+        if not ahead:
+            self.fill(q, stage, stage_bytes, n=n)
+        else:
+            try:
+                if self.fill(q, stage, stage_bytes, n=n, open_new=False) < 0:
+                    return False
+            except Exception:
+                return False
+        self.staged = (q, n)
+        return True
+
+    def widen(self, n: int, inputs: np.ndarray, labels: np.ndarray, *, shift: bool) -> None:
+        """The staged group's inputs and labels into ``inputs[:n]``, ``labels[:n]``: two
+        casts for the whole group, two numpy calls a group instead of two per sample
+        (measured: 15.7 vs 17.0 us per 8 x 2048 micro-batch one micro-batch at a time;
+        the casts vectorise better than row by row). Equal labels are cast from the narrow
+        windows too, not copied from the wide inputs: a quarter of the bytes read for
+        uint16 tokens. Each cast releases the GIL while it runs."""
+        _, _, src_inputs, src_next = self._stage_for(n)
+        if n == inputs.shape[0]:  # a whole block: no slicing
+            inputs[...] = src_inputs
+            labels[...] = src_next if shift else src_inputs
+        else:
+            inputs[:n] = src_inputs
+            labels[:n] = src_next if shift else src_inputs
+
+    def sample_ids_group(self, q: int, n: int) -> np.ndarray:
+        """``[n, micro]`` global sample ids of micro-batches ``q .. q+n-1`` (in one chunk)."""
         chunk = self._chunk_for(q)
         mb = self.plan.micro_batch
         a = (q - chunk.lo) * mb
+        return chunk.refs.sample_id[a : a + n * mb].reshape(n, mb)
+
+    def fill(
+        self,
+        q: int,
+        out: np.ndarray,
+        out_bytes: memoryview | None = None,
+        *,
+        n: int = 1,
+        open_new: bool = True,
+    ) -> int:
+        """Copy the windows of micro-batches ``q .. q+n-1`` (``n`` up to ``group_end``)
+        into ``out[row]``, a C-contiguous ``[n * micro, seq_len + 1]`` array of
+        ``self.dtype`` (``out_bytes``: its bytes, if the caller keeps them); returns bytes
+        read, or -1 when ``open_new`` is false and a shard not mapped yet is needed."""
+        chunk = self._chunk_for(q)
+        mb = self.plan.micro_batch
+        a = (q - chunk.lo) * mb
+        b = a + n * mb
+        assert b <= CHUNK * mb, "a group crosses a chunk: see group_end"
         views = self._views
-        rows = zip(chunk.slots[a : a + mb], chunk.offsets[a : a + mb], strict=True)
+        rows = zip(chunk.slots[a:b], chunk.offsets[a:b], strict=True)
         if self._bytes:
             dst = memoryview(out).cast("B") if out_bytes is None else out_bytes
-            n, start = self._row_bytes, 0
+            size, start = self._row_bytes, 0
             for slot, o in rows:
                 self._current = slot
                 src = views[slot]
                 if src is None:  # first use of this shard: map (or fetch) it
+                    if not open_new:
+                        self._current = None
+                        return -1
                     src = self._open(slot)
-                dst[start : start + n] = src[o : o + n]
-                start += n
+                dst[start : start + size] = src[o : o + size]
+                start += size
         else:  # datasets of several dtypes: numpy widens the narrower ones
             w = self.window
             for row, (slot, o) in enumerate(rows):
                 self._current = slot
                 view = views[slot]
                 if view is None:
+                    if not open_new:
+                        self._current = None
+                        return -1
                     view = self._open(slot)
                 out[row] = view[o : o + w]
         self._current = None
-        if self._check_ids and int(out.max()) >= self._id_limit:
-            self._check_token_ids(q, out)
-        return self._fixed_nbytes if self._fixed_nbytes is not None else self.nbytes(q)
+        if self._check_ids and _MAX(out, None) >= self._id_limit:
+            for j in range(n):  # in order: the first micro-batch with a bad id is named
+                self._check_token_ids(q + j, out[j * mb : (j + 1) * mb])
+        if self._fixed_nbytes is not None:
+            return self._fixed_nbytes * n
+        return sum(self.nbytes(q + j) for j in range(n))
 
     def _check_token_ids(self, q: int, out: np.ndarray) -> None:
         """Find the first id of micro-batch ``q`` outside its dataset's vocabulary and raise
