@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from steadytrain.diagnose.engine import diagnose
@@ -261,6 +261,8 @@ def test_a_short_hiccup_is_not_an_incident(tmp_path: Path) -> None:
     host=st.booleans(),
     one_rank=st.booleans(),
 )
+# found by CI: a healthy rank's forward 1.54x the lower quarter of three noisy ranks
+@example(noise=0.59375, spikes=0.140625, seed=71, host=True, one_rank=False)
 def test_clean_noisy_runs_have_no_incident(
     tmp_path_factory: pytest.TempPathFactory,
     noise: float,

@@ -178,6 +178,17 @@ def _signal_episodes(
     ranks = sorted({r for row in wins for r in row})
     out = []
     for r in ranks:
+        # For compute, also the rank's own noise against the healthy level: a slow device
+        # moves its forward time once and keeps it there, while a healthy rank on a noisy
+        # host jumps from window to window (the lower quarter of a few noisy ranks sits
+        # below each of them by chance: a clean run with 60 % jitter gave 1.54x). Not
+        # for data: a slow link's waits are noisy by nature (0.67, 0.56, 0.37, 0.15 s/step
+        # in one 2-of-3 matrix run) and would hide behind their own jitter.
+        own = 0.0 if signal != "compute" else _jitter([
+            None if (w := row.get(r)) is None or (v := _value(w, signal)) is None or ref is None
+            else v - ref
+            for row, ref in zip(wins, refs, strict=True)
+        ])  # fmt: skip
         flags = []
         for row, ref in zip(wins, refs, strict=True):
             w = row.get(r)
@@ -186,7 +197,7 @@ def _signal_episodes(
                 flags.append(False)
                 continue
             step = statistics.median(x.per(x.step_s) or 0.0 for x in row.values())
-            floor = max(cfg.straggler_min_s, cfg.straggler_share * step, NOISE_K * noise)
+            floor = max(cfg.straggler_min_s, cfg.straggler_share * step, NOISE_K * max(noise, own))
             slow = v - ref >= floor
             if signal == "compute":
                 slow &= v >= cfg.straggler_compute_factor * ref
