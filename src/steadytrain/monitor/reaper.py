@@ -124,7 +124,11 @@ def _read_json(path: Path) -> Any:
 
 
 def _publish(path: Path, obj: dict[str, Any]) -> None:
-    """Write ``obj`` as ``path`` atomically (a temporary file renamed onto it)."""
+    """Write ``obj`` as ``path`` atomically (a temporary file renamed onto it).
+
+    The one deliberate copy of ``storage.publish``'s protocol: this process runs with
+    ``python -I -S`` and imports nothing of the package (publish.py needs xxhash from
+    site-packages, and the package's import would cost the reaper its millisecond start)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps(obj))
