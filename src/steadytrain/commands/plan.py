@@ -16,7 +16,8 @@ DESCRIPTION = (
     "Probability of failure, best checkpoint interval (Young, Daly, exact) and the "
     "goodput of sync and async saves, checked by a Monte-Carlo simulation. Give the "
     "failure rate one way: --gpus/--afr, --mtbf-hours or --interruptions-per-day "
-    "(default: the Llama 3 rate per GPU). See docs/planning.md."
+    "(default: the Llama 3 rate per GPU). --two-tier adds the memory tier's snapshot "
+    "interval and compares two tiers with durable-only. See docs/planning.md."
 )
 
 
@@ -79,6 +80,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="Weibull shape of failure gaps (1: Poisson)",
     )
+    m = p.add_argument_group(
+        "memory tier (--two-tier: snapshots in node memory + a peer, and durable saves)"
+    )
+    m.add_argument(
+        "--two-tier",
+        action="store_true",
+        help="recommend both intervals, against durable-only, here and at reference rates",
+    )
+    m.add_argument("--step-time", type=float, metavar="S", help="seconds of one step (default 6)")
+    m.add_argument(
+        "--memory-cost", type=float, metavar="S", help="seconds a snapshot blocks (default 0.5)"
+    )
+    m.add_argument(
+        "--memory-restore", type=float, metavar="S", help="seconds to restore from memory"
+    )
+    m.add_argument(
+        "--durable-restore",
+        type=float,
+        metavar="S",
+        help="seconds of --restart-cost spent restoring from storage (default half of it)",
+    )
+    m.add_argument(
+        "--memory-survives",
+        type=float,
+        metavar="FRAC",
+        help="share of failures memory survives: crashes, one node lost (default 0.75)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -103,6 +131,25 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         failure_shape=args.failure_shape,
     )
+    tier_flags = (
+        args.step_time,
+        args.memory_cost,
+        args.memory_restore,
+        args.durable_restore,
+        args.memory_survives,
+    )
+    if args.two_tier or any(v is not None for v in tier_flags):
+        from steadytrain.planning.two_tier_plan import measure_tiers, two_tier_section
+
+        result["two_tier"] = two_tier_section(
+            result,
+            measured=measure_tiers(args.from_run) if args.from_run else None,
+            step_s=args.step_time,
+            memory_cost_s=args.memory_cost,
+            memory_restore_s=args.memory_restore,
+            durable_restore_s=args.durable_restore,
+            survives=args.memory_survives,
+        )
     if args.json:
         print_json(result)
     else:
@@ -227,3 +274,47 @@ def _print_human(r: dict[str, Any]) -> None:
     con.print(tab)
     for note in r["notes"]:
         con.print(f"note: {note}")
+    if r.get("two_tier"):
+        _print_two_tier(con, r["two_tier"], r)
+
+
+def _steps(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _print_two_tier(con: Any, tt: dict[str, Any], r: dict[str, Any]) -> None:
+    from steadytrain.planning.two_tier_plan import SCENARIOS
+
+    c, src = tt["costs"], tt["sources"]
+    con.print(
+        f"two tiers: step {c['step_s']:.3g} s ({src['step_s']}), snapshot blocks "
+        f"{c['memory_cost_s']:.3g} s ({src['memory_cost_s']}), restart from memory "
+        f"{c['memory_restart_s']:.3g} s (restore {c['memory_restore_s']:.3g} s, "
+        f"{src['memory_restore_s']}) against {c['restart_s']:.3g} s from storage; memory "
+        f"survives {_pct(c['survives'])} of failures ({src['survives']})"
+    )
+    # Plain lines (a table of rich would wrap its cells at 80 columns).
+    out = [
+        "two tiers against durable-only (first order): memory = a snapshot every K steps, "
+        "durable = its interval; gain in points; steps lost per failure",
+        f"  {'rate':<13} {'/day':>6}  {'durable only':>20}  {'memory':>7} {'durable':>10}  "
+        f"{'two tiers':>9} {'gain':>6}  {'steps lost':>15}",
+    ]
+    rows = [("this plan", r["interruptions_per_day"], tt)]
+    rows += [(s["name"], s["interruptions_per_day"], s) for s in tt["scenarios"]]
+    for name, per_day, x in rows:
+        d = x["durable_only"]
+        k = x["memory_every_steps"]
+        tau = x["durable_interval_min"]
+        lost = f"{_steps(x['steps_lost_per_failure'])} vs {_steps(d['steps_lost_per_failure'])}"
+        out.append(
+            f"  {name:<13} {per_day:>6.2g}  "
+            f"{_pct(d['goodput']) + ' at ' + _min(d['durable_interval_min']):>20}  "
+            f"{'off' if k is None else 'K=' + str(k):>7} {'never' if tau is None else _min(tau):>10}  "
+            f"{_pct(x['goodput']):>9} {100 * x['gain']:>+6.2f}  {lost:>15}"
+        )
+    out += [f"  {name}: {what}" for name, what, _ in SCENARIOS]
+    for line in out:
+        con.print(line, markup=False, highlight=False, soft_wrap=True)
+    for note in tt["notes"]:
+        con.print(f"note: {note}", markup=False)

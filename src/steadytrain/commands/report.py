@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         slowdown_note,
     )
     from steadytrain.monitor.report_ranks import node_rows, where
+    from steadytrain.monitor.report_restores import restore_lines
 
     s = build_report(args.run_dir, args.out)
     if args.json:
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"incident {i}: {a['kind']}{' on ' + at if at else ''}{steps}, "
               f"lost {a['lost_s']:.1f} s: {a['message']}")  # fmt: skip
         print(f"  what to do: {a['advice']}")
+    for line in restore_lines(s):  # which tier each restart came back from, snapshot costs
+        print(line)
     if s.get("alerts"):
         print(f"live alerts: {len(s['alerts'])} (in the HTML and --json under 'alerts')")
     if s["ranks"]:

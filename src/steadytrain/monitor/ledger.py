@@ -1,9 +1,10 @@
 """The goodput ledger: one append-only JSON-lines file per run directory.
 
 ``RUN_DIR/ledger.jsonl`` holds one JSON object per line, each with a ``"type"`` key
-(``job_start``, ``step``, ``checkpoint``, ``restore``, ``alert``, ``job_end``; see
-docs/monitoring.md for the fields). Every attempt of a job (each restart after a failure)
-appends to the same file, so the file alone tells where every second of the whole run went.
+(``job_start``, ``step``, ``checkpoint``, ``restore``, ``memory_snapshot``, ``alert``,
+``job_end``; see docs/monitoring.md for the fields). Every attempt of a job (each restart
+after a failure) appends to the same file, so the file alone tells where every second of the
+whole run went.
 
 Durability: lines are handed to the OS after every batch (a crashed *process* loses at
 most the records still queued in memory) and ``fsync``'d at every checkpoint commit and at
@@ -56,7 +57,8 @@ RECORD_TYPES = (
     "job_start",
     "step",
     "checkpoint",
-    "restore",
+    "restore",  # with its tier: local-memory, peer-memory or durable (issue 28)
+    "memory_snapshot",  # one generation of the memory tier (checkpoint/memory/)
     "alert",
     "hang",
     "job_end",

@@ -107,7 +107,30 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "path": "str?",
         "error": "str?",
     },
-    "restore": {"t": "time?", "step": "int?", "restore_s": "dur?"},
+    # ``tier``: "local-memory", "peer-memory" or "durable" (issue 28); an older ledger's
+    # restore has none and was a durable one. Bytes read from the node's own memory and
+    # fetched from a peer's.
+    "restore": {
+        "t": "time?",
+        "step": "int?",
+        "restore_s": "dur?",
+        "tier": "str?",
+        "bytes_local": "nonneg?",
+        "bytes_peer": "nonneg?",
+    },
+    # One generation of the memory tier (checkpoint/memory/): the loop's blocking (staging,
+    # and waiting for the previous generation), the background write and peer transfer.
+    "memory_snapshot": {
+        "t": "time?",
+        "step": "int?",
+        "ok": "bool?",
+        "block_s": "dur?",
+        "write_s": "dur?",
+        "peer_s": "dur?",
+        "bytes": "nonneg?",
+        "peer_bytes": "nonneg?",
+        "error": "str?",
+    },
     "alert": {
         "t": "time?",
         "step": "int?",

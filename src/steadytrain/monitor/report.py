@@ -49,6 +49,7 @@ from steadytrain.monitor.report_ranks import (
     where,
     who,
 )
+from steadytrain.monitor.report_restores import RestoreLog, restores_html
 from steadytrain.redact import redact
 from steadytrain.storage.publish import publish_bytes
 
@@ -103,6 +104,7 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
     rejects = rejects if rejects is not None else Rejects()
     acc = GoodputAccumulator()
     lost = LostSpans()  # records_lost: what a failing disk took (monitor/records_lost.py)
+    restores = RestoreLog()  # restores by tier, memory snapshots (monitor/report_restores.py)
     s = _Series()
     starts: list[dict[str, Any]] = []
     alerts: list[dict[str, Any]] = []
@@ -119,6 +121,7 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
     for rec in iter_ledger(path, rejects=rejects):  # invalid records skipped and counted
         acc.add(rec)
         lost.add(rec)
+        restores.add(rec)
         kind = rec["type"]
         if kind == "step":
             step_s = float(rec.get("step_s") or 0.0)
@@ -171,6 +174,7 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
         "alerts": alerts,
         "checkpoints": checkpoints,
         "records_lost": lost.spans,
+        "restores": restores,
         "band": band or band_learned,
         "bands": bands,
         "device": next((st.get("device") for st in reversed(starts) if st.get("device")), None),
@@ -356,6 +360,7 @@ recovery point age at the end {summary["recovery_point_age_s"] or 0:.0f} s.</p>
 {"<table><tr><th>#</th><th>min</th><th>kind</th><th>where</th><th>steps</th><th>lost</th><th>what</th><th>what to do</th></tr>" + inc + "</table>" if inc else ""}
 {"<details><summary>Live alerts (" + str(len(summary["alerts"])) + ")</summary><table><tr><th>min</th><th>step</th><th>where</th><th>alert</th><th>diagnosis</th><th>what</th></tr>" + alerts + "</table></details>" if alerts else ""}
 {"<h2>Timeline per node</h2>" + img("timeline") if "timeline" in summary["plots"] else ""}
+{restores_html(summary)}
 {ranks_html(summary, img)}
 <h2>Throughput</h2>{img("throughput")}
 <h2>Data wait and checkpoint blocking</h2>{img("waits")}
@@ -412,6 +417,12 @@ def build_report(
             # spans of records a failing run-directory disk made the writers drop
             # (monitor/records_lost.py): [{"file", "first_step", "last_step", "count", ...}]
             "records_lost": data["records_lost"],
+            # one row per attempt that restored a step > 0: attempt, step, tier
+            # (local-memory, peer-memory, durable), seconds, steps_lost; and the memory
+            # tier's snapshots, whose blocking is inside checkpoint_block (report_restores.py)
+            "restores": data["restores"].rows(),
+            "restores_by_tier": data["restores"].by_tier(),
+            "memory_snapshots": data["restores"].snapshots(b.badput_s["checkpoint_block"]),
             # one per fault (diagnose.Incident.to_dict() plus compatibility keys: step,
             # node, rank, diagnosis, next, minutes): docs/monitoring.md "Incidents"
             "incidents": data["incidents"],

@@ -2,9 +2,10 @@
 
 See docs/planning.md for the model. This package is the one import path for the planner;
 the checkpointer's ``interval="auto"`` calls ``optimal_interval_s``; ``steadytrain plan`` and
-``steadytrain demo`` both call ``plan_from_run``. A run's ledger is read through
-``steadytrain.monitor`` (``measure_run``). The Monte-Carlo simulator (numpy) is imported
-only when asked for.
+``steadytrain demo`` both call ``plan_from_run``; ``two_tier`` adds the memory tier (a
+snapshot interval in steps beside the durable one; ``plan --two-tier``). A run's ledger is
+read through ``steadytrain.monitor`` (``measure_run``). The Monte-Carlo simulator (numpy)
+is imported only when asked for.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from steadytrain.planning.interval import (
 )
 from steadytrain.planning.run_costs import RunCosts, measure_run
 from steadytrain.planning.summary import make_plan
+from steadytrain.planning.two_tier import TierCosts, goodput_two_tier
 
 if TYPE_CHECKING:
     from steadytrain.planning.montecarlo import SimResult, simulate
@@ -32,10 +34,12 @@ __all__ = [
     "LLAMA3_INTERRUPTIONS_PER_DAY",
     "RunCosts",
     "SimResult",
+    "TierCosts",
     "daly_interval_s",
     "exact_interval_s",
     "goodput_exact",
     "goodput_first_order",
+    "goodput_two_tier",
     "make_plan",
     "measure_run",
     "optimal_interval_s",

@@ -1,0 +1,230 @@
+"""Restores and memory snapshots in the report: which tier each restart came back from.
+
+Issue 28 keeps recovery points in two tiers: node-local memory (with a copy on a peer node)
+and durable storage. A restart's ``restore`` record says which one it read (``tier``:
+``local-memory``, ``peer-memory`` or ``durable``; a ledger written before the memory tier
+has none, and every restore then was durable), how long it took (``restore_s``) and the bytes
+it read locally and from a peer. ``RestoreLog`` reads them in ledger order, beside the
+goodput accumulator, and gives the report:
+
+* ``restores``: one row per attempt that restored a step > 0: ``{"attempt", "step", "tier",
+  "seconds", "steps_lost", "bytes_local", "bytes_peer"}``. ``steps_lost`` is the ledger's
+  last step before that attempt minus the restored step (>= 0). The "last step" is the
+  timeline's position: the newest ``step`` record, or, when an attempt recorded no step, the
+  step that attempt restored -- so a failure in a warm-up is not charged the same lost steps
+  twice, and the rows sum to the work the restarts threw away in steps.
+* ``restores_by_tier``: per tier, ``count``, ``seconds`` (sum) and ``steps_lost`` (sum).
+* ``memory_snapshots``: the memory tier's cost, from its ``memory_snapshot`` records.
+
+Where a snapshot's blocking is in the goodput breakdown: the Checkpointer returns the
+seconds the loop was blocked from ``maybe_save`` -- the durable save's and the memory
+snapshot's together (issue 28's contract: a snapshot blocks for staging, plus waiting for
+the previous generation) -- and the loop records that as the step's ``checkpoint_block_s``. So
+the snapshots' ``block_s`` is already inside the ``checkpoint_block`` bucket: adding it
+again would count it twice. ``memory_snapshots.block_s`` says how much of that bucket the
+memory tier took (``share_of_checkpoint_block``); the breakdown itself is not changed here.
+The background write and peer transfer (``write_s``, ``peer_s``) do not block the loop;
+what they cost the steps beside them would show as ``slowdown`` only for durable writes
+(``monitor/slowdown.py`` follows ``checkpoint`` records), so they are shown, not charged.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+__all__ = ["TIERS", "RestoreLog", "restore_lines", "restores_html"]
+
+TIERS = ("local-memory", "peer-memory", "durable")
+
+
+def _int(v: Any) -> int:
+    """A step from a checked record (records.py): a non-negative integer, else 0."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return 0
+    return int(v) if math.isfinite(v) and v >= 0 else 0
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+class RestoreLog:
+    """Feed every ledger record in order (``add``); read ``rows()``, ``by_tier()`` and
+    ``snapshots()`` at the end. Memory: one row per restart, never per step."""
+
+    def __init__(self) -> None:
+        self._rows: list[dict[str, Any]] = []
+        self._position = 0  # the timeline's newest step (see the module docstring)
+        self._open: dict[str, Any] | None = None  # the newest attempt, until its row is made
+        self._pending: dict[str, Any] | None = None  # a restore seen before its job_start
+        self._starts = 0
+        self._snap = {
+            "count": 0,
+            "ok": 0,
+            "failed": 0,
+            "block_s": 0.0,
+            "write_s": 0.0,
+            "peer_s": 0.0,
+            "bytes": 0,
+            "peer_bytes": 0,
+            "last_step": None,
+            "last_error": None,
+        }
+
+    def add(self, rec: dict[str, Any]) -> None:
+        kind = rec.get("type")
+        if kind == "job_start":
+            self._close()
+            restored = _int(rec.get("restored_step"))
+            attempt = rec.get("attempt")
+            self._open = {
+                "attempt": attempt if isinstance(attempt, int) else self._starts,
+                "job_start": rec,
+                "restore": self._pending,
+                "before": self._position,
+                "stepped": False,
+            }
+            self._pending = None
+            self._starts += 1
+            self._position = restored  # this attempt's timeline starts at its restore point
+        elif kind == "restore":
+            # Recorded after its attempt's job_start (steadytrain.Run holds it until then); a
+            # hand-written loop may record it before: it then belongs to the next attempt.
+            o = self._open
+            if o is not None and o["restore"] is None and not o["stepped"]:
+                o["restore"] = rec
+            else:
+                self._pending = rec
+        elif kind == "step":
+            self._position = _int(rec.get("step"))
+            if self._open is not None:
+                self._open["stepped"] = True
+        elif kind == "memory_snapshot":
+            self._snapshot(rec)
+
+    def _snapshot(self, rec: dict[str, Any]) -> None:
+        s = self._snap
+        s["count"] += 1
+        # Blocked is blocked, refused or not: every record's block_s counts.
+        s["block_s"] += _num(rec.get("block_s")) or 0.0
+        if rec.get("ok", True) is False:
+            s["failed"] += 1
+            if isinstance(rec.get("error"), str):
+                s["last_error"] = rec["error"]
+            return
+        s["ok"] += 1
+        s["write_s"] += _num(rec.get("write_s")) or 0.0
+        s["peer_s"] += _num(rec.get("peer_s")) or 0.0
+        s["bytes"] += int(_num(rec.get("bytes")) or 0)
+        s["peer_bytes"] += int(_num(rec.get("peer_bytes")) or 0)
+        s["last_step"] = _int(rec.get("step"))
+
+    def _close(self) -> None:
+        o, self._open = self._open, None
+        row = self._row(o) if o is not None else None
+        if row is not None:
+            self._rows.append(row)
+
+    @staticmethod
+    def _row(o: dict[str, Any]) -> dict[str, Any] | None:
+        """The ``restores`` row of attempt ``o``, or None when it restored nothing."""
+        start, rest = o["job_start"], o["restore"] or {}
+        step = _int(rest.get("step")) if "step" in rest else _int(start.get("restored_step"))
+        if step <= 0:
+            return None  # a fresh start: nothing was restored
+        tier = rest.get("tier")
+        seconds = _num(rest.get("restore_s"))
+        if seconds is None:
+            seconds = _num(start.get("restore_s")) or 0.0
+        return {
+            "attempt": o["attempt"],
+            "step": step,
+            # An older ledger's restore (or none at all) was durable: the only tier then.
+            "tier": tier if isinstance(tier, str) and tier else "durable",
+            "seconds": seconds,
+            "steps_lost": max(0, o["before"] - step),
+            "bytes_local": _num(rest.get("bytes_local")),
+            "bytes_peer": _num(rest.get("bytes_peer")),
+        }
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The ``restores`` rows, the newest attempt's included (rows are made when the
+        next attempt starts; the open one's is made here, without closing it)."""
+        last = self._row(self._open) if self._open is not None else None
+        return [*self._rows, *([last] if last is not None else [])]
+
+    def by_tier(self) -> dict[str, dict[str, Any]]:
+        """``{tier: {"count", "seconds", "steps_lost"}}`` for every tier seen (the three
+        known ones always, zero ones too, so a reader can tell "none" from "unknown")."""
+        out: dict[str, dict[str, Any]] = {
+            t: {"count": 0, "seconds": 0.0, "steps_lost": 0} for t in TIERS
+        }
+        for r in self.rows():
+            e = out.setdefault(r["tier"], {"count": 0, "seconds": 0.0, "steps_lost": 0})
+            e["count"] += 1
+            e["seconds"] += r["seconds"]
+            e["steps_lost"] += r["steps_lost"]
+        return out
+
+    def snapshots(self, checkpoint_block_s: float) -> dict[str, Any]:
+        """The memory tier's cost. ``block_s`` is part of ``checkpoint_block_s`` (the
+        bucket), not added to it (module docstring); ``share_of_checkpoint_block`` says how
+        much of it (None when the bucket is empty)."""
+        s = dict(self._snap)
+        s["in_checkpoint_block"] = True
+        s["share_of_checkpoint_block"] = (
+            min(1.0, s["block_s"] / checkpoint_block_s) if checkpoint_block_s > 0 else None
+        )
+        return s
+
+
+def restore_lines(summary: dict[str, Any]) -> list[str]:
+    """The text report's "Restores" table and the memory tier's cost, one line each."""
+    out: list[str] = []
+    rows = summary.get("restores") or []
+    if rows:
+        out.append("Restores:")
+        out.append(
+            f"  {'attempt':>7}  {'step':>8}  {'tier':<13} {'seconds':>8}  {'steps lost':>10}"
+        )
+        for r in rows:
+            out.append(
+                f"  {r['attempt']!s:>7}  {r['step']:>8}  {r['tier']:<13} "
+                f"{r['seconds']:>8.2f}  {r['steps_lost']:>10}"
+            )
+    snap = summary.get("memory_snapshots") or {}
+    if snap.get("count"):
+        share = snap.get("share_of_checkpoint_block")
+        out.append(
+            f"memory snapshots: {snap['ok']} ok, {snap['failed']} refused or failed; "
+            f"blocking {snap['block_s']:.2f} s"
+            + (f" ({share:.0%} of checkpoint_block, counted there)" if share is not None else "")
+            + f", background write {snap['write_s']:.2f} s, peer {snap['peer_s']:.2f} s, "
+            f"{snap['bytes']} bytes own, {snap['peer_bytes']} bytes to peers"
+        )
+        if snap.get("last_error"):
+            out.append(f"  memory tier: {snap['last_error']}")
+    return out
+
+
+def restores_html(summary: dict[str, Any]) -> str:
+    """The HTML page's "Restores" section ("" when nothing was restored or snapshotted)."""
+    e = html.escape
+    rows = summary.get("restores") or []
+    part = ""
+    if rows:
+        body = "".join(
+            f"<tr><td>{e(str(r['attempt']))}</td><td>{r['step']}</td><td>{e(r['tier'])}</td>"
+            f"<td>{r['seconds']:.2f} s</td><td>{r['steps_lost']}</td></tr>"
+            for r in rows
+        )
+        part = (
+            '<h2>Restores</h2><table class="restores"><tr><th>attempt</th><th>step</th>'
+            f"<th>tier</th><th>seconds</th><th>steps lost</th></tr>{body}</table>"
+        )
+    lines = restore_lines({"memory_snapshots": summary.get("memory_snapshots")})
+    return part + "".join(f"<p>{e(ln)}</p>" for ln in lines)
