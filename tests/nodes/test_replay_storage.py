@@ -43,9 +43,11 @@ def test_storage_replay_names_the_node_and_the_fix_removes_it(replays) -> None:
     verify(result, "with_fix")
 
     # The replay's own measurement: the run's p99 read per node shows the latency paid
-    # both ways (a request and its answer), on node-1 alone.
+    # both ways (a request and its answer) on node-1, and node-1 reads slower than node-0.
+    # No absolute bound on node-0: on a loaded machine its reads slow down too (0.25 s
+    # once in CI, with node-1 at 0.63 s); the slow link can only add to node-1's.
     p99 = result["measured"]["without_fix"]["read_p99_s"]
-    assert p99["node-1"] >= 2 * LATENCY_S > p99["node-0"], p99
+    assert p99["node-1"] >= 2 * LATENCY_S and p99["node-1"] > p99["node-0"], p99
     assert all(v["verified"] for v in result["staged"].values())
     # Goodput after start-up: node-0's wait for node-1 inside the all-reduce is charged
     # (the report's straggler_wait), so the fix shows in goodput too.
