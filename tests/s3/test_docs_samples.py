@@ -123,6 +123,17 @@ assert any(json.loads(l)["type"] == "checkpoint" for l in open("run/ledger.jsonl
 """,
     ),
     Sample(
+        "docs/checkpoint.md",
+        r'memory=\{"every_steps": 1, "dir": "mem/"\}\)\nfor step',
+        prelude=_LOCAL_DS + _MODEL + _LOADER,
+        check="""
+ev = after.last_event
+assert ev["type"] == "restore" and ev["tier"] == "local-memory" and ev["step"] == 6, ev
+import glob
+assert glob.glob("mem/*/rank00000/step-000000006.snap"), os.listdir("mem")
+""",
+    ),
+    Sample(
         "docs/format.md",
         r"canonical = json\.dumps\(obj",
         prelude="""

@@ -29,6 +29,12 @@ say when the recovery point is older than two intervals.
 A committed step is a recorded step: ``before_commit(step)`` (the meter's
 ``record_through``) runs on rank 0 just before COMMIT and returns once the ledger holds the
 step records up to ``step`` (``step - 1`` for a sync save: docs/monitoring.md).
+
+The memory tier (``config.memory.every_steps`` = K > 0, ``memory/``): every K steps
+``maybe_save`` also snapshots the states into node-local memory and a peer's, in the
+background on a gloo group of its own (made here, on every rank), and ``restore_latest``
+restores the newest good point of either tier (memory wins a tie). ``close()`` removes this
+node's snapshots when nothing in them is newer than the last committed durable save.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ from steadytrain.checkpoint import state as S
 from steadytrain.checkpoint.config import CheckpointerConfig
 from steadytrain.checkpoint.identity import job_identity
 from steadytrain.checkpoint.lease import Lease, acquire
+from steadytrain.checkpoint.memory.config import MemoryConfig
+from steadytrain.checkpoint.memory.plan import newest_durable
+from steadytrain.checkpoint.memory.tier import MemoryTier
 from steadytrain.checkpoint.remote import Root, discover
 from steadytrain.checkpoint.repeat_save import PlanCache
 from steadytrain.checkpoint.restore import restore_latest as _restore
@@ -87,6 +96,7 @@ class Checkpointer:
         lease_timeout_s: float | None = None,
         tensor_format: str | None = None,
         reuse_plans: bool | None = None,
+        memory: MemoryConfig | dict[str, Any] | None = None,
         config: CheckpointerConfig | None = None,
     ) -> None:
         """``config=`` or keywords (a keyword given wins over ``config``); every default
@@ -151,6 +161,12 @@ class Checkpointer:
         self._durable_s = 0.0
         self.last_event: dict[str, Any] | None = None
         self.tokens_seen = 0  # from the restored checkpoint's COMMIT
+        self._durable_ok = 0  # the newest step whose durable save committed in this process
+        self.memory: MemoryTier | None = None
+        if cfg.memory.every_steps > 0:
+            # Its own group, never the training one: transfers run in the tier's thread.
+            side = dist.new_group(backend="gloo") if initialised else None
+            self.memory = MemoryTier(cfg.memory, side, directory, self._job)
 
     # -- when ---------------------------------------------------------------------------
     def interval_s(self) -> float | None:
@@ -185,17 +201,26 @@ class Checkpointer:
         return due
 
     def maybe_save(self, step: int, states: dict[str, Any], tokens_seen: int = 0) -> float:
-        """Save if the interval policy says so; returns the seconds the caller was blocked."""
+        """Save if the interval policy says so (and snapshot into memory when that tier's
+        step is due); returns the seconds the caller was blocked."""
         self._deliver()
+        block_s = 0.0
+        if self.memory is not None and self.memory.due(step):
+            block_s += self.memory.snapshot(step, states, tokens_seen=tokens_seen)
         if not self._due(step):
-            return 0.0
-        return self.save(step, states, tokens_seen=tokens_seen)
+            return block_s
+        return block_s + self.save(step, states, tokens_seen=tokens_seen)
 
     # -- saving --------------------------------------------------------------------------
     def save(self, step: int, states: dict[str, Any], tokens_seen: int = 0) -> float:
         """Snapshot ``states`` now and write it (in the background unless ``sync``)."""
         t0 = time.perf_counter()
-        self.wait()  # the in-flight policy: wait for the previous save, counted as blocking
+        # the in-flight policy: wait for the previous save, counted as blocking (the memory
+        # tier's generation in flight runs on: it has its own group and thread)
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._deliver()
         if self._fatal is not None:
             raise CheckpointError(self._fatal)
         if self._leases is None and not self._take_leases(step, t0):
@@ -324,22 +349,29 @@ class Checkpointer:
         return events + [event]
 
     def wait(self) -> float:
-        """Block until the in-flight save (if any) is durable; returns the seconds waited."""
+        """Block until the in-flight save (if any) is durable and the memory generation in
+        flight is written; returns the seconds waited."""
         t0 = time.perf_counter()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.memory is not None:
+            self.memory.wait()
         self._deliver()
         return time.perf_counter() - t0
 
     def _deliver(self) -> None:
         """Report a finished save from the caller's thread (sinks need not be thread-safe)."""
+        if self.memory is not None:
+            for event in self.memory.take_events():
+                self._emit(event)
         if self._thread is not None and self._thread.is_alive():
             return
         events, self._results = self._results, []
         for event in events:
             if event["type"] == "checkpoint" and event["ok"]:
                 self._cost_s, self._durable_s = event["block_s"], event["durable_s"]
+                self._durable_ok = max(self._durable_ok, int(event["step"]))
             self._emit(event)
 
     def _emit(self, event: dict[str, Any]) -> None:
@@ -379,9 +411,24 @@ class Checkpointer:
 
     # -- restoring -----------------------------------------------------------------------
     def restore_latest(self, states: dict[str, Any]) -> int:
-        """Load the newest committed checkpoint that verifies; returns its step (0: none)."""
+        """Load the newest good recovery point (a memory generation at least as new as the
+        newest durable commit, else the newest committed checkpoint that verifies); returns
+        its step (0: none)."""
         self.wait()
-        event = _restore(states, self.group, self.local, self.remote, self.verify)
+        event, passed = None, []
+        if self.memory is not None:
+            durable = newest_durable(self.group, self.remote or self.local)
+            event, passed = self.memory.restore(states, durable)
+        if event is None:
+            event = _restore(states, self.group, self.local, self.remote, self.verify)
+            event["skipped"] = passed + event["skipped"]
+            if self.memory is not None and self.memory.touched and not event["step"]:
+                raise CheckpointError(
+                    "a memory snapshot failed while loading and no durable checkpoint could "
+                    f"be restored over it ({passed[-1]['reason']}); restart the process"
+                )
+        if self.memory is not None:
+            self.memory.forget_after(int(event["step"]))
         if event["step"]:
             self._last_step = event["step"]
             self.tokens_seen = event["tokens_seen"]
@@ -398,6 +445,9 @@ class Checkpointer:
         for lease in leases:
             lease.release()
         self._stager.release()
+        if self.memory is not None:
+            # A clean end: the final durable save holds everything memory holds.
+            self.memory.close(remove=self._durable_ok >= self.memory.last_step)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -10,7 +10,8 @@ import dataclasses
 from typing import Any, Literal
 
 from steadytrain.checkpoint.lease import DEFAULT_TIMEOUT_S
-from steadytrain.settings import check, check_choices
+from steadytrain.checkpoint.memory.config import MemoryConfig
+from steadytrain.settings import check, check_choices, from_table
 
 __all__ = ["CheckpointerConfig"]
 
@@ -52,9 +53,20 @@ class CheckpointerConfig:
     # TORCHELASTIC_RUN_ID or SLURM_JOB_ID), and when a silent holder counts as dead.
     job_id: str = ""
     lease_timeout_s: float = DEFAULT_TIMEOUT_S
+    # The memory tier (``[checkpoint.memory]``): recovery points every K steps in node-local
+    # memory and on a peer's node, restored before durable ones when newer (memory/).
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if isinstance(self.memory, dict):  # a nested table given as a dict (Run's checkpoint=)
+            self.memory = from_table(MemoryConfig, self.memory, "memory")
+        check(
+            isinstance(self.memory, MemoryConfig),
+            "memory",
+            self.memory,
+            "give a MemoryConfig or a table of its keys, e.g. {every_steps = 1}",
+        )
         if self.interval is None:
             only_time = self.every_seconds and not self.every_steps
             self.interval = "seconds" if only_time else "steps"

@@ -217,7 +217,10 @@ def restore_latest(
             return {
                 "type": "restore",
                 "step": cand["step"],
+                "tier": "durable",
                 "restore_s": time.perf_counter() - t0,
+                "bytes_local": 0,
+                "bytes_peer": 0,
                 "path": root.path(cand["name"]),
                 "skipped": skipped,
                 "tokens_seen": int(cand["manifest"]["tokens_seen"]),
@@ -241,7 +244,10 @@ def restore_latest(
     return {
         "type": "restore",
         "step": 0,
+        "tier": "durable",
         "restore_s": time.perf_counter() - t0,
+        "bytes_local": 0,
+        "bytes_peer": 0,
         "path": "",
         "skipped": skipped,
         "tokens_seen": 0,

@@ -1,0 +1,55 @@
+"""``MemoryConfig``: the memory tier's settings (``[checkpoint.memory]``), checked once.
+
+Its own module so ``CheckpointerConfig`` composes it without importing the tier's machinery
+(torch, gloo): the training config and ``steadytrain plan`` read it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from steadytrain.settings import check
+
+__all__ = ["MemoryConfig", "DEFAULT_DIR", "ENV_DIR", "ENV_NODE"]
+
+DEFAULT_DIR = "/dev/shm/steadytrain"  # node-local RAM on Linux: survives a worker's death
+ENV_DIR = "STEADYTRAIN_MEMORY_DIR"  # the node harness gives each node its own tmpfs
+ENV_NODE = "STEADYTRAIN_NODE"  # a rank's node name (else the host name)
+
+
+@dataclasses.dataclass(kw_only=True)
+class MemoryConfig:
+    """Recovery points in node-local memory plus a copy on a rank of another node."""
+
+    every_steps: int = 0  # snapshot every K steps; 0: the memory tier is off
+    # node-local memory directory; "": $STEADYTRAIN_MEMORY_DIR, else /dev/shm/steadytrain
+    # (never a shared file system: a node's snapshots must die with the node)
+    dir: str = ""
+    budget_bytes: int = 0  # 0: half the free space of `dir`'s file system at start
+    peer: bool = True  # also keep a copy on a rank of another node
+
+    def __post_init__(self) -> None:
+        check(
+            isinstance(self.every_steps, int) and self.every_steps >= 0,
+            "every_steps",
+            self.every_steps,
+            "use 0 (the memory tier off) or a step count",
+        )
+        check(
+            isinstance(self.budget_bytes, int) and self.budget_bytes >= 0,
+            "budget_bytes",
+            self.budget_bytes,
+            "use 0 (half the free space of the memory directory) or a byte count",
+        )
+        check(isinstance(self.dir, str), "dir", self.dir, "give a local directory path")
+        check(
+            "://" not in self.dir,
+            "dir",
+            self.dir,
+            "give a node-local directory (a tmpfs such as /dev/shm), not a URL",
+        )
+
+    def resolved_dir(self) -> str:
+        """The directory snapshots live in, after the environment and the default."""
+        return self.dir or os.environ.get(ENV_DIR, "") or DEFAULT_DIR

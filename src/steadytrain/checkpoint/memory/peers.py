@@ -1,0 +1,109 @@
+"""Who keeps whose copy, and the transfers on the tier's own gloo group.
+
+Pairing (``pair``): nodes sorted by their lowest rank; node n's i-th rank (by rank order)
+sends its copy to node (n+1) % N's (i % count)-th rank. A rank keeps the copies of every
+rank whose peer it is (usually one). One node: nobody has a peer (a node loss then falls
+back to durable checkpoints).
+
+Transfers are point-to-point on the side group (never the training group), each posted
+non-blocking and then waited for together: in a ring every rank sends and receives, and a
+blocking send first would deadlock. Sizes go first (an int64; -1: nothing this time), then
+a uint8 tensor of the file's bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Any
+
+import numpy as np
+import torch
+
+from steadytrain.checkpoint.memory.config import ENV_NODE
+
+__all__ = ["node_name", "Pairing", "pair", "exchange", "fetch"]
+
+_TAG_SIZE, _TAG_DATA = 7301, 7302
+
+
+def node_name() -> str:
+    """This rank's node: ``STEADYTRAIN_NODE``, else the host name."""
+    return os.environ.get(ENV_NODE, "") or socket.gethostname()
+
+
+@dataclasses.dataclass
+class Pairing:
+    nodes: list[str]  # node of each rank
+    peer_of: list[int | None]  # the rank that keeps each rank's copy (None: no peer)
+
+    def holds_for(self, rank: int) -> list[int]:
+        """The owners whose copies ``rank`` keeps."""
+        return [o for o, p in enumerate(self.peer_of) if p == rank]
+
+
+def pair(nodes: list[str], enabled: bool = True) -> Pairing:
+    """The pairing for ranks on ``nodes`` (``nodes[r]``: rank r's node)."""
+    members: dict[str, list[int]] = {}
+    for r, n in enumerate(nodes):
+        members.setdefault(n, []).append(r)
+    order = sorted(members, key=lambda n: members[n][0])
+    peer_of: list[int | None] = [None] * len(nodes)
+    if enabled and len(order) > 1:
+        for idx, n in enumerate(order):
+            nxt = members[order[(idx + 1) % len(order)]]
+            for i, r in enumerate(members[n]):
+                peer_of[r] = nxt[i % len(nxt)]
+    return Pairing(nodes=list(nodes), peer_of=peer_of)
+
+
+def _wait(works: list[Any]) -> None:
+    for w in works:
+        w.wait()
+
+
+def exchange(
+    pg: Any, peer: int | None, image: np.ndarray | None, owners: list[int]
+) -> dict[int, np.ndarray]:
+    """Send this rank's file image to ``peer`` and receive the images of ``owners``.
+
+    Every rank calls it in the same generation; ``image`` None sends "nothing" (-1), and
+    an owner that sent nothing is missing from the result."""
+    import torch.distributed as dist
+
+    out_size = torch.tensor([-1 if image is None else len(image)], dtype=torch.int64)
+    in_sizes = {o: torch.zeros(1, dtype=torch.int64) for o in owners}
+    works = []
+    if peer is not None:
+        works.append(dist.isend(out_size, dst=peer, group=pg, tag=_TAG_SIZE))
+    for o, t in in_sizes.items():
+        works.append(dist.irecv(t, src=o, group=pg, tag=_TAG_SIZE))
+    _wait(works)
+    works, bufs = [], {}
+    if peer is not None and image is not None:
+        works.append(dist.isend(torch.from_numpy(image), dst=peer, group=pg, tag=_TAG_DATA))
+    for o, t in in_sizes.items():
+        n = int(t.item())
+        if n >= 0:
+            bufs[o] = np.empty(n, dtype=np.uint8)
+            works.append(dist.irecv(torch.from_numpy(bufs[o]), src=o, group=pg, tag=_TAG_DATA))
+    _wait(works)
+    return bufs
+
+
+def fetch(
+    pg: Any, sends: list[tuple[int, np.ndarray]], recv: tuple[int, int] | None
+) -> np.ndarray | None:
+    """Restore's transfers: send each ``(dst, image)``, receive ``(src, nbytes)`` (sizes
+    are known from the agreed plan)."""
+    import torch.distributed as dist
+
+    works, buf = [], None
+    for dst, image in sends:
+        works.append(dist.isend(torch.from_numpy(image), dst=dst, group=pg, tag=_TAG_DATA))
+    if recv is not None:
+        buf = np.empty(recv[1], dtype=np.uint8)
+        works.append(dist.irecv(torch.from_numpy(buf), src=recv[0], group=pg, tag=_TAG_DATA))
+    _wait(works)
+    return buf

@@ -1,0 +1,316 @@
+"""One memory snapshot file: a rank's state at one step, checksummed, without pickle.
+
+Layout (docs: ``memtier-spec.md``)::
+
+    b"STMEM001" | u64 header length | header (JSON, utf-8) | u64 xxh64(header) | zero pad
+    to a multiple of 64 | payload (tensor bytes back to back, each at a 64-byte offset)
+
+The header holds the state tree with every tensor replaced by ``{"__tensor__": i}``, one
+``{"dtype", "shape", "offset", "nbytes"}`` entry per tensor (offsets from the payload's
+start), the JSON states, the RNG state, and the payload's length and xxh3-128. A reader
+checks the magic, the header's own checksum, every tensor entry against the payload's
+length and the payload's checksum before it trusts a byte (``parse``): a truncated, torn or
+flipped file is a ``CheckpointError`` that names it.
+
+The tree is what ``Stager`` staged from ``S.dcp_state_dict``: nested dicts, lists and
+tuples; int/str keys (optimizer state dicts key parameters by int); ints, floats (nan and
+inf too), bools, None, strings and tensors. JSON holds it exactly once tuples become
+``{"__tuple__": [...]}`` and dicts whose keys are not all strings (or that could be
+mistaken for a marker) become ``{"__dict__": [[key, value], ...]}``; decoding restores the
+exact types. Nothing here ever unpickles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from steadytrain.errors import CheckpointError
+from steadytrain.storage.publish import publish_file
+
+__all__ = [
+    "MAGIC",
+    "FORMAT",
+    "encode_tree",
+    "decode_tree",
+    "build",
+    "parse",
+    "read_header",
+    "verify",
+    "read_file",
+    "write_file",
+    "payload_digest",
+]
+
+MAGIC = b"STMEM001"
+FORMAT = 1
+ALIGN = 64
+_U64 = struct.Struct("<Q")
+_MARKERS = ("__tensor__", "__tuple__", "__dict__")
+_MAX_HEADER = 1 << 30  # a header longer than this is damage, not a state tree
+_DIGEST_LEN = 32  # hex digits of an xxh3-128
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# -- the tree -------------------------------------------------------------------------------
+def encode_tree(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``tree`` as a JSON value plus its tensors in order (``{"__tensor__": i}``)."""
+    tensors: list[torch.Tensor] = []
+
+    def enc(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            from torch.distributed.tensor import DTensor
+
+            if isinstance(obj, DTensor):
+                raise CheckpointError(
+                    f"state {path} is a DTensor (FSDP2 / tensor parallel): the memory tier "
+                    "keeps plain tensors only (DDP or one device); set "
+                    "checkpoint.memory.every_steps = 0 and rely on durable checkpoints"
+                )
+            if obj.is_quantized or obj.layout != torch.strided:
+                raise CheckpointError(
+                    f"state {path} is a {'quantized' if obj.is_quantized else 'sparse'} "
+                    "tensor: the memory tier keeps dense tensors only; set "
+                    "checkpoint.memory.every_steps = 0 and rely on durable checkpoints"
+                )
+            tensors.append(obj)
+            return {"__tensor__": len(tensors) - 1}
+        if obj is None or isinstance(obj, (bool, int, str)):
+            return obj
+        if isinstance(obj, float):
+            return obj
+        if isinstance(obj, tuple):
+            return {"__tuple__": [enc(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [enc(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        if isinstance(obj, dict):
+            plain = all(isinstance(k, str) for k in obj) and not (
+                len(obj) == 1 and next(iter(obj)) in _MARKERS
+            )
+            if plain:
+                return {k: enc(v, f"{path}.{k}") for k, v in obj.items()}
+            return {"__dict__": [[enc(k, path), enc(v, f"{path}[{k!r}]")] for k, v in obj.items()]}
+        raise CheckpointError(
+            f"state {path} is a {type(obj).__name__}, which the memory tier cannot store "
+            "without pickle (it keeps tensors, dicts, lists, tuples, numbers, strings, None); "
+            "make that state's state_dict() return those, or set "
+            "checkpoint.memory.every_steps = 0"
+        )
+
+    return enc(tree, "<state>"), tensors
+
+
+def decode_tree(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of ``encode_tree``: the exact types back (tuples, int keys, tensors)."""
+    if isinstance(obj, list):
+        return [decode_tree(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if len(obj) == 1:
+            ((key, value),) = obj.items()
+            if key == "__tensor__":
+                return tensors[value]
+            if key == "__tuple__":
+                return tuple(decode_tree(v, tensors) for v in value)
+            if key == "__dict__":
+                return {_key(decode_tree(k, tensors)): decode_tree(v, tensors) for k, v in value}
+        return {k: decode_tree(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _key(k: Any) -> Any:
+    hash(k)  # a list key cannot come from encode_tree: the header was not ours
+    return k
+
+
+# -- the file image ---------------------------------------------------------------------------
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: Any, where: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{where}: unknown tensor dtype {name!r}; the snapshot is damaged")
+    return dtype
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    src = t.detach()
+    if src.device.type != "cpu":
+        src = src.cpu()
+    src = src.contiguous().reshape(-1)
+    if src.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return src.view(torch.uint8).numpy()
+
+
+def payload_digest(payload: Any) -> str:
+    return xxhash.xxh3_128_hexdigest(payload)
+
+
+def build(meta: dict[str, Any], tree: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """The whole file as one uint8 array (``out`` is reused when it has the right size).
+
+    ``meta`` holds the header's other fields (job, step, owner, world_size, node,
+    tokens_seen, created, json_states, rng)."""
+    encoded, tensors = encode_tree(tree)
+    entries, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        entries.append(
+            {
+                "dtype": _dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": nbytes,
+            }
+        )
+        offset = _align(offset + nbytes)
+    payload_nbytes = offset
+    header = {
+        "format": FORMAT,
+        **meta,
+        "tree": encoded,
+        "tensors": entries,
+        "payload_nbytes": payload_nbytes,
+        "payload_xxh3_128": "0" * _DIGEST_LEN,  # the real digest has the same length
+    }
+    start = _align(len(MAGIC) + 8 + len(_header_bytes(header)) + 8)
+    total = start + payload_nbytes
+    image = out if out is not None and out.shape == (total,) else np.empty(total, np.uint8)
+    payload = image[start:]
+    for t, e in zip(tensors, entries, strict=True):
+        payload[e["offset"] : e["offset"] + e["nbytes"]] = _bytes_of(t)
+        pad_end = _align(e["offset"] + e["nbytes"])
+        payload[e["offset"] + e["nbytes"] : pad_end] = 0
+    header["payload_xxh3_128"] = payload_digest(payload)
+    raw = _header_bytes(header)
+    pos = 0
+    for piece in (MAGIC, _U64.pack(len(raw)), raw, _U64.pack(xxhash.xxh64_intdigest(raw))):
+        image[pos : pos + len(piece)] = np.frombuffer(piece, np.uint8)
+        pos += len(piece)
+    image[pos:start] = 0
+    return image
+
+
+def _header_bytes(header: dict[str, Any]) -> bytes:
+    return json.dumps(header, allow_nan=True, separators=(",", ":")).encode()
+
+
+def _parse_header(buf: memoryview, size: int, where: str) -> tuple[dict[str, Any], int]:
+    """The verified header and the payload's start; ``size``: the file's length."""
+    if size < len(MAGIC) + 16 or bytes(buf[: len(MAGIC)]) != MAGIC:
+        raise CheckpointError(
+            f"{where}: not a steadytrain memory snapshot (bad magic or too short, "
+            f"{size} bytes); remove it"
+        )
+    (hlen,) = _U64.unpack_from(buf, len(MAGIC))
+    end = len(MAGIC) + 8 + hlen
+    if hlen > _MAX_HEADER or end + 8 > size:
+        raise CheckpointError(
+            f"{where}: truncated (header of {hlen} bytes, file of {size}); the snapshot is torn"
+        )
+    raw = bytes(buf[len(MAGIC) + 8 : end])
+    if xxhash.xxh64_intdigest(raw) != _U64.unpack_from(buf, end)[0]:
+        raise CheckpointError(f"{where}: header checksum mismatch; the snapshot is damaged")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{where}: header is not JSON ({exc}); damaged") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        got = header.get("format") if isinstance(header, dict) else None
+        raise CheckpointError(
+            f"{where}: snapshot format {got!r}, this steadytrain reads format {FORMAT}"
+        )
+    start = _align(end + 8)
+    need = header.get("payload_nbytes")
+    if not isinstance(need, int) or need < 0 or start + need != size:
+        raise CheckpointError(
+            f"{where}: truncated or padded (payload of {size - start} bytes, header says "
+            f"{need}); the snapshot is torn"
+        )
+    return header, start
+
+
+def read_header(path: str) -> dict[str, Any]:
+    """The verified header of a snapshot file (the payload is not read)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(min(size, len(MAGIC) + 8))
+        if len(head) == len(MAGIC) + 8:
+            (hlen,) = _U64.unpack_from(head, len(MAGIC))
+            head += f.read(min(hlen, _MAX_HEADER) + 8)
+    header, _ = _parse_header(memoryview(head), size, path)
+    return header
+
+
+def verify(buf: np.ndarray, where: str) -> dict[str, Any]:
+    """Check a whole file image (magic, header checksum, length, payload checksum); returns
+    its header. Nothing is decoded."""
+    header, start = _parse_header(memoryview(buf), len(buf), where)
+    if payload_digest(buf[start:]) != header.get("payload_xxh3_128"):
+        raise CheckpointError(f"{where}: payload checksum mismatch; the snapshot is damaged")
+    return header
+
+
+def parse(buf: np.ndarray, where: str) -> tuple[dict[str, Any], Any]:
+    """Verify a whole file image and decode it: (header, tree). The tree's tensors are
+    views of ``buf`` (no copy): keep ``buf`` unmodified while they are in use."""
+    header = verify(buf, where)
+    payload = buf[len(buf) - header["payload_nbytes"] :]
+    tensors = []
+    try:
+        for e in header["tensors"]:
+            off, nbytes, shape = int(e["offset"]), int(e["nbytes"]), [int(s) for s in e["shape"]]
+            dtype = _dtype(e["dtype"], where)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if off % ALIGN or off < 0 or off + nbytes > len(payload) or min(shape, default=0) < 0:
+                raise ValueError(f"tensor at {off} of {nbytes} bytes lies outside the payload")
+            if nbytes != math.prod(shape) * itemsize:
+                raise ValueError(f"tensor of shape {shape} cannot hold {nbytes} bytes")
+            flat = torch.from_numpy(payload[off : off + nbytes])
+            tensors.append(flat.view(dtype).reshape(shape))
+        tree = decode_tree(header["tree"], tensors)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a checksummed header that does not decode
+        raise CheckpointError(f"{where}: malformed header ({type(exc).__name__}: {exc})") from None
+    return header, tree
+
+
+def read_file(path: str, out: np.ndarray | None = None) -> np.ndarray:
+    """The whole file into a writable buffer (``out`` reused when it has the right size)."""
+    size = os.path.getsize(path)
+    buf = out if out is not None and out.shape == (size,) else np.empty(size, np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        got = f.readinto(memoryview(buf)) if size else 0
+    if got != size:
+        raise CheckpointError(f"{path}: read {got} of {size} bytes (changed while read)")
+    return buf
+
+
+def write_file(path: str, image: np.ndarray) -> None:
+    """Write ``path`` whole or not at all: ``NAME.tmp-<pid>`` then ``os.replace``. No fsync:
+    the directory is RAM (tmpfs), which a power loss empties anyway."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            view, done = memoryview(image), 0
+            while done < len(view):
+                done += f.write(view[done:])
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a full tmpfs: the partial file would hold the space
+        raise
+    publish_file(tmp, path, durable=False)

@@ -1,0 +1,171 @@
+"""Where a node keeps its snapshots, which ones are good, and how many may exist.
+
+``<dir>/<key>/rankNNNNN/step-SSSSSSSSS.snap``: a copy of rank N's state at step S, written
+by rank N itself or received from it (a reader does not care which: any complete, verified
+copy is a copy). ``key`` = ``<job identity>-<xxh64 of realpath(checkpoint dir)>``, so two
+jobs or two tests never see each other's snapshots. Names with ``.tmp`` are unfinished.
+
+Bounded: before a new copy is written into an owner's directory, every copy there but the
+newest complete one is deleted (and every unfinished one: each owner directory of a node has
+one writer at a time), so at most two generations exist per owner. ``need_by_node`` is what
+the budget is checked against: two generations of every copy a node holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+from typing import Any
+
+import xxhash
+
+from steadytrain.checkpoint.memory import snapshot as snap
+from steadytrain.errors import CheckpointError
+
+__all__ = ["Store", "store_key", "snap_name", "need_by_node", "budget_error", "free_bytes"]
+
+log = logging.getLogger("steadytrain.checkpoint")
+
+_SNAP = re.compile(r"^step-(\d{9})\.snap$")
+_OWNER = re.compile(r"^rank(\d{5})$")
+
+
+def snap_name(step: int) -> str:
+    return f"step-{step:09d}.snap"
+
+
+def store_key(job: str, checkpoint_dir: str) -> str:
+    """The job's directory name under the memory directory."""
+    ident = re.sub(r"[^A-Za-z0-9_.:=-]", "_", job) or "nojob"
+    return f"{ident}-{xxhash.xxh64_hexdigest(os.path.realpath(checkpoint_dir).encode())}"
+
+
+def free_bytes(path: str) -> int:
+    return shutil.disk_usage(path).free
+
+
+class Store:
+    """One job's snapshots on this node (``root`` = ``<dir>/<key>``)."""
+
+    def __init__(self, base: str, key: str) -> None:
+        self.base = base
+        self.root = os.path.join(base, key)
+
+    def owner_dir(self, owner: int) -> str:
+        return os.path.join(self.root, f"rank{owner:05d}")
+
+    def path(self, owner: int, step: int) -> str:
+        return os.path.join(self.owner_dir(owner), snap_name(step))
+
+    def steps(self, owner: int) -> list[int]:
+        """Steps of the complete-looking copies of ``owner`` (by name), oldest first."""
+        try:
+            names = os.listdir(self.owner_dir(owner))
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _SNAP.match(n)))
+
+    def owners(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _OWNER.match(n)))
+
+    def prune(self, owner: int) -> None:
+        """Delete every copy of ``owner`` but the newest complete one, and unfinished ones."""
+        directory = self.owner_dir(owner)
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return
+        steps = sorted(int(m.group(1)) for n in names if (m := _SNAP.match(n)))
+        keep = snap_name(steps[-1]) if steps else None
+        for name in names:
+            if name != keep and (_SNAP.match(name) or ".tmp-" in name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(directory, name))
+
+    def write(self, owner: int, step: int, image: Any) -> None:
+        """Publish a copy of ``owner`` at ``step`` (prunes first: two generations at most)."""
+        os.makedirs(self.owner_dir(owner), exist_ok=True)
+        self.prune(owner)
+        snap.write_file(self.path(owner, step), image)
+
+    def scan(
+        self, job: str, world: int, part: tuple[int, int] = (0, 1)
+    ) -> tuple[dict[int, dict[int, tuple[int, str]]], list[dict[str, Any]]]:
+        """Every complete copy whose header verifies and that fits this job and world size:
+        ``{owner: {step: (file bytes, payload digest)}}``, and what was passed over.
+        ``part`` = (i, n): the i-th of n ranks sharing this node checks every n-th owner."""
+        found: dict[int, dict[int, tuple[int, str]]] = {}
+        passed: list[dict[str, Any]] = []
+        for owner in self.owners()[part[0] :: part[1]]:
+            for step in self.steps(owner):
+                path = self.path(owner, step)
+                try:
+                    header = snap.read_header(path)  # the payload is checked when loaded
+                    _fits(header, path, job, world, owner, step)
+                    size = os.path.getsize(path)
+                except FileNotFoundError:
+                    continue  # pruned by a rank of this node meanwhile
+                except (CheckpointError, OSError) as exc:
+                    passed.append({"path": path, "step": step, "reason": str(exc)})
+                    continue
+                found.setdefault(owner, {})[step] = (size, header["payload_xxh3_128"])
+        return found, passed
+
+    def drop_after(self, step: int) -> None:
+        """Delete copies newer than ``step``: a restore to ``step`` made them a future that
+        will not happen (retention would otherwise keep them as "the newest")."""
+        for owner in self.owners():
+            for s in self.steps(owner):
+                if s > step:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path(owner, s))
+
+    def remove_all(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _fits(header: dict[str, Any], path: str, job: str, world: int, owner: int, step: int) -> None:
+    """A verified copy is usable only by the same job on the same number of ranks."""
+    if header.get("job") != job:
+        raise CheckpointError(f"{path}: written by job {header.get('job')!r}, not {job!r}")
+    if header.get("world_size") != world:
+        raise CheckpointError(
+            f"{path}: written on {header.get('world_size')} ranks, the job now has {world} "
+            "(a changed world restores from durable checkpoints)"
+        )
+    if header.get("owner") != owner or header.get("step") != step:
+        raise CheckpointError(
+            f"{path}: holds rank {header.get('owner')} at step {header.get('step')}, "
+            "not what its name says; remove it"
+        )
+
+
+def need_by_node(nodes: list[str], sizes: list[int], peer_of: list[int | None]) -> dict[str, int]:
+    """Bytes each node holds at most: two generations of its ranks' own copies and of the
+    copies they keep for their peers (``sizes[r]``: rank r's snapshot file)."""
+    need: dict[str, int] = {n: 0 for n in nodes}
+    for r, size in enumerate(sizes):
+        need[nodes[r]] += 2 * size
+        peer = peer_of[r]
+        if peer is not None:
+            need[nodes[peer]] += 2 * size
+    return need
+
+
+def budget_error(node: str, need: int, budget: int, directory: str) -> str:
+    """The refusal: what is needed, what is allowed, and the fix."""
+    return (
+        f"memory tier refused: node {node} needs {need} bytes in {directory} for two "
+        f"generations of its snapshots (its ranks' own and its peers' copies), and its budget "
+        f"is {budget} bytes (checkpoint.memory.budget_bytes; 0 means half the free space of "
+        "the directory at start). Raise checkpoint.memory.budget_bytes or give the directory "
+        "more room (a larger /dev/shm), or turn the tier off (checkpoint.memory.every_steps "
+        "= 0). The memory tier is off for this run; durable checkpoints go on."
+    )

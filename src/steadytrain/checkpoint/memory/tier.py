@@ -1,0 +1,376 @@
+"""The memory tier: a recovery point every K steps in node-local memory and on a peer.
+
+One generation, in order: the loop thread stages the states into reused buffers (``Stager``;
+pinned, on a side CUDA stream when CUDA is there) and hands them to a background thread,
+so the step is blocked for the copy only; the thread builds the file, agrees with every rank
+(one all-gather on the tier's own gloo group: sizes, errors, budgets), writes the own copy
+(tmp + replace, older generations pruned first), sends it to the peer and keeps the copies
+it receives, each verified before it is published. At most one generation is in flight: a
+due snapshot first waits for the previous one, and that wait counts as blocked time.
+
+Any failure (a full /dev/shm, a peer gone, a state that cannot be stored) is a
+``memory_snapshot`` event with ``ok: false`` and the error: training and durable
+checkpoints go on. A refused budget turns the tier off for the run, on every rank at once.
+
+Restore (``restore``): every rank scans its node's copies (verified, same job and world
+size) and all agree, from one all-gather, on the newest step >= the newest durable commit
+for which every rank's copy exists somewhere; owners without their own copy fetch it from
+the lowest rank that holds one. Every rank verifies what it got and checks it against its
+states, and all agree, before any live state is written; any doubt: durable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from steadytrain.checkpoint import state as S
+from steadytrain.checkpoint.memory import peers
+from steadytrain.checkpoint.memory import snapshot as snap
+from steadytrain.checkpoint.memory.config import MemoryConfig
+from steadytrain.checkpoint.memory.plan import check_copy, choose
+from steadytrain.checkpoint.memory.store import (
+    Store,
+    budget_error,
+    free_bytes,
+    need_by_node,
+    store_key,
+)
+from steadytrain.checkpoint.staging import Stager
+from steadytrain.checkpoint.writer import FAILURES, Group
+from steadytrain.errors import CheckpointError
+
+__all__ = ["MemoryTier"]
+
+log = logging.getLogger("steadytrain.checkpoint")
+
+_ATTEMPTS = 4  # memory plans tried at restore before durable checkpoints
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class MemoryTier:
+    """Every rank constructs it, in the same order (one all-gather on ``pg``)."""
+
+    def __init__(self, cfg: MemoryConfig, pg: Any, checkpoint_dir: str, job: str) -> None:
+        self.cfg, self.job = cfg, job
+        self.group = Group(pg)
+        self.rank, self.world = self.group.rank, self.group.world
+        self.node = peers.node_name()
+        self.store = Store(cfg.resolved_dir(), store_key(job, checkpoint_dir))
+        err, budget = None, 0
+        try:
+            os.makedirs(self.store.root, exist_ok=True)
+            budget = cfg.budget_bytes or free_bytes(self.store.root) // 2
+        except OSError as exc:
+            err = f"rank {self.rank}: memory directory {self.store.root}: {_why(exc)}"
+        facts = self.group.all_gather((self.node, budget, err))
+        self.pairing = peers.pair([f[0] for f in facts], cfg.peer)
+        self.budgets = [f[1] for f in facts]
+        errors = [f[2] for f in facts if f[2]]
+        # off on every rank together: a rank alone would leave its peer waiting for it
+        self.off: str | None = f"memory tier off: {'; '.join(errors)}" if errors else None
+        if self.off:
+            log.warning("%s", self.off)
+        self.stager = Stager()  # its own reused buffers; pinned when CUDA is there
+        self._image: Any = None  # the file image buffer, reused while the size holds
+        self._thread: threading.Thread | None = None
+        self._events: list[dict[str, Any]] = []
+        self.last_step = 0  # the newest generation written here without error
+        self.touched = False  # a failed memory restore wrote part of the live states
+
+    # -- snapshots ----------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        every = self.cfg.every_steps
+        return self.off is None and every > 0 and step > 0 and step % every == 0
+
+    def snapshot(self, step: int, states: dict[str, Any], tokens_seen: int = 0) -> float:
+        """Stage ``states`` now and write the generation in the background; returns the
+        seconds the caller was blocked (the previous generation's wait + staging)."""
+        t0 = time.perf_counter()
+        self.wait()
+        if self.off is not None:
+            return time.perf_counter() - t0
+        meta = {
+            "job": self.job,
+            "step": step,
+            "owner": self.rank,
+            "world_size": self.world,
+            "node": self.node,
+            "tokens_seen": int(tokens_seen),
+            "created": time.time(),
+        }
+        try:
+            staged = self._stage(S.dcp_state_dict(states))
+            meta["json_states"], meta["rng"] = S.json_states(states), S.rng_state()
+            err = None
+        except FAILURES as exc:  # noqa: BLE001 - reported with the generation; training goes on
+            staged, err = None, f"rank {self.rank}: staging failed: {_why(exc)}"
+        block_s = time.perf_counter() - t0
+        self._thread = threading.Thread(
+            target=self._generation,
+            args=(step, staged, meta, block_s, err),
+            name=f"steadytrain-memory-{step}",
+            daemon=True,
+        )
+        self._thread.start()
+        return block_s
+
+    def _stage(self, tree: Any) -> Any:
+        import torch
+
+        if not torch.cuda.is_available():
+            return self.stager.stage(tree)
+        # A side stream: the copies do not queue behind kernels launched after this point;
+        # it first waits for the work that produced the states (the optimizer step).
+        side = getattr(self, "_side", None) or torch.cuda.Stream()
+        self._side = side
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            return self.stager.stage(tree)
+
+    def _generation(
+        self, step: int, staged: Any, meta: dict[str, Any], block_s: float, err: str | None
+    ) -> None:
+        event: dict[str, Any] = {
+            "type": "memory_snapshot",
+            "step": step,
+            "ok": False,
+            "block_s": block_s,
+            "write_s": 0.0,
+            "peer_s": 0.0,
+            "bytes": 0,
+            "peer_bytes": 0,
+            "error": "",
+        }
+        try:
+            event["error"] = self._run_generation(step, staged, meta, err, event) or ""
+        except FAILURES as exc:  # noqa: BLE001 - a broken side group: this generation fails
+            event["error"] = f"rank {self.rank}: {_why(exc)}"
+        event["ok"] = not event["error"]
+        if event["ok"]:
+            self.last_step = step
+        else:
+            log.warning(
+                "memory snapshot of step %d failed (training goes on): %s", step, event["error"]
+            )
+        self._events.append(event)
+
+    def _run_generation(
+        self, step: int, staged: Any, meta: dict[str, Any], err: str | None, event: dict
+    ) -> str | None:
+        t0 = time.perf_counter()
+        image = None
+        if err is None:
+            try:
+                image = self._image = snap.build(meta, staged, out=self._image)
+            except FAILURES as exc:  # noqa: BLE001 - a state the format cannot hold
+                err = f"rank {self.rank}: {_why(exc)}"
+        size = 0 if image is None else len(image)
+        gathered = self.group.all_gather((size, err))  # every rank, every generation
+        errors = [e for _, e in gathered if e]
+        if errors:
+            return "; ".join(errors[:4])
+        sizes = [s for s, _ in gathered]
+        need = need_by_node(self.pairing.nodes, sizes, self.pairing.peer_of)
+        for r, node in enumerate(self.pairing.nodes):
+            if need[node] > self.budgets[r]:
+                self.off = budget_error(node, need[node], self.budgets[r], self.store.base)
+                log.warning("%s", self.off)  # once: the tier is off from now on
+                return self.off
+        problems = []
+        try:
+            self.store.write(self.rank, step, image)
+            event["bytes"] = size
+        except OSError as exc:
+            problems.append(
+                f"rank {self.rank}: writing {self.store.path(self.rank, step)}: {_why(exc)}"
+            )
+        event["write_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        peer, owners = self.pairing.peer_of[self.rank], self.pairing.holds_for(self.rank)
+        if peer is not None or owners:
+            received = peers.exchange(self.group.pg, peer, image, owners)
+            for owner, buf in received.items():
+                where = f"the copy of rank {owner} step {step} received by rank {self.rank}"
+                try:
+                    snap.verify(buf, where)  # before its name exists
+                    self.store.write(owner, step, buf)
+                    event["peer_bytes"] += len(buf)
+                except (CheckpointError, OSError) as exc:
+                    problems.append(
+                        str(exc) if isinstance(exc, CheckpointError) else f"{where}: {_why(exc)}"
+                    )
+            event["peer_s"] = time.perf_counter() - t1
+        return "; ".join(problems) or None
+
+    def wait(self) -> float:
+        """Block until the generation in flight (if any) is written; the seconds waited."""
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return time.perf_counter() - t0
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """Finished generations' events (none while one is in flight)."""
+        if self._thread is not None and self._thread.is_alive():
+            return []
+        events, self._events = self._events, []
+        return events
+
+    # -- restore --------------------------------------------------------------------------
+    def restore(
+        self, states: dict[str, Any], durable_step: int
+    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """Load the newest complete memory generation at or after ``durable_step``; returns
+        (the restore event, or None: use durable checkpoints; what was passed over)."""
+        t0 = time.perf_counter()
+        self.wait()
+        if self.off is not None:
+            return None, [{"path": self.store.root, "step": 0, "reason": self.off}]
+        nodes = self.pairing.nodes
+        mates = [r for r in range(self.world) if nodes[r] == self.node]
+        # the ranks of a node share its directory: each verifies a part of it
+        found, passed = self.store.scan(self.job, self.world, (mates.index(self.rank), len(mates)))
+        held = {o: {s: list(v) for s, v in steps.items()} for o, steps in found.items()}
+        gathered = self.group.all_gather((held, passed))
+        passed = [p for r in mates for p in gathered[r][1]]
+        everyone: list[dict[int, dict[int, Any]]] = []
+        for r in range(self.world):  # what a rank's node holds, any rank of it can read
+            merged: dict[int, dict[int, Any]] = {}
+            for m in (m for m in range(self.world) if nodes[m] == nodes[r]):
+                for owner, steps in gathered[m][0].items():
+                    merged.setdefault(owner, {}).update(steps)
+            everyone.append(merged)
+        # Copies were checked by header at the scan; a payload is checked once, by the rank
+        # that loads it. A damaged one drops that copy (or, for any other doubt, the step)
+        # and the ranks agree on the next plan.
+        for _ in range(_ATTEMPTS):
+            plan = choose(everyone, self.world, durable_step)
+            if plan is None:
+                break
+            step, sources = plan
+            src, nbytes = sources[self.rank]
+            err, damaged, header, tree = None, False, {}, None
+            where = f"{self.store.path(self.rank, step)} (on {nodes[src]}, rank {src})"
+            try:
+                buf = self._fetch(step, sources)
+                try:
+                    header, tree = snap.parse(buf, where)
+                except CheckpointError:
+                    damaged = True
+                    raise
+                check_copy(header, tree, states, self.job, self.world, self.rank, step)
+            except FAILURES as exc:  # noqa: BLE001 - any doubt: another plan, or durable
+                err = f"rank {self.rank}: {exc}"
+            verdicts = self.group.all_gather((err, src != self.rank, damaged))
+            errors = [e for e, _, _ in verdicts if e]
+            if not errors:
+                break
+            reason = "memory restore refused: " + "; ".join(errors[:4])
+            passed.append({"path": self.store.root, "step": step, "reason": reason})
+            for owner, (e, _, bad) in enumerate(verdicts):
+                if not e:
+                    continue
+                src_node = nodes[sources[owner][0]]
+                for r in range(self.world):  # that copy (damaged), or the step (any doubt)
+                    if not bad or nodes[r] == src_node:
+                        for o in [owner] if bad else list(everyone[r]):
+                            everyone[r].get(o, {}).pop(step, None)
+        else:
+            plan = None
+        if plan is None:
+            newest = max((s for h in everyone for st in h.values() for s in st), default=0)
+            newest = max([newest] + [p["step"] for p in passed])
+            why = (
+                f"no memory generation at or after durable step {durable_step} is complete "
+                f"and good for all {self.world} ranks (newest copy seen: step {newest})"
+            )
+            if not newest:  # nothing in memory (a fresh job): nothing to report
+                return None, passed
+            return None, passed + [{"path": self.store.root, "step": newest, "reason": why}]
+        try:
+            modules, _, _ = S.split_states(states)
+            # Modules copy into their parameters; anything else (an optimizer) may keep the
+            # tensors it is given, which would pin the whole file buffer: give it its own.
+            tree = {k: v if k in modules else _own(v) for k, v in tree.items()}
+            S.apply_dcp_state_dict(states, tree)
+            S.apply_json_states(states, header["json_states"])
+            S.set_rng_state(header["rng"])
+        except FAILURES as exc:  # noqa: BLE001 - checked above; a surprise still falls back
+            err = f"rank {self.rank}: loading failed: {_why(exc)}"
+        failed = [e for e in self.group.all_gather(err) if e]
+        if failed:
+            self.touched = True  # the live states hold part of this snapshot
+            reason = "memory restore failed while loading: " + "; ".join(failed[:4])
+            return None, passed + [{"path": self.store.root, "step": step, "reason": reason}]
+        self.last_step = step
+        from_peer = src != self.rank
+        return {
+            "type": "restore",
+            "step": step,
+            "tier": "peer-memory" if any(p for _, p, _ in verdicts) else "local-memory",
+            "restore_s": time.perf_counter() - t0,
+            "bytes_local": 0 if from_peer else nbytes,
+            "bytes_peer": nbytes if from_peer else 0,
+            "path": f"{self.pairing.nodes[src]}:{self.store.path(self.rank, step)}",
+            "skipped": passed,
+            "tokens_seen": int(header.get("tokens_seen", 0)),
+            "changes": S.json_state_changes(states),
+        }, passed
+
+    def _fetch(self, step: int, sources: dict[int, tuple[int, int]]) -> Any:
+        """This rank's file image of ``step``: its node's copy, or the holder's (and serve
+        the copies this rank holds for owners without one)."""
+        sends = []
+        for owner, (src, _) in sorted(sources.items()):
+            if src == self.rank and owner != self.rank:
+                try:
+                    image = snap.read_file(self.store.path(owner, step))
+                except OSError:  # gone since the scan: send zeros, the owner's check fails
+                    import numpy as np
+
+                    image = np.zeros(sources[owner][1], dtype=np.uint8)
+                sends.append((owner, image))
+        src, nbytes = sources[self.rank]
+        recv = None if src == self.rank else (src, nbytes)
+        local = None
+        if recv is None:
+            with contextlib.suppress(OSError):  # a vanished copy fails the check below
+                local = snap.read_file(self.store.path(self.rank, step))
+        got = peers.fetch(self.group.pg, sends, recv) if (sends or recv) else None
+        buf = local if recv is None else got
+        if buf is None:
+            raise CheckpointError(f"{self.store.path(self.rank, step)} vanished before it was read")
+        return buf
+
+    def forget_after(self, step: int) -> None:
+        """After a restore to ``step``: newer copies on this node are a future that will
+        not happen."""
+        with contextlib.suppress(OSError):
+            self.store.drop_after(step)
+
+    def close(self, remove: bool) -> None:
+        """Wait for the generation in flight; ``remove``: the job ended with nothing in
+        memory newer than its durable checkpoints, so this node's copies go."""
+        self.wait()
+        self.stager.release()
+        self._image = None
+        if remove:
+            self.store.remove_all()
+
+
+def _own(obj: Any) -> Any:
+    """``obj`` with every tensor copied out of the snapshot buffer."""
+    if isinstance(obj, dict):
+        return {k: _own(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_own(v) for v in obj)
+    return obj.clone() if hasattr(obj, "clone") and hasattr(obj, "dtype") else obj
