@@ -18,6 +18,9 @@ absent, so the same command runs anywhere; on a machine without CUDA it prints
   into preallocated pinned buffers, then one synchronize); median and spread of ``--reps``
   repetitions after a warm-up, and the ratio Stager / floor. Also says whether Stager's
   buffers are pinned: pageable buffers make the copy synchronous and slower.
+- ``memory_snapshot``: the memory tier's snapshot of a GPU state (issue 28): the seconds it
+  blocks the loop (copies queued on a side stream into pinned, reused buffers) against the
+  pinned-copy floor, and that the file holds the values from before the next step's update.
 - ``loader_pin_memory``: ``TokenLoader(pin_memory=True, device="cuda")`` vs the same loader
   unpinned, tokens/s delivered onto the GPU and the ratio; checks the batches are equal.
 
@@ -219,6 +222,75 @@ def check_staging(size_mib: int, reps: int) -> dict[str, Any]:
     }
 
 
+def check_memory_snapshot(size_mib: int, reps: int) -> dict[str, Any]:
+    """The memory tier's snapshot of a GPU model (issue 28, item 5): what it blocks the loop
+    for (the device-to-host copies are queued on a side stream into pinned, reused buffers;
+    the background thread waits for them) against the pinned-copy floor (the same bytes,
+    ``non_blocking`` into preallocated pinned buffers, then a synchronize: what a snapshot
+    that waits for its copy would block). Exactness: the step right after the snapshot
+    overwrites every parameter on the training stream, and the snapshot file must still hold
+    the values from before it."""
+    from steadytrain.checkpoint.memory import snapshot as snap
+    from steadytrain.checkpoint.memory.config import MemoryConfig
+    from steadytrain.checkpoint.memory.tier import MemoryTier
+
+    n = 16
+    per = size_mib * (1 << 20) // n // 4
+    model = torch.nn.ParameterDict(
+        {f"p{i}": torch.nn.Parameter(torch.randn(per, device="cuda")) for i in range(n)}
+    )
+    floor_bufs = [torch.empty(p.shape, pin_memory=True) for p in model.values()]
+
+    def floor() -> None:
+        for buf, p in zip(floor_bufs, model.values(), strict=True):
+            buf.copy_(p.detach(), non_blocking=True)
+        torch.cuda.synchronize()
+
+    with tempfile.TemporaryDirectory() as mem:
+        tier = MemoryTier(MemoryConfig(every_steps=1, dir=mem), None, mem, "gpu-check")
+        states = {"model": model}
+        step = 0
+
+        def snapshot() -> None:
+            nonlocal step
+            step += 1
+            tier.snapshot(step, states)  # returns once the copies are queued
+
+        floor()
+        snapshot()  # warm-up: buffers are allocated (and pinned) on the first one only
+        tier.wait()
+        t_floor, t_snap = [], []
+        for _ in range(reps):
+            for fn, out in ((floor, t_floor), (snapshot, t_snap)):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+                tier.wait()
+        before = {k: p.detach().clone().cpu() for k, p in model.items()}
+        snapshot()
+        with torch.no_grad():  # the next optimizer step, queued at once on the training stream
+            for p in model.values():
+                p.add_(1.0)
+        tier.wait()
+        events = tier.take_events()
+        path = tier.store.path(0, step)
+        _, tree = snap.parse(snap.read_file(path), path)
+        held = tree["model"]
+        exact = all(torch.equal(held[k], before[k]) for k in before)
+        tier.close(remove=True)
+    ratios = [s / f for s, f in zip(t_snap, t_floor, strict=True)]
+    return {
+        "mib": size_mib,
+        "reps": reps,
+        "floor_s": _spread(t_floor),
+        "snapshot_block_s": _spread(t_snap),
+        "ratio_snapshot_over_floor": _spread(ratios),
+        "snapshot_holds_the_pre_step_values": exact,
+        "events_ok": all(e.get("ok") for e in events),
+    }
+
+
 def check_loader(batches: int) -> dict[str, Any]:
     from steadytrain import TokenDataset, TokenLoader
 
@@ -254,6 +326,9 @@ def check_loader(batches: int) -> dict[str, Any]:
         return result
 
 
+PARTS = ("nccl_resume", "bf16_autocast", "staging", "memory_snapshot", "loader_pin_memory")
+
+
 def _run(fn: Any, *args: Any) -> dict[str, Any]:
     try:
         return fn(*args)
@@ -275,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"cuda": cuda, "torch": torch.__version__}
     if not cuda:
         why = "CUDA is not available on this machine (torch.cuda.is_available() is False)"
-        for part in ("nccl_resume", "bf16_autocast", "staging", "loader_pin_memory"):
+        for part in PARTS:
             report[part] = {"skipped": why}
         print(json.dumps(report, indent=2))
         return 0
@@ -287,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         report["nccl_resume"] = _run(check_nccl_resume, args.train_timeout)
     report["bf16_autocast"] = _run(check_bf16)
     report["staging"] = _run(check_staging, args.stage_mib, args.reps)
+    report["memory_snapshot"] = _run(check_memory_snapshot, args.stage_mib, args.reps)
     report["loader_pin_memory"] = _run(check_loader, args.loader_batches)
     text = json.dumps(report, indent=2)
     print(text)

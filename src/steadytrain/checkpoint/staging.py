@@ -118,8 +118,14 @@ class Stager:
         self.bytes_staged += buf.numel() * buf.element_size()
         return buf
 
-    def stage(self, state: Any) -> Any:
-        """Return a deep snapshot of ``state`` with every tensor copied to a CPU buffer."""
+    def stage(self, state: Any, wait: bool = True) -> Any:
+        """Return a deep snapshot of ``state`` with every tensor copied to a CPU buffer.
+
+        ``wait=False`` (CUDA): return once the device-to-host copies are queued; the caller
+        owns the ordering (``in_flight_devices()``): it records an event on the stream the
+        copies were queued on, makes the training stream wait for it before anything can
+        overwrite the sources, and waits for the event before reading the buffers (the
+        memory tier: ``memory/tier.py``)."""
         self.bytes_staged = 0
         self._walked = []
         allocations = self.allocations
@@ -128,13 +134,19 @@ class Stager:
         finally:
             # The snapshot must be complete when stage() returns: the caller's next optimizer
             # step may overwrite the sources as soon as it does.
-            for device in self._in_flight:
-                torch.cuda.current_stream(device).synchronize()
-            self._in_flight.clear()
+            if wait:
+                for device in self._in_flight:
+                    torch.cuda.current_stream(device).synchronize()
+                self._in_flight.clear()
         if self._walked != self._layout or self.allocations != allocations:
             self.layout_version += 1
             self._layout = self._walked
         return staged
+
+    def in_flight_devices(self) -> list[torch.device]:
+        """The devices with copies queued by ``stage(wait=False)``, now forgotten here."""
+        devices, self._in_flight = sorted(self._in_flight, key=str), set()
+        return devices
 
     def _walk(self, key: tuple, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):

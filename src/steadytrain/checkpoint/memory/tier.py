@@ -107,36 +107,54 @@ class MemoryTier:
             "created": time.time(),
         }
         try:
-            staged = self._stage(S.dcp_state_dict(states))
+            staged, copied = self._stage(S.dcp_state_dict(states))
             meta["json_states"], meta["rng"] = S.json_states(states), S.rng_state()
             err = None
         except FAILURES as exc:  # noqa: BLE001 - reported with the generation; training goes on
-            staged, err = None, f"rank {self.rank}: staging failed: {_why(exc)}"
+            staged, copied, err = None, None, f"rank {self.rank}: staging failed: {_why(exc)}"
         block_s = time.perf_counter() - t0
         self._thread = threading.Thread(
             target=self._generation,
-            args=(step, staged, meta, block_s, err),
+            args=(step, staged, meta, block_s, err, copied),
             name=f"steadytrain-memory-{step}",
             daemon=True,
         )
         self._thread.start()
         return block_s
 
-    def _stage(self, tree: Any) -> Any:
+    def _stage(self, tree: Any) -> tuple[Any, Any]:
+        """The staged tree, and the CUDA event its device-to-host copies complete at (None:
+        they are complete). The loop's thread is blocked only while the copies are queued."""
         import torch
 
         if not torch.cuda.is_available():
-            return self.stager.stage(tree)
+            return self.stager.stage(tree), None
         # A side stream: the copies do not queue behind kernels launched after this point;
         # it first waits for the work that produced the states (the optimizer step).
         side = getattr(self, "_side", None) or torch.cuda.Stream()
         self._side = side
-        side.wait_stream(torch.cuda.current_stream())
+        training = torch.cuda.current_stream()
+        side.wait_stream(training)
         with torch.cuda.stream(side):
-            return self.stager.stage(tree)
+            staged = self.stager.stage(tree, wait=False)
+        if not self.stager.in_flight_devices():
+            return staged, None
+        copied = torch.cuda.Event()
+        copied.record(side)
+        # Whatever the loop queues next (the optimizer step that overwrites the sources)
+        # runs after the copies, on the GPU: the loop's thread does not wait for them. The
+        # background thread waits for ``copied`` before it reads the buffers.
+        training.wait_stream(side)
+        return staged, copied
 
     def _generation(
-        self, step: int, staged: Any, meta: dict[str, Any], block_s: float, err: str | None
+        self,
+        step: int,
+        staged: Any,
+        meta: dict[str, Any],
+        block_s: float,
+        err: str | None,
+        copied: Any = None,
     ) -> None:
         event: dict[str, Any] = {
             "type": "memory_snapshot",
@@ -150,6 +168,8 @@ class MemoryTier:
             "error": "",
         }
         try:
+            if copied is not None:
+                copied.synchronize()  # the device-to-host copies queued by _stage
             event["error"] = self._run_generation(step, staged, meta, err, event) or ""
         except FAILURES as exc:  # noqa: BLE001 - a broken side group: this generation fails
             event["error"] = f"rank {self.rank}: {_why(exc)}"
