@@ -163,10 +163,15 @@ class Checkpointer:
         self.tokens_seen = 0  # from the restored checkpoint's COMMIT
         self._durable_ok = 0  # the newest step whose durable save committed in this process
         self.memory: MemoryTier | None = None
-        if cfg.memory.every_steps > 0:
+        if cfg.memory.enabled:
+            if cfg.memory.every_steps == "auto" and not cfg.mtbf_s:
+                raise ConfigError(
+                    'checkpoint.memory.every_steps = "auto" needs checkpoint.mtbf_s (the '
+                    "job's mean time between failures, seconds) to choose K; or give K"
+                )
             # Its own group, never the training one: transfers run in the tier's thread.
             side = dist.new_group(backend="gloo") if initialised else None
-            self.memory = MemoryTier(cfg.memory, side, directory, self._job)
+            self.memory = MemoryTier(cfg.memory, side, directory, self._job, cfg.mtbf_s)
 
     # -- when ---------------------------------------------------------------------------
     def interval_s(self) -> float | None:

@@ -60,6 +60,7 @@ __all__ = [
     "best_durable_interval_s",
     "evaluate",
     "goodput_two_tier",
+    "memory_every_steps",
     "recommend",
 ]
 
@@ -260,3 +261,37 @@ def recommend(c: TierCosts, mtbf_s: float) -> dict[str, Any]:
         },
         "gain": on["goodput"] - off["goodput"],
     }
+
+
+def memory_every_steps(
+    step_s: float, cost_s: float, landed_s: float, mtbf_s: float, survives: float
+) -> int:
+    """The snapshot interval a running job takes (``memory.every_steps = "auto"``): the
+    ``K_m`` that minimises the memory tier's own waste per second of training, ``a + lambda
+    f W_m`` (``_memory``: blocking, one generation in flight, and the work a memory restart
+    loses), from the job's measured step time, snapshot blocking and time to land. The
+    durable interval does not move it (a failure memory survives restarts from memory at
+    any durable interval worth having), so a job decides it without knowing its durable
+    costs. Every step when snapshots are cheap: ``K_m = 1`` once ``c_m`` is well under
+    ``lambda f t^2 / 2``."""
+    c = TierCosts(
+        step_s=step_s,
+        memory_cost_s=cost_s,
+        memory_restore_s=0.0,
+        durable_cost_s=0.0,
+        restart_s=0.0,
+        durable_restore_s=0.0,
+        survives=survives,
+        memory_landed_s=max(cost_s, landed_s),
+    )
+    rate = (0.0 if math.isinf(mtbf_s) else 1.0 / mtbf_s) * survives
+    if rate <= 0:
+        raise ConfigError("memory_every_steps needs a finite mtbf_s and survives > 0")
+    guess = math.sqrt(2.0 * max(cost_s, 1e-12) / rate) / step_s
+    hi = max(2, min(_SCAN, math.ceil(4.0 * guess) + 2))
+
+    def waste(k: int) -> float:
+        a, lost = _memory(k, c)
+        return a + rate * lost
+
+    return min(range(1, hi + 1), key=lambda k: (waste(k), k))

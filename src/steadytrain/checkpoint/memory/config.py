@@ -22,7 +22,10 @@ ENV_NODE = "STEADYTRAIN_NODE"  # a rank's node name (else the host name)
 class MemoryConfig:
     """Recovery points in node-local memory plus a copy on a rank of another node."""
 
-    every_steps: int = 0  # snapshot every K steps; 0: the memory tier is off
+    # snapshot every K steps; 0: the memory tier is off; "auto": the planner's K from this
+    # job's measured step time and snapshot cost and checkpoint.mtbf_s (memory/auto.py)
+    every_steps: int | str = 0
+    survives: float = 0.75  # "auto": the share of failures memory survives (crash, 1 node)
     # node-local memory directory; "": $STEADYTRAIN_MEMORY_DIR, else /dev/shm/steadytrain
     # (never a shared file system: a node's snapshots must die with the node)
     dir: str = ""
@@ -30,11 +33,20 @@ class MemoryConfig:
     peer: bool = True  # also keep a copy on a rank of another node
 
     def __post_init__(self) -> None:
+        if isinstance(self.every_steps, str) and self.every_steps.strip().isdigit():
+            self.every_steps = int(self.every_steps)  # --set ...every_steps=2 arrives as text
         check(
-            isinstance(self.every_steps, int) and self.every_steps >= 0,
+            self.every_steps == "auto"
+            or (isinstance(self.every_steps, int) and self.every_steps >= 0),
             "every_steps",
             self.every_steps,
-            "use 0 (the memory tier off) or a step count",
+            'use 0 (the memory tier off), a step count, or "auto" (with checkpoint.mtbf_s)',
+        )
+        check(
+            0.0 < self.survives <= 1.0,
+            "survives",
+            self.survives,
+            "give the share of failures memory survives, in (0, 1]",
         )
         check(
             isinstance(self.budget_bytes, int) and self.budget_bytes >= 0,
@@ -49,6 +61,10 @@ class MemoryConfig:
             self.dir,
             "give a node-local directory (a tmpfs such as /dev/shm), not a URL",
         )
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps == "auto" or self.every_steps > 0
 
     def resolved_dir(self) -> str:
         """The directory snapshots live in, after the environment and the default."""

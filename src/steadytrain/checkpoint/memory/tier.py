@@ -31,6 +31,7 @@ from typing import Any
 from steadytrain.checkpoint import state as S
 from steadytrain.checkpoint.memory import peers
 from steadytrain.checkpoint.memory import snapshot as snap
+from steadytrain.checkpoint.memory.auto import AutoInterval
 from steadytrain.checkpoint.memory.config import MemoryConfig
 from steadytrain.checkpoint.memory.plan import check_copy, choose
 from steadytrain.checkpoint.memory.store import (
@@ -58,8 +59,11 @@ def _why(exc: BaseException) -> str:
 class MemoryTier:
     """Every rank constructs it, in the same order (one all-gather on ``pg``)."""
 
-    def __init__(self, cfg: MemoryConfig, pg: Any, checkpoint_dir: str, job: str) -> None:
+    def __init__(
+        self, cfg: MemoryConfig, pg: Any, checkpoint_dir: str, job: str, mtbf_s: float = 0.0
+    ) -> None:
         self.cfg, self.job = cfg, job
+        self.auto = AutoInterval(mtbf_s, cfg.survives) if cfg.every_steps == "auto" else None
         self.group = Group(pg)
         self.rank, self.world = self.group.rank, self.group.world
         self.node = peers.node_name()
@@ -87,8 +91,16 @@ class MemoryTier:
 
     # -- snapshots ----------------------------------------------------------------------
     def due(self, step: int) -> bool:
+        if self.off is not None or step <= 0:
+            return False
         every = self.cfg.every_steps
-        return self.off is None and every > 0 and step > 0 and step % every == 0
+        if self.auto is not None:
+            if self.auto.measuring():
+                return True
+            if self.auto.every is None:
+                self.wait()  # the generation whose agreement chooses K (auto.py)
+            every = self.auto.every or 1
+        return every > 0 and step % every == 0
 
     def snapshot(self, step: int, states: dict[str, Any], tokens_seen: int = 0) -> float:
         """Stage ``states`` now and write the generation in the background; returns the
@@ -113,9 +125,10 @@ class MemoryTier:
         except FAILURES as exc:  # noqa: BLE001 - reported with the generation; training goes on
             staged, copied, err = None, None, f"rank {self.rank}: staging failed: {_why(exc)}"
         block_s = time.perf_counter() - t0
+        measured = self.auto.started(t0, block_s) if self.auto is not None else None
         self._thread = threading.Thread(
             target=self._generation,
-            args=(step, staged, meta, block_s, err, copied),
+            args=(step, staged, meta, block_s, err, copied, measured),
             name=f"steadytrain-memory-{step}",
             daemon=True,
         )
@@ -155,6 +168,7 @@ class MemoryTier:
         block_s: float,
         err: str | None,
         copied: Any = None,
+        measured: dict[str, Any] | None = None,
     ) -> None:
         event: dict[str, Any] = {
             "type": "memory_snapshot",
@@ -170,9 +184,15 @@ class MemoryTier:
         try:
             if copied is not None:
                 copied.synchronize()  # the device-to-host copies queued by _stage
-            event["error"] = self._run_generation(step, staged, meta, err, event) or ""
+            event["error"] = self._run_generation(step, staged, meta, err, event, measured) or ""
         except FAILURES as exc:  # noqa: BLE001 - a broken side group: this generation fails
             event["error"] = f"rank {self.rank}: {_why(exc)}"
+        if self.auto is not None:
+            self.auto.landed(event["write_s"] + event["peer_s"])
+            if measured is not None and self.auto.every is None:
+                self.auto.every = 1  # the agreement never happened: snapshot every step
+            if measured is not None:
+                event["every_steps"] = self.auto.every
         event["ok"] = not event["error"]
         if event["ok"]:
             self.last_step = step
@@ -183,7 +203,13 @@ class MemoryTier:
         self._events.append(event)
 
     def _run_generation(
-        self, step: int, staged: Any, meta: dict[str, Any], err: str | None, event: dict
+        self,
+        step: int,
+        staged: Any,
+        meta: dict[str, Any],
+        err: str | None,
+        event: dict,
+        measured: dict[str, Any] | None = None,
     ) -> str | None:
         t0 = time.perf_counter()
         image = None
@@ -193,11 +219,16 @@ class MemoryTier:
             except FAILURES as exc:  # noqa: BLE001 - a state the format cannot hold
                 err = f"rank {self.rank}: {_why(exc)}"
         size = 0 if image is None else len(image)
-        gathered = self.group.all_gather((size, err))  # every rank, every generation
-        errors = [e for _, e in gathered if e]
+        if measured is not None and self.auto is not None:
+            measured = {**measured, "landed_s": self.auto.landed_s}
+        # every rank, every generation; "auto" measurements ride along (auto.py)
+        gathered = self.group.all_gather((size, err, measured))
+        if measured is not None and self.auto is not None:
+            self.auto.choose([m for _, _, m in gathered])
+        errors = [e for _, e, _ in gathered if e]
         if errors:
             return "; ".join(errors[:4])
-        sizes = [s for s, _ in gathered]
+        sizes = [s for s, _, _ in gathered]
         need = need_by_node(self.pairing.nodes, sizes, self.pairing.peer_of)
         for r, node in enumerate(self.pairing.nodes):
             if need[node] > self.budgets[r]:
