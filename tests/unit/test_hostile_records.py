@@ -10,6 +10,7 @@ figures within their meaning (goodput in [0, 1], buckets >= 0 summing to the wal
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -218,6 +219,21 @@ def test_report_skips_and_counts_a_bad_ledger_line(tmp_path: Path, name: str) ->
     assert s["attempts"] == 1 and s["steps_kept"] == STEPS
     assert s["total_s"] == pytest.approx(STEPS + 1.5)  # from T0 - startup to job_end
     assert_sane(s)
+
+
+def test_report_warns_once_per_bad_line(tmp_path: Path, caplog) -> None:
+    """The report and the diagnosis engine inside it both read the ledger; a bad line is
+    one warning, not one per reader."""
+    name = sorted(BAD_LEDGER_LINES)[0]
+    run = make_run(tmp_path / "run", [BAD_LEDGER_LINES[name]])
+    with caplog.at_level(logging.WARNING):
+        build_report(run)
+    skipped = [
+        r
+        for r in caplog.records
+        if "ledger.jsonl" in r.getMessage() and "skipped" in r.getMessage()
+    ]
+    assert len(skipped) == 1, [r.getMessage() for r in skipped]
 
 
 @pytest.mark.parametrize("name", sorted(BAD_RANK_LINES))

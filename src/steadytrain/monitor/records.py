@@ -213,14 +213,17 @@ class Rejects:
     """Skipped records and files, counted by file (a name relative to the run directory)
     and reason: ``to_dict()`` is the report's ``rejected_records``."""
 
-    def __init__(self) -> None:
+    def __init__(self, warn: bool = True) -> None:
+        """``warn=False``: count only (a second reader of files another one already
+        reported, e.g. the diagnosis engine inside ``build_report``)."""
         self.files: dict[str, dict[str, Any]] = {}
+        self.warn = warn
 
     def add(self, file: str, reason: str, where: str | None = None) -> None:
         entry = self.files.setdefault(file, {"count": 0, "reasons": {}})
         entry["count"] += 1
         entry["reasons"][reason] = entry["reasons"].get(reason, 0) + 1
-        if entry["count"] <= _WARN_PER_FILE:
+        if self.warn and entry["count"] <= _WARN_PER_FILE:
             log.warning(
                 "%s: skipped (%s)%s",
                 where or file,

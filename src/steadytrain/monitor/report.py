@@ -391,8 +391,9 @@ def build_report(
     step_t = dict(zip(s.step, s.t, strict=True))  # a redone step: its newest attempt's time
     data["alerts"] = attach_ranks(data["alerts"], section["stragglers"], section["ranks"], step_t)
     # The incidents: the diagnosis engine's, from the run's own records (diagnose/); the
-    # plots mark these, numbered as in the table.
-    data["incidents"] = incident_rows(diagnose(load(run)), t0)
+    # plots mark these, numbered as in the table. The engine reads the records again: its
+    # skipped lines were already warned about and counted above, so it only counts.
+    data["incidents"] = incident_rows(diagnose(load(run, Rejects(warn=False))), t0)
     summary = b.to_dict()
     summary.pop("attempt_summaries")
     summary.update(
