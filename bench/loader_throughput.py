@@ -8,8 +8,10 @@ and every one slicing the same plain ``np.asarray`` views of the shard maps (sli
 - floors (numpy, in-process): the uint16 window gather; the int64 floor, built the way the
   fastest code would (gather the windows into one uint16 buffer, then one whole-batch cast
   each for inputs and labels, into fresh arrays); the same into one reused buffer (the copy's
-  physical limit, but a contract no loader can offer: each call overwrites the last); and one
+  physical limit, but a contract no loader can offer: each call overwrites the last); one
   int64 cast with inputs and labels as strided views of it (cheaper, not the same contract);
+  and the int64 floor handed out as a dict of three torch tensors, what every loader here
+  returns (the floor returns numpy arrays: this row prices the tensors, not a floor);
 - steadytrain's TokenLoader as shipped (``workers=0``: a background thread, ``prefetch=4``),
   in-process (``prefetch=0``), and with 1 and 2 worker processes;
 - peers, each configured as its own documentation recommends (see bench/peers/): torchdata
@@ -64,6 +66,7 @@ FLOOR_INT64 = "floor: gather, whole-batch int64 cast"
 FLOOR_UINT16 = "floor: gather uint16 windows"
 FLOOR_VIEWS = "reference: one int64 cast, inputs/labels as views"
 FLOOR_REUSED = "reference: int64 floor into one reused buffer"
+FLOOR_TENSORS = "reference: int64 floor, handed out as torch tensors"
 INPROC = "steadytrain TokenLoader in-process (prefetch=0)"
 PEERS = {  # row prefix -> loader_peers.py mode
     "torchdata (batched fetch)": "torchdata",
@@ -113,6 +116,17 @@ def child_floor(data: str, kind: str, warmup: float, run: float) -> dict:
             return out
 
         out = np.empty((2, MICRO, SEQ), dtype=np.int64)
+    elif kind == "tensors":  # the int64 floor as a batch of the loader's form (not a floor)
+        import torch
+
+        wrap, ids = torch.from_numpy, np.arange(MICRO)
+
+        def nxt():
+            gather()
+            both = np.empty((2, MICRO, SEQ), dtype=np.int64)
+            both[0] = buf[:, :-1]
+            both[1] = buf[:, 1:]
+            return {"input_ids": wrap(both[0]), "labels": wrap(both[1]), "sample_ids": wrap(ids)}
     else:  # "views": one cast; labels and inputs overlap in one array
 
         def nxt():
@@ -146,6 +160,7 @@ def build_configs(a: argparse.Namespace, data: str) -> tuple[dict, list[str]]:
         (FLOOR_INT64, "int64"),
         (FLOOR_REUSED, "reused"),
         (FLOOR_VIEWS, "views"),
+        (FLOOR_TENSORS, "tensors"),
     )
     for name, kind in floors:
         configs[name] = ([*me, "--child", "floor", "--kind", kind], None)
@@ -346,6 +361,7 @@ def paired(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
         for btag, base in (
             ("int64_floor", FLOOR_INT64),
             ("reused_floor", FLOOR_REUSED),
+            ("tensor_floor", FLOOR_TENSORS),
             ("torchdata_w0", TORCHDATA_W0),
         )
     ]

@@ -61,10 +61,12 @@ def read_group(
 
     ``ahead`` (the background thread): the next group's windows are gathered before this
     one is returned (``Reader.stage``), so the caller hands this group over just before
-    the next call's casts, which release the GIL: the training thread it wakes finds the
-    GIL free instead of waiting for it (every hand-over of the GIL between the threads is
-    a sleep and a wake-up, each a few microseconds of CPU). The look-ahead opens no new
-    shard and raises nothing: a group never waits on a fetch for the next one."""
+    the next call's casts, which release the GIL, so the training thread it wakes waits
+    less for the GIL (every hand-over of the GIL between the threads is a sleep and a
+    wake-up, each a few microseconds of CPU; on a loaded machine the woken thread still
+    slept on the GIL twice a group besides its wake-up: 0.74 voluntary context switches a
+    micro-batch, BENCHMARKS.md "Third pass"). The look-ahead opens no new shard and raises
+    nothing: a group never waits on a fetch for the next one."""
     inputs, labels = take_block(loader, reader, n)
     n = min(n, inputs.shape[0], reader.group_end(q, n) - q)
     reader.fill_pair(q, inputs, labels, shift=loader.labels == "next", n=n)
