@@ -317,6 +317,9 @@ class Run:
         with self.watchdog.phase("checkpoint"):
             ckpt.wait()
             last = ckpt.last_event or {}
-            if not (last.get("step") == self.step and last.get("ok", True)):
+            # held durably: a save of this step that committed, or a restore of it from
+            # durable storage (one from the memory tier is not on durable storage yet)
+            held = last.get("step") == self.step and last.get("ok", True)
+            if not held or last.get("tier", "durable") != "durable":
                 ckpt.save(self.step, self.states, tokens_seen=self.tokens_seen)
                 ckpt.wait()

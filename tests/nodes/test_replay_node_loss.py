@@ -4,7 +4,9 @@ The replay runs once, through the CLI as a user runs it (``steadytrain demo --in
 node-loss --json``, started in the background with the other replays: ``replays`` in
 conftest.py): a reference 2-node run (it also shows that a plain 2-node job puts one rank
 on each node, each reading through its own link into its own cache), then node-1 killed mid-run without a spare
-(the job continues on MIN = 1 node) and with a staged spare waiting (it takes the seat).
+(the job continues on MIN = 1 node, from the durable checkpoint) and with a staged spare
+waiting and the memory tier on (the spare takes the seat and comes back from node-0's memory,
+at most one step behind).
 The tests check the JSON it prints: the report (steadytrain.diagnose, not the replay) finds
 one ``node-loss`` naming node-1, its rank and the step, and nothing else (the reference run:
 nothing at all), the job finished both times, the spare read nothing remote after ``stage``, and the continuation is
@@ -23,7 +25,14 @@ import pytest
 
 from steadytrain.testing.incidents.common import ROW_KEYS
 from steadytrain.testing.incidents.expect import verify
-from steadytrain.testing.incidents.node_loss import EVERY, KILL_AT, REL_TOL, STEPS
+from steadytrain.testing.incidents.node_loss import (
+    EVERY,
+    FIX_EVERY,
+    KILL_AT,
+    MEMORY_EVERY,
+    REL_TOL,
+    STEPS,
+)
 from steadytrain.testing.s3_server import find_weed
 
 # The replay is three 2-node jobs and two restarts: about 1.5 min on 2 quiet cores; the
@@ -131,3 +140,22 @@ def test_the_staged_spare_makes_no_remote_read(result) -> None:
     assert spare["link_bytes_after_stage"] < (
         spare["manifest_bytes"] + spare["smallest_shard_file_bytes"]
     )
+
+
+def test_the_spare_comes_back_from_its_peers_memory_and_without_it_from_durable(result) -> None:
+    """The restores (the report's ``restores``: tier, seconds, steps lost) of each run's one
+    restart. With the fix: node-1's memory died with it (``NodeHarness.kill`` empties it),
+    so the spare's state came from node-0's memory, at most ``MEMORY_EVERY`` step behind
+    rank 0's last step. Without it: the durable checkpoint, up to one interval (plus the
+    save in flight) behind."""
+    [fixed] = result["runs"]["with_fix"]["restores"]
+    assert fixed["tier"] == "peer-memory", fixed
+    assert 0 <= fixed["steps_lost"] <= MEMORY_EVERY, fixed
+    assert fixed["step"] >= result["killed_at"]["with_fix"] - 1 - MEMORY_EVERY, fixed
+    assert fixed["seconds"] is not None and fixed["seconds"] > 0, fixed
+    [naive] = result["runs"]["without_fix"]["restores"]
+    assert naive["tier"] == "durable" and naive["step"] % EVERY == 0, naive
+    assert 0 <= naive["steps_lost"] <= EVERY + 1, naive
+    assert result["memory_every_steps"] == {"without_fix": 0, "with_fix": MEMORY_EVERY}
+    # No durable checkpoint existed yet when the spare restored: it read none.
+    assert fixed["step"] < FIX_EVERY, (fixed, result["durable_every_steps"])

@@ -380,7 +380,10 @@ class Checkpointer:
             self._emit(event)
 
     def _emit(self, event: dict[str, Any]) -> None:
-        self.last_event = event
+        # last_event: the newest save or restore, which Run's final save reads as "what is
+        # held"; a memory generation is not a durable commit and must not stand in for one
+        if event.get("type") != "memory_snapshot":
+            self.last_event = event
         if self.on_event is not None:
             try:
                 self.on_event(event)
@@ -434,6 +437,8 @@ class Checkpointer:
                 )
         if self.memory is not None:
             self.memory.forget_after(int(event["step"]))
+            if event.get("tier", "durable") != "durable":  # held in memory only, so far
+                self.memory.last_step = max(self.memory.last_step, int(event["step"]))
         if event["step"]:
             self._last_step = event["step"]
             self.tokens_seen = event["tokens_seen"]

@@ -23,7 +23,9 @@ Topology (mode ``netns``, the default where possible):
   a login node's service would be) and, per node, a ``SlowLink`` in front of one real
   SeaweedFS server (which itself listens on loopback only): all of a node's object-store
   traffic crosses its own link, so one node's storage can be slowed alone;
-* each node has a size-limited tmpfs as its local disk (``NODE_CACHE``), and its own
+* each node has a size-limited tmpfs as its local disk (``NODE_CACHE``), another as its
+  memory (``NODE_MEMORY``, exported as ``STEADYTRAIN_MEMORY_DIR``: where the checkpoint memory
+  tier keeps its snapshots; ``kill`` empties it, as a lost machine loses its RAM), and its own
   environment: ``STEADYTRAIN_NODE=node-k``, the S3 endpoint of its link and credentials,
   ``GLOO_SOCKET_IFNAME=eth0`` (gloo would otherwise pick the address of the machine's host
   name, which no namespace has), and no HTTP proxy variables;
@@ -57,13 +59,17 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-import psutil
-
 from steadytrain.testing import netns
 from steadytrain.testing.netns import NetnsUnavailable, ip
+from steadytrain.testing.node_local import (
+    empty_dir,
+    env_without_proxies,
+    mount_disk,
+    node_env,
+    process_tree,
+)
 from steadytrain.testing.s3_server import SeaweedServer
 from steadytrain.testing.slowlink import SlowLink
-from steadytrain.testing.tmpfs import TmpfsUnavailable, tmpfs
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -71,13 +77,6 @@ if TYPE_CHECKING:
 __all__ = ["MARK_ENV", "Node", "NodeHarness", "env_without_proxies"]
 
 MARK_ENV = "STEADYTRAIN_NODE_HARNESS"
-_PROXY_VARS = {"http_proxy", "https_proxy", "all_proxy", "ftp_proxy"}
-
-
-def env_without_proxies() -> dict[str, str]:
-    """This process's environment less any HTTP proxy variable: node traffic stays on the
-    harness's own addresses (the bridge, loopback), never a proxy elsewhere."""
-    return {k: v for k, v in os.environ.items() if k.lower() not in _PROXY_VARS}
 
 
 Mode = Literal["auto", "netns", "loopback"]
@@ -89,7 +88,7 @@ def _stderr(msg: str) -> None:
 
 @dataclass
 class Node:
-    """One node: its name, address, namespace (None in loopback mode), disk and link."""
+    """One node: its name, address, namespace (None in loopback mode), disks and link."""
 
     name: str
     index: int
@@ -97,6 +96,8 @@ class Node:
     netns: str | None
     cache_dir: str
     cache_tmpfs: bool
+    memory_dir: str
+    memory_tmpfs: bool
     link: SlowLink
     env: dict[str, str]
     procs: list[subprocess.Popen[Any]] = field(default_factory=list)
@@ -118,6 +119,7 @@ class NodeHarness:
         *,
         mode: Mode = "auto",
         cache_size: str = "64M",
+        memory_size: str = "256M",
         bucket: str = "steady",
         grace_s: float = 3.0,
         log: Callable[[str], None] = _stderr,
@@ -130,6 +132,7 @@ class NodeHarness:
         self.initial_nodes = nodes
         self.requested_mode = mode
         self.cache_size = cache_size
+        self.memory_size = memory_size
         self.bucket = bucket
         self.grace_s = grace_s
         self.log = log
@@ -222,33 +225,28 @@ class NodeHarness:
             netns.add_namespace(ns, f"st{self.tag}h{k}", self.bridge or "", addr, hosts)
         else:
             addr = f"127.0.0.{10 + k}"
-        cache_dir = os.path.join(self.root, "nodes", name, "cache")
-        try:
-            self._mounts.enter_context(tmpfs(cache_dir, self.cache_size))
-            on_tmpfs = True
-        except TmpfsUnavailable as e:
-            self.log(f"[nodes] {name}: local disk is a plain directory ({e})")
-            on_tmpfs = False
+        disks = {d: os.path.join(self.root, "nodes", name, d) for d in ("cache", "memory")}
+        sizes = {"cache": (self.cache_size, "local disk"), "memory": (self.memory_size, "memory")}
+        on_tmpfs = {
+            d: mount_disk(self._mounts, disks[d], size, node=name, what=what, log=self.log)
+            for d, (size, what) in sizes.items()
+        }
         link = SlowLink(self.server.ports["s3.port"], listen_host=self.host_addr)
-        env = env_without_proxies()
-        env.update(
-            {
-                "STEADYTRAIN_NODE": name,
-                "NODE_CACHE": cache_dir,
-                "NODE_ADDR": addr,
-                MARK_ENV: f"{self.tag}/{name}",
-                "AWS_ACCESS_KEY_ID": self.server.access_key,
-                "AWS_SECRET_ACCESS_KEY": self.server.secret_key,
-                "STEADYTRAIN_S3_ENDPOINT": link.endpoint,
-                "GLOO_SOCKET_IFNAME": "eth0" if ns else "lo",
-                "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1",
-                # torchrun's agent-shared TCPStore hands restarted workers stale gloo
-                # addresses (pytorch/pytorch#135712): every attempt gets a fresh store.
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            }
+        env = node_env(
+            name=name,
+            addr=addr,
+            mark=f"{MARK_ENV}={self.tag}/{name}",
+            cache_dir=disks["cache"],
+            memory_dir=disks["memory"],
+            endpoint=link.endpoint,
+            access_key=self.server.access_key,
+            secret_key=self.server.secret_key,
+            in_netns=ns is not None,
         )
-        node = Node(name, k, addr, ns, cache_dir, on_tmpfs, link, env)
+        node = Node(
+            name, k, addr, ns, disks["cache"], on_tmpfs["cache"], disks["memory"],
+            on_tmpfs["memory"], link, env,
+        )  # fmt: skip
         self.nodes.append(node)
         return node
 
@@ -332,23 +330,21 @@ class NodeHarness:
             found |= self.process_tree(proc)
         return found
 
-    @staticmethod
-    def process_tree(proc: subprocess.Popen[Any]) -> set[int]:
-        """``proc`` and every descendant still running (empty once ``proc`` ended)."""
-        if proc.poll() is not None:
-            return set()
-        try:
-            return {proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(True))}
-        except psutil.NoSuchProcess:
-            return set()
+    process_tree = staticmethod(process_tree)
 
     def kill(self, node: Node) -> set[int]:
-        """A lost machine: SIGKILL every process of ``node`` by PID. Returns the PIDs."""
-        pids = self.pids(node)
-        netns.kill_pids(pids)
+        """A lost machine: SIGKILL every process of ``node`` by PID, then empty its memory
+        (its RAM goes with it; its disk stays). Returns the PIDs."""
+        pids: set[int] = set()
+        # Again until none is left: a process may start a child between listing and kill.
+        while found := self.pids(node) - pids:
+            netns.kill_pids(found)
+            pids |= found
         for proc in node.procs:
             proc.wait()
-        self.log(f"[nodes] killed {node.name}: pids {sorted(pids)}")
+        emptied = empty_dir(node.memory_dir)
+        self.log(f"[nodes] killed {node.name}: pids {sorted(pids)}; memory emptied "
+                 f"({emptied} entries)")  # fmt: skip
         return pids
 
     def partition(self, node: Node, *, down: bool = True) -> None:

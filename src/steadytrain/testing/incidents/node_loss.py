@@ -12,7 +12,16 @@ At step ``KILL_AT`` the harness kills node-1 whole (agent and worker, SIGKILL by
   so it waited (torchrun's redundancy list). When node-1's seat expires, the spare takes it
   and the job resumes on 2 nodes again. The spare reads nothing from the object store after
   ``stage``: its training process says it fetched 0 shard files, and its link carried no
-  shard bytes.
+  shard bytes. And the job keeps a memory-tier snapshot every step
+  (``checkpoint.memory.every_steps=1``, issue 28): node-0's memory holds node-1's copy,
+  the killed node's memory is emptied with it (``NodeHarness.kill``), so the spare comes
+  back from its peer's memory (tier ``peer-memory``), at most one step behind the kill;
+  its durable checkpoints come every ``FIX_EVERY`` steps, the first after the kill.
+
+Each run's ``restores`` (tier, seconds, steps lost per restart) are its report's
+(``steadytrain report --json``), or, from a report that has none, its ledger's ``restore``
+records (``elastic.restores``). The job itself (its settings, the spare waiting in the
+rendezvous, the kill) is ``elastic.py``'s, shared with tests/nodes/test_memory_tier_nodes.py.
 
 Continuation is checked against an uninterrupted 2-node reference run of the same job:
 
@@ -42,15 +51,12 @@ import time
 from typing import Any
 
 from steadytrain.testing.incidents.common import (
-    TINY_SETTINGS,
     IncidentJob,
     Log,
     incident_rows,
-    read_trace,
     report,
     run_summary,
     small_shards,
-    train_args,
 )
 from steadytrain.testing.incidents.continuation import (
     compare,
@@ -59,24 +65,39 @@ from steadytrain.testing.incidents.continuation import (
     measured,
     rank_nodes,
 )
+from steadytrain.testing.incidents.elastic import (
+    EVERY,
+    KILL_AT,
+    NNODES,
+    STEPS,
+    add_spare,
+    kill_mid_run,
+    restores,
+    settings,
+    start_job,
+)
 from steadytrain.testing.incidents.expect import expectation, judge, node_ranks
-from steadytrain.testing.nodes import Node, NodeHarness
+from steadytrain.testing.nodes import NodeHarness
 
-__all__ = ["EVERY", "KILL_AT", "NNODES", "REL_TOL", "STEPS", "expected", "replay"]
+__all__ = [
+    "EVERY",
+    "FIX_EVERY",
+    "KILL_AT",
+    "MEMORY_EVERY",
+    "NNODES",
+    "REL_TOL",
+    "STEPS",
+    "expected",
+    "replay",
+]
 
-STEPS, KILL_AT, NNODES = 16, 6, "1:2"
-EVERY = 2  # checkpoint interval (steps)
+MEMORY_EVERY = 1  # the with-fix run's memory-tier snapshot interval (steps)
+# Its durable interval: two tiers, memory often and durable rarely. Beyond the kill (near
+# step KILL_AT), so the newest good point when the spare starts can only be in memory (a
+# durable save of the kill's very step would otherwise tie with memory, or beat a memory
+# generation whose peer copy was still in flight, and the spare would read storage).
+FIX_EVERY = 10
 REL_TOL = 1e-4  # losses of 1-rank steps against 2-rank ones (summation order only)
-# Seats expire after keep_alive_interval x keep_alive_max_attempt = 8 s; a round with MIN
-# nodes waits last_call_timeout for latecomers. The first round too: both nodes must make
-# it, or the job starts on one and is not the run it is compared with. 6 s was too short
-# once in CI, where the other replay lane and the suite load both cores (node-1's agent
-# arrived late and the with-fix run started on 1 node); only the run without a spare pays
-# the wait again, once, after the kill.
-RDZV = "last_call_timeout=12,keep_alive_interval=2,keep_alive_max_attempt=4"
-# The steps around the kill each wait 0.3 s for data, so the kill lands mid-run (each such
-# fault fires once per run: the steps redone after the restart do not wait again).
-FAULTS = "slow_read_at_steps=" + ",".join(map(str, range(3, KILL_AT + 4))) + ";slow_read_s=0.3"
 
 
 def expected(run_dir: str, victim: str, killed_at: int) -> dict[str, Any]:
@@ -98,127 +119,6 @@ def _clear(path: str) -> None:
     for entry in os.listdir(path):
         full = os.path.join(path, entry)
         shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
-
-
-def _settings(url: str) -> list[str]:
-    return [
-        f"data.dataset={url}",
-        "data.cache_dir=$NODE_CACHE",  # expanded by each node's process: its own tmpfs
-        f"train.max_steps={STEPS}",
-        f"train.elastic_nnodes={NNODES}",
-        f"checkpoint.every_steps={EVERY}",
-        "checkpoint.keep_last=100",
-    ]
-
-
-def _job(
-    h: NodeHarness, nodes: list[Node], run_dir: str, url: str, faults: str = FAULTS
-) -> IncidentJob:
-    """The job on ``nodes`` (the reference runs without the slow reads: timing only)."""
-    return IncidentJob(
-        h,
-        nodes,
-        run_dir,
-        _settings(url),
-        nnodes=NNODES,
-        max_restarts=3,
-        rdzv_conf=RDZV,
-        env={"STEADYTRAIN_FAULTS": faults},
-    )
-
-
-def _join(job: IncidentJob, node: Node, url: str) -> None:
-    """Start ``node``'s agent for the running ``job`` (same arguments as its other agents)."""
-    job.nodes.append(node)
-    job.agents[node.name] = job.h.torchrun(
-        node,
-        1,
-        train_args([*TINY_SETTINGS, f"run_dir={job.run_dir}", *_settings(url)]),
-        run_id=os.path.basename(job.run_dir),
-        nnodes=NNODES,
-        max_restarts=3,
-        rdzv_conf=RDZV,
-        log_path=job.log_path(node.name),
-        env={"STEADYTRAIN_FAULTS": FAULTS},
-    )
-
-
-def _rdzv_state(h: NodeHarness, run_id: str) -> Any:
-    """The job's rendezvous state as torch's c10d backend keeps it in the harness's store
-    (torch's private structure: if torch changes it, this fails loudly)."""
-    import pickle
-
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend,
-    )
-
-    assert h.store is not None, "start() the harness first"
-    got = C10dRendezvousBackend(h.store, run_id).get_state()
-    return None if got is None else pickle.loads(got[0])
-
-
-def _until(pred: Any, what: str, job: IncidentJob, timeout: float = 300) -> None:
-    """Poll ``pred()``; a failed agent or the time-out raises, naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        job.check_alive()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{job.run_dir}: {what} not seen in {timeout:.0f} s")
-        time.sleep(0.1)
-
-
-def _add_spare(job: IncidentJob, spare: Node, url: str, log: Log) -> None:
-    """Start ``spare``'s agent once the job's first round is full, and make sure it waits in
-    the rendezvous' redundancy list before anything fails: a spare still starting up when
-    the seat frees would let the job restart on 1 node, then again on 2 (not bit-exact)."""
-    run_id = os.path.basename(job.run_dir)
-
-    def state() -> Any:
-        return _rdzv_state(job.h, run_id)
-
-    def full() -> bool:
-        st = state()
-        return st is not None and st.complete and len(st.participants) == 2
-
-    def waits() -> bool:
-        st = state()
-        return st is not None and any(
-            n.pid == job.agents[spare.name].pid for n in st.redundancy_list
-        )
-
-    _until(full, "the first rendezvous round with 2 nodes", job)
-    _join(job, spare, url)
-    job.wait_for_step(1, timeout=300)
-    if waits():
-        return
-    # Hold the job's workers (not their agents: their heartbeats go on) until it does.
-    import psutil
-
-    held = [
-        c
-        for name, p in job.agents.items()
-        if name != spare.name
-        for c in psutil.Process(p.pid).children(recursive=True)
-    ]
-    log(f"[node-loss] holding {len(held)} worker(s) until {spare.name} waits as a spare")
-    for w in held:
-        w.suspend()
-    try:
-        _until(waits, f"{spare.name} in the redundancy list", job)
-    finally:
-        for w in held:
-            w.resume()
-
-
-def _kill_mid_run(h: NodeHarness, job: IncidentJob, victim: Node, log: Log) -> int:
-    """Kill ``victim`` once the job has traced step KILL_AT; wait for the others to finish.
-    Returns the last step the job had traced when the kill came."""
-    job.wait_for_step(KILL_AT, timeout=300)
-    at = max((r["step"] for r in read_trace(job.run_dir)), default=0)
-    h.kill(victim)
-    log(f"[node-loss] {os.path.basename(job.run_dir)}: killed {victim.name} at step ~{at}")
-    job.wait(timeout=300, expect={victim.name: None})
-    return at
 
 
 def _smallest_token_file(dataset: str) -> int:
@@ -246,7 +146,7 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
 
         log(f"[node-loss] reference: 2 nodes, {STEPS} steps, no failure")
         ref_dir = os.path.join(workdir, "reference")
-        _job(h, [node0, node1], ref_dir, url, faults="").wait(timeout=300)
+        start_job(h, [node0, node1], ref_dir, settings(url), faults="").wait(timeout=300)
         # What the plain 2-node run shows of the nodes: each rank on its own node, each
         # node's shards read through its own link into its own cache (emptied next).
         ref_nodes = {
@@ -261,9 +161,8 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
         for n in (node0, node1):
             _clear(n.cache_dir)
         naive_dir = os.path.join(workdir, "without_fix")
-        killed_at = {
-            "without_fix": _kill_mid_run(h, _job(h, [node0, node1], naive_dir, url), node1, log)
-        }
+        naive_job = start_job(h, [node0, node1], naive_dir, settings(url))
+        killed_at = {"without_fix": kill_mid_run(h, naive_job, node1, log)}
 
         spare = h.add_node()
         staged = h.stage(spare, url)
@@ -275,15 +174,24 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
         for n in (node0, node1):
             _clear(n.cache_dir)
         fixed_dir = os.path.join(workdir, "with_fix")
-        job = _job(h, [node0, node1], fixed_dir, url)
-        _add_spare(job, spare, url, log)
-        killed_at["with_fix"] = _kill_mid_run(h, job, node1, log)
+        # The fix is the spare and the memory tier: a snapshot every step, a copy on the
+        # other node (node-1's on node-0), so the spare comes back from node-0's memory.
+        job = start_job(
+            h, [node0, node1], fixed_dir, settings(url, every=FIX_EVERY, memory_every=MEMORY_EVERY)
+        )
+        add_spare(job, spare, log)
+        killed_at["with_fix"] = kill_mid_run(h, job, node1, log)
         spare_link_bytes = spare.link.down.bytes - link_after_stage
         spare_fetched = fetched_lines(_log_text(job, spare.name))
 
         log("[node-loss] building the reports")
         naive, fixed, ref = report(naive_dir), report(fixed_dir), report(ref_dir)
     leftovers = h.leftovers()
+    came_back = {"without_fix": restores(naive_dir, naive), "with_fix": restores(fixed_dir, fixed)}
+    for run, rows in came_back.items():
+        for r in rows:
+            log(f"[node-loss] {run}: attempt {r['attempt']} restored step {r['step']} from "
+                f"{r['tier']} in {r['seconds'] or 0:.2f} s, {r['steps_lost']} step(s) lost")  # fmt: skip
     # The object store's copy of the dataset is not worth keeping next to the reports.
     shutil.rmtree(os.path.join(workdir, "harness", "seaweed"), ignore_errors=True)
     incidents = incident_rows(naive, "without_fix") + incident_rows(fixed, "with_fix")
@@ -306,12 +214,14 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
                 **compare(ref_dir, naive_dir),
                 "resumed_on": resumed_on(naive_dir),
                 "measured": measured(naive_dir),
+                "restores": came_back["without_fix"],
             },
             "with_fix": {
                 **run_summary(fixed_dir, fixed),
                 **compare(ref_dir, fixed_dir),
                 "resumed_on": resumed_on(fixed_dir),
                 "measured": measured(fixed_dir),
+                "restores": came_back["with_fix"],
             },
         },
         # The uninterrupted 2-node run both are compared with: a clean run for the report.
@@ -334,6 +244,8 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
         "seconds": time.monotonic() - t0,
         "steps": STEPS,
         "kill_at_step": KILL_AT,
+        "memory_every_steps": {"without_fix": 0, "with_fix": MEMORY_EVERY},
+        "durable_every_steps": {"without_fix": EVERY, "with_fix": FIX_EVERY},
         "killed_at": killed_at,  # the newest step traced when the kill came, per run
         "nnodes": NNODES,
         "dataset": url,

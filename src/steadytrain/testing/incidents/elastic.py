@@ -1,0 +1,225 @@
+"""The elastic job of the node-loss replay and the memory-tier node tests: ``--nnodes 1:2``,
+one rank per node, up to 3 restarts, a spare that waits in the rendezvous, a node killed
+mid-run, and what each restart restored (``restores``).
+
+Shared by ``node_loss`` (``steadytrain demo --incident node-loss``) and
+tests/nodes/test_memory_tier_nodes.py, so both run the same job the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from steadytrain.testing.incidents.common import (
+    TINY_SETTINGS,
+    IncidentJob,
+    Log,
+    read_trace,
+    train_args,
+)
+from steadytrain.testing.nodes import Node, NodeHarness
+
+__all__ = [
+    "EVERY",
+    "FAULTS",
+    "KILL_AT",
+    "NNODES",
+    "RDZV",
+    "STEPS",
+    "ElasticJob",
+    "add_spare",
+    "kill_mid_run",
+    "restores",
+    "settings",
+    "start_job",
+]
+
+STEPS, KILL_AT, NNODES = 16, 6, "1:2"
+EVERY = 2  # checkpoint interval (steps)
+# Seats expire after keep_alive_interval x keep_alive_max_attempt = 8 s; a round with MIN
+# nodes waits last_call_timeout for latecomers. The first round too: both nodes must make
+# it, or the job starts on one and is not the run it is compared with. 6 s was too short
+# once in CI, where the other replay lane and the suite load both cores (node-1's agent
+# arrived late and the with-fix run started on 1 node); only the run without a spare pays
+# the wait again, once, after the kill.
+RDZV = "last_call_timeout=12,keep_alive_interval=2,keep_alive_max_attempt=4"
+# The steps around the kill each wait 0.3 s for data, so the kill lands mid-run (each such
+# fault fires once per run: the steps redone after the restart do not wait again).
+FAULTS = "slow_read_at_steps=" + ",".join(map(str, range(3, KILL_AT + 4))) + ";slow_read_s=0.3"
+
+
+def settings(
+    url: str, *, steps: int = STEPS, every: int = EVERY, memory_every: int = 0
+) -> list[str]:
+    """The job's settings: durable checkpoints every ``every`` steps, memory-tier snapshots
+    every ``memory_every`` (0: the tier off, the setting left out)."""
+    out = [
+        f"data.dataset={url}",
+        "data.cache_dir=$NODE_CACHE",  # expanded by each node's process: its own tmpfs
+        f"train.max_steps={steps}",
+        f"train.elastic_nnodes={NNODES}",
+        f"checkpoint.every_steps={every}",
+        "checkpoint.keep_last=100",
+    ]
+    # The tier's directory is each node's own (STEADYTRAIN_MEMORY_DIR, set by the harness).
+    return out + ([f"checkpoint.memory.every_steps={memory_every}"] if memory_every else [])
+
+
+class ElasticJob(IncidentJob):
+    """The elastic job (``--nnodes NNODES``, up to 3 restarts) on ``nodes``; it keeps its
+    settings and faults for a spare's agent (``add_spare``)."""
+
+    def __init__(
+        self,
+        h: NodeHarness,
+        nodes: Sequence[Node],
+        run_dir: str,
+        job_settings: Sequence[str],
+        faults: str = FAULTS,
+    ) -> None:
+        super().__init__(
+            h,
+            nodes,
+            run_dir,
+            job_settings,
+            nnodes=NNODES,
+            max_restarts=3,
+            rdzv_conf=RDZV,
+            env={"STEADYTRAIN_FAULTS": faults},
+        )
+        self.settings, self.faults = list(job_settings), faults
+
+
+def start_job(
+    h: NodeHarness,
+    nodes: Sequence[Node],
+    run_dir: str,
+    job_settings: Sequence[str],
+    faults: str = FAULTS,
+) -> ElasticJob:
+    """The job on ``nodes`` (the reference runs without the slow reads: timing only)."""
+    return ElasticJob(h, nodes, run_dir, job_settings, faults)
+
+
+def _join(job: ElasticJob, node: Node) -> None:
+    """Start ``node``'s agent for the running ``job`` (same arguments as its other agents)."""
+    job.nodes.append(node)
+    job.agents[node.name] = job.h.torchrun(
+        node,
+        1,
+        train_args([*TINY_SETTINGS, f"run_dir={job.run_dir}", *job.settings]),
+        run_id=os.path.basename(job.run_dir),
+        nnodes=NNODES,
+        max_restarts=3,
+        rdzv_conf=RDZV,
+        log_path=job.log_path(node.name),
+        env={"STEADYTRAIN_FAULTS": job.faults},
+    )
+
+
+def _rdzv_state(h: NodeHarness, run_id: str) -> Any:
+    """The job's rendezvous state as torch's c10d backend keeps it in the harness's store
+    (torch's private structure: if torch changes it, this fails loudly)."""
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+
+    assert h.store is not None, "start() the harness first"
+    got = C10dRendezvousBackend(h.store, run_id).get_state()
+    return None if got is None else pickle.loads(got[0])
+
+
+def _until(pred: Any, what: str, job: IncidentJob, timeout: float = 300) -> None:
+    """Poll ``pred()``; a failed agent or the time-out raises, naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        job.check_alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{job.run_dir}: {what} not seen in {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def add_spare(job: ElasticJob, spare: Node, log: Log) -> None:
+    """Start ``spare``'s agent once the job's first round is full, and make sure it waits in
+    the rendezvous' redundancy list before anything fails: a spare still starting up when
+    the seat frees would let the job restart on 1 node, then again on 2 (not bit-exact)."""
+    run_id = os.path.basename(job.run_dir)
+
+    def state() -> Any:
+        return _rdzv_state(job.h, run_id)
+
+    def full() -> bool:
+        st = state()
+        return st is not None and st.complete and len(st.participants) == 2
+
+    def waits() -> bool:
+        st = state()
+        return st is not None and any(
+            n.pid == job.agents[spare.name].pid for n in st.redundancy_list
+        )
+
+    _until(full, "the first rendezvous round with 2 nodes", job)
+    _join(job, spare)
+    job.wait_for_step(1, timeout=300)
+    if waits():
+        return
+    # Hold the job's workers (not their agents: their heartbeats go on) until it does.
+    import psutil
+
+    held = [
+        c
+        for name, p in job.agents.items()
+        if name != spare.name
+        for c in psutil.Process(p.pid).children(recursive=True)
+    ]
+    log(f"[node-loss] holding {len(held)} worker(s) until {spare.name} waits as a spare")
+    for w in held:
+        w.suspend()
+    try:
+        _until(waits, f"{spare.name} in the redundancy list", job)
+    finally:
+        for w in held:
+            w.resume()
+
+
+def kill_mid_run(
+    h: NodeHarness, job: IncidentJob, victim: Node, log: Log, *, at_step: int = KILL_AT
+) -> int:
+    """Kill ``victim`` once the job has traced ``at_step``; wait for the others to finish.
+    Returns the last step the job had traced when the kill came."""
+    job.wait_for_step(at_step, timeout=300)
+    at = max((r["step"] for r in read_trace(job.run_dir)), default=0)
+    h.kill(victim)
+    log(f"[node-loss] {os.path.basename(job.run_dir)}: killed {victim.name} at step ~{at}")
+    job.wait(timeout=300, expect={victim.name: None})
+    return at
+
+
+def restores(run_dir: str, rep: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Each restart's restore: ``[{attempt, step, tier, seconds, steps_lost}]``, the report's
+    ``restores`` (``rep``: its ``report --json``); from a report without them, the ledger's
+    ``restore`` records with a step > 0 (each follows its attempt's ``job_start``;
+    ``steps_lost``: the newest step recorded before that attempt minus the restored one)."""
+    if rep is not None and isinstance(rep.get("restores"), list):
+        return rep["restores"]
+    from steadytrain.monitor.ledger import read_ledger
+
+    out: list[dict[str, Any]] = []
+    attempt, before, position = -1, 0, 0
+    for r in read_ledger(os.path.join(run_dir, "ledger.jsonl")):
+        if r.get("type") == "job_start":
+            attempt, before = attempt + 1, position
+        elif r.get("type") == "step":
+            position = int(r.get("step") or 0)
+        elif r.get("type") == "restore" and int(r.get("step") or 0) > 0:
+            position = step = int(r["step"])
+            out.append({
+                "attempt": max(attempt, 0), "step": step, "tier": r.get("tier") or "durable",
+                "seconds": r.get("restore_s"), "steps_lost": max(0, before - step),
+            })  # fmt: skip
+    return out
