@@ -128,6 +128,13 @@ def _incident(args: argparse.Namespace, out) -> int:  # noqa: ANN001
             ]
             print(f"  {label}: " + ", ".join(parts))
     for run, r in result.get("runs", {}).items():
+        for x in r.get("restores") or []:  # the report's restores (node-loss)
+            print(
+                f"  [{run}] restart {x.get('attempt')}: restored step {x.get('step')} from "
+                f"{x.get('tier')} in {x.get('seconds') or 0:.2f} s, "
+                f"{x.get('steps_lost')} step(s) lost"
+            )
+    for run, r in result.get("runs", {}).items():
         print(f"  {run}: {r.get('report_html')}")
     return 0
 
