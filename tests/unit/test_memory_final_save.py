@@ -59,3 +59,25 @@ def test_a_memory_restore_of_the_last_step_is_then_saved_durably(tmp_path):
     run = _train(run_dir, mem, 6)  # restores 6 from memory and has nothing left to train
     assert run.start_step == 6
     assert _committed(run_dir)[-1] == 6
+
+
+def test_an_unusable_memory_directory_turns_the_tier_off_and_training_goes_on(tmp_path, caplog):
+    from steadytrain.checkpoint import Checkpointer
+
+    (tmp_path / "file").write_text("")
+    bad = str(tmp_path / "file" / "mem")  # under a regular file: never a directory
+    model = nn.Linear(4, 4)
+    states = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    events: list[dict] = []
+    memory = {"every_steps": 1, "dir": bad}
+    ck = Checkpointer(str(tmp_path / "ck"), every_steps=2, memory=memory, on_event=events.append)
+    for step in range(1, 4):
+        ck.maybe_save(step, states)
+    ck.close()
+    assert [(e["type"], e["step"], e["ok"]) for e in events] == [("checkpoint", 2, True)]
+    assert any(bad in r.getMessage() and "checkpoint.memory.dir" in r.getMessage()
+               for r in caplog.records), caplog.text  # fmt: skip
+    again = Checkpointer(str(tmp_path / "ck"), memory=memory)
+    assert again.restore_latest(states) == 2
+    assert again.last_event["tier"] == "durable"
+    assert bad in again.last_event["skipped"][0]["path"]

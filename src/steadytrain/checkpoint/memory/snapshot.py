@@ -301,7 +301,8 @@ def read_file(path: str, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def write_file(path: str, image: np.ndarray) -> None:
-    """Write ``path`` whole or not at all: ``NAME.tmp-<pid>`` then ``os.replace``. No fsync:
+    """Write ``path`` whole or not at all: ``NAME.tmp-<pid>``, then published by the one
+    atomic-publish module (``storage/publish.py``). No fsync:
     the directory is RAM (tmpfs), which a power loss empties anyway."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:

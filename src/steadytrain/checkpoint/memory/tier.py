@@ -73,7 +73,11 @@ class MemoryTier:
             os.makedirs(self.store.root, exist_ok=True)
             budget = cfg.budget_bytes or free_bytes(self.store.root) // 2
         except OSError as exc:
-            err = f"rank {self.rank}: memory directory {self.store.root}: {_why(exc)}"
+            err = (
+                f"rank {self.rank}: memory directory {self.store.root}: {_why(exc)}; give "
+                "checkpoint.memory.dir a writable node-local directory (a tmpfs such as "
+                "/dev/shm); durable checkpoints go on"
+            )
         facts = self.group.all_gather((self.node, budget, err))
         self.pairing = peers.pair([f[0] for f in facts], cfg.peer)
         self.budgets = [f[1] for f in facts]
