@@ -199,6 +199,63 @@ def test_retention_keeps_at_most_two_generations(tmp_path):
     assert store.steps(0) == [6]
 
 
+def _reserved_copy(store: Store, owner: int, step: int, value: float) -> str:
+    """A copy written the way the tier writes: reserve, fill through the mapping, publish."""
+    plan = snap.layout({"job": "j", "step": step}, {"x": torch.full((1000,), value)})
+    tmp, image = store.reserve(owner, plan.total)
+    snap.fill(plan, image)
+    store.publish(tmp, owner, step)
+    return tmp
+
+
+def test_reserve_recycles_the_oldest_file_and_keeps_the_newest(tmp_path):
+    store = Store(str(tmp_path), "k")
+    _reserved_copy(store, 0, 1, 1.0)
+    _reserved_copy(store, 0, 2, 2.0)
+    oldest, newest = os.stat(store.path(0, 1)).st_ino, os.stat(store.path(0, 2)).st_ino
+    os.makedirs(store.owner_dir(0), exist_ok=True)
+    open(os.path.join(store.owner_dir(0), "step-000000002.snap.tmp-999"), "wb").close()
+    plan = snap.layout({"job": "j", "step": 3}, {"x": torch.full((1000,), 3.0)})
+    tmp, image = store.reserve(0, plan.total)
+    # the oldest generation's file (its pages) became the next one's; the newest is intact
+    assert os.stat(tmp).st_ino == oldest and os.path.getsize(tmp) == plan.total
+    assert sorted(os.listdir(store.owner_dir(0))) == [os.path.basename(tmp), "step-000000002.snap"]
+    assert os.stat(store.path(0, 2)).st_ino == newest
+    _, tree = snap.parse(snap.map_file(store.path(0, 2)), "step 2")
+    assert torch.equal(tree["x"], torch.full((1000,), 2.0))
+    snap.fill(plan, image)
+    store.publish(tmp, 0, 3)
+    assert store.steps(0) == [2, 3]
+    _, tree = snap.parse(snap.map_file(store.path(0, 3)), "step 3")
+    assert torch.equal(tree["x"], torch.full((1000,), 3.0))
+
+
+def test_a_mapped_copy_is_never_written_through(tmp_path):
+    store = Store(str(tmp_path), "k")
+    _reserved_copy(store, 0, 1, 1.0)
+    before = open(store.path(0, 1), "rb").read()
+    image = snap.map_file(store.path(0, 1))
+    image[:] = 0  # a restore's buffer: copy-on-write
+    assert open(store.path(0, 1), "rb").read() == before
+
+
+def test_reserve_on_a_full_tmpfs_is_an_error_not_a_crash(tmp_path):
+    from steadytrain.testing.tmpfs import TmpfsUnavailable, tmpfs
+
+    try:
+        with tmpfs(tmp_path / "shm", "1M") as shm:
+            store = Store(shm, "k")
+            _reserved_copy(store, 0, 1, 1.0)  # a small copy fits
+            with pytest.raises(OSError) as err:
+                store.reserve(0, 4 << 20)  # filling this mapping would be a SIGBUS
+            assert "No space left" in str(err.value)
+            assert sorted(os.listdir(store.owner_dir(0))) == ["step-000000001.snap"]
+            _, tree = snap.parse(snap.map_file(store.path(0, 1)), "step 1")
+            assert torch.equal(tree["x"], torch.full((1000,), 1.0))
+    except TmpfsUnavailable as exc:
+        pytest.skip(str(exc))
+
+
 def test_scan_passes_over_bad_and_foreign_copies(tmp_path):
     store = Store(str(tmp_path), "k")
     for owner in (0, 1):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,12 +65,17 @@ def _wait(works: list[Any]) -> None:
 
 
 def exchange(
-    pg: Any, peer: int | None, image: np.ndarray | None, owners: list[int]
+    pg: Any,
+    peer: int | None,
+    image: np.ndarray | None,
+    owners: list[int],
+    into: Callable[[int, int], np.ndarray] | None = None,
 ) -> dict[int, np.ndarray]:
     """Send this rank's file image to ``peer`` and receive the images of ``owners``.
 
     Every rank calls it in the same generation; ``image`` None sends "nothing" (-1), and
-    an owner that sent nothing is missing from the result."""
+    an owner that sent nothing is missing from the result. ``into(owner, nbytes)`` gives
+    the array a copy is received into (the tier: its file, mapped); default a new one."""
     import torch.distributed as dist
 
     out_size = torch.tensor([-1 if image is None else len(image)], dtype=torch.int64)
@@ -86,7 +92,7 @@ def exchange(
     for o, t in in_sizes.items():
         n = int(t.item())
         if n >= 0:
-            bufs[o] = np.empty(n, dtype=np.uint8)
+            bufs[o] = np.empty(n, dtype=np.uint8) if into is None else into(o, n)
             works.append(dist.irecv(torch.from_numpy(bufs[o]), src=o, group=pg, tag=_TAG_DATA))
     _wait(works)
     return bufs

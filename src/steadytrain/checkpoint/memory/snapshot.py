@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import mmap
 import os
 import struct
 from typing import Any
@@ -42,6 +43,11 @@ __all__ = [
     "encode_tree",
     "decode_tree",
     "build",
+    "layout",
+    "fill",
+    "Layout",
+    "map_file",
+    "map_fd",
     "parse",
     "read_header",
     "verify",
@@ -159,11 +165,18 @@ def payload_digest(payload: Any) -> str:
     return xxhash.xxh3_128_hexdigest(payload)
 
 
-def build(meta: dict[str, Any], tree: Any, out: np.ndarray | None = None) -> np.ndarray:
-    """The whole file as one uint8 array (``out`` is reused when it has the right size).
+class Layout:
+    """Where everything of one file goes, known before a byte is copied (``layout``): the
+    tier agrees on sizes and reserves the file before it fills it (``fill``)."""
 
-    ``meta`` holds the header's other fields (job, step, owner, world_size, node,
-    tokens_seen, created, json_states, rng)."""
+    def __init__(self, header: dict[str, Any], tensors: list[torch.Tensor], start: int) -> None:
+        self.header, self.tensors, self.start = header, tensors, start
+        self.total = start + int(header["payload_nbytes"])
+
+
+def layout(meta: dict[str, Any], tree: Any) -> Layout:
+    """The layout of ``tree``'s file. ``meta`` holds the header's other fields (job, step,
+    owner, world_size, node, tokens_seen, created, json_states, rng)."""
     encoded, tensors = encode_tree(tree)
     entries, offset = [], 0
     for t in tensors:
@@ -177,20 +190,25 @@ def build(meta: dict[str, Any], tree: Any, out: np.ndarray | None = None) -> np.
             }
         )
         offset = _align(offset + nbytes)
-    payload_nbytes = offset
     header = {
         "format": FORMAT,
         **meta,
         "tree": encoded,
         "tensors": entries,
-        "payload_nbytes": payload_nbytes,
+        "payload_nbytes": offset,
         "payload_xxh3_128": "0" * _DIGEST_LEN,  # the real digest has the same length
     }
-    start = _align(len(MAGIC) + 8 + len(_header_bytes(header)) + 8)
-    total = start + payload_nbytes
-    image = out if out is not None and out.shape == (total,) else np.empty(total, np.uint8)
+    return Layout(header, tensors, _align(len(MAGIC) + 8 + len(_header_bytes(header)) + 8))
+
+
+def fill(plan: Layout, image: np.ndarray) -> np.ndarray:
+    """Write the file into ``image`` (``plan.total`` bytes: a buffer or a mapped file): one
+    copy of every tensor, then the payload's checksum and the header."""
+    if image.shape != (plan.total,):
+        raise ValueError(f"an image of {plan.total} bytes cannot go into {image.shape}")
+    header, start = dict(plan.header), plan.start
     payload = image[start:]
-    for t, e in zip(tensors, entries, strict=True):
+    for t, e in zip(plan.tensors, header["tensors"], strict=True):
         payload[e["offset"] : e["offset"] + e["nbytes"]] = _bytes_of(t)
         pad_end = _align(e["offset"] + e["nbytes"])
         payload[e["offset"] + e["nbytes"] : pad_end] = 0
@@ -202,6 +220,13 @@ def build(meta: dict[str, Any], tree: Any, out: np.ndarray | None = None) -> np.
         pos += len(piece)
     image[pos:start] = 0
     return image
+
+
+def build(meta: dict[str, Any], tree: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """The whole file as one uint8 array (``out`` is reused when it has the right size)."""
+    plan = layout(meta, tree)
+    reuse = out is not None and out.shape == (plan.total,)
+    return fill(plan, out if reuse else np.empty(plan.total, np.uint8))
 
 
 def _header_bytes(header: dict[str, Any]) -> bytes:
@@ -298,6 +323,31 @@ def read_file(path: str, out: np.ndarray | None = None) -> np.ndarray:
     if got != size:
         raise CheckpointError(f"{path}: read {got} of {size} bytes (changed while read)")
     return buf
+
+
+def map_fd(fd: int, size: int, shared: bool) -> np.ndarray:
+    """``size`` bytes of an open file as a writable array. ``shared``: writes go to the
+    file, and its pages are mapped at once (``MAP_POPULATE``: one pass instead of a fault
+    per written page); otherwise copy-on-write, nothing done to the array reaches the file,
+    and pages are mapped as they are read (populating a private writable mapping would
+    copy every page)."""
+    if size == 0:
+        return np.empty(0, np.uint8)
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0) if shared else mmap.MAP_PRIVATE
+    mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return np.frombuffer(mapping, dtype=np.uint8)  # the array keeps the mapping alive
+
+
+def map_file(path: str) -> np.ndarray:
+    """The whole file, mapped instead of read: a tmpfs file's pages are used in place (no
+    copy). Copy-on-write, so nothing done to the array reaches the file. The tier never
+    shrinks a file while it may be mapped (``Store.reserve`` recycles only older
+    generations, never the one a restore or a send is reading)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return map_fd(fd, os.fstat(fd).st_size, shared=False)
+    finally:
+        os.close(fd)
 
 
 def write_file(path: str, image: np.ndarray) -> None:

@@ -7,7 +7,9 @@ jobs or two tests never see each other's snapshots. Names with ``.tmp`` are unfi
 
 Bounded: before a new copy is written into an owner's directory, every copy there but the
 newest complete one is deleted (and every unfinished one: each owner directory of a node has
-one writer at a time), so at most two generations exist per owner. ``need_by_node`` is what
+one writer at a time), so at most two generations exist per owner. The tier writes through
+``reserve``: the oldest copy's file becomes the next one's temporary file (its RAM reused),
+filled through a mapping and published by rename. ``need_by_node`` is what
 the budget is checked against: two generations of every copy a node holds.
 """
 
@@ -20,10 +22,12 @@ import re
 import shutil
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from steadytrain.checkpoint.memory import snapshot as snap
 from steadytrain.errors import CheckpointError
+from steadytrain.storage.publish import publish_file
 
 __all__ = ["Store", "store_key", "snap_name", "need_by_node", "budget_error", "free_bytes"]
 
@@ -88,6 +92,53 @@ class Store:
             if name != keep and (_SNAP.match(name) or ".tmp-" in name):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(directory, name))
+
+    def reserve(self, owner: int, size: int) -> tuple[str, np.ndarray]:
+        """A temporary file of ``size`` bytes for ``owner``'s next copy, mapped writable:
+        (its path, the mapping). Pruning as ``write`` does, except that the first older copy
+        is renamed to the temporary name instead of deleted, so its pages (tmpfs: RAM) are
+        reused rather than allocated and zeroed again. The space is allocated before the
+        mapping is written (``posix_fallocate``): a full tmpfs is an ``OSError`` here, never
+        a SIGBUS while the mapping is filled. Finish with ``publish`` or ``discard``."""
+        directory = self.owner_dir(owner)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"next.tmp-{os.getpid()}")
+        names = os.listdir(directory)
+        steps = sorted(int(m.group(1)) for n in names if (m := _SNAP.match(n)))
+        keep = snap_name(steps[-1]) if steps else None
+        recycled = os.path.basename(tmp) in names
+        for name in sorted(names):
+            if name == keep or name == os.path.basename(tmp):
+                continue
+            if _SNAP.match(name) or ".tmp-" in name:
+                path = os.path.join(directory, name)
+                with contextlib.suppress(FileNotFoundError):
+                    if recycled:
+                        os.unlink(path)
+                    else:
+                        os.replace(path, tmp)
+                        recycled = True
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            image = snap.map_fd(fd, size, shared=True)
+        except BaseException:
+            self.discard(tmp)
+            raise
+        finally:
+            os.close(fd)
+        return tmp, image
+
+    def publish(self, tmp: str, owner: int, step: int) -> None:
+        """Give a filled ``reserve`` file its name (atomic; no fsync: tmpfs)."""
+        publish_file(tmp, self.path(owner, step), durable=False)
+
+    @staticmethod
+    def discard(tmp: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
     def write(self, owner: int, step: int, image: Any) -> None:
         """Publish a copy of ``owner`` at ``step`` (prunes first: two generations at most)."""

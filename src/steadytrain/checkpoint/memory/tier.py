@@ -2,10 +2,11 @@
 
 One generation, in order: the loop thread stages the states into reused buffers (``Stager``;
 pinned, on a side CUDA stream when CUDA is there) and hands them to a background thread,
-so the step is blocked for the copy only; the thread builds the file, agrees with every rank
-(one all-gather on the tier's own gloo group: sizes, errors, budgets), writes the own copy
-(tmp + replace, older generations pruned first), sends it to the peer and keeps the copies
-it receives, each verified before it is published. At most one generation is in flight: a
+so the step is blocked for the copy only; the thread lays out the file, agrees with every
+rank (one all-gather on the tier's own gloo group: sizes, errors, budgets), fills the own
+copy straight into its file (``Store.reserve``: the pruned generation's file, mapped; then
+renamed), sends it to the peer from that mapping and receives the copies it keeps straight
+into theirs, each verified before it is published. One copy of the staged bytes per file. At most one generation is in flight: a
 due snapshot first waits for the previous one, and that wait counts as blocked time.
 
 Any failure (a full /dev/shm, a peer gone, a state that cannot be stored) is a
@@ -87,7 +88,7 @@ class MemoryTier:
         if self.off:
             log.warning("%s", self.off)
         self.stager = Stager()  # its own reused buffers; pinned when CUDA is there
-        self._image: Any = None  # the file image buffer, reused while the size holds
+        self._spare: dict[int, Any] = {}  # images when a file cannot be had (by owner)
         self._thread: threading.Thread | None = None
         self._events: list[dict[str, Any]] = []
         self.last_step = 0  # the newest generation written here without error
@@ -216,13 +217,13 @@ class MemoryTier:
         measured: dict[str, Any] | None = None,
     ) -> str | None:
         t0 = time.perf_counter()
-        image = None
+        plan = None
         if err is None:
             try:
-                image = self._image = snap.build(meta, staged, out=self._image)
+                plan = snap.layout(meta, staged)
             except FAILURES as exc:  # noqa: BLE001 - a state the format cannot hold
                 err = f"rank {self.rank}: {_why(exc)}"
-        size = 0 if image is None else len(image)
+        size = 0 if plan is None else plan.total
         if measured is not None and self.auto is not None:
             measured = {**measured, "landed_s": self.auto.landed_s}
         # every rank, every generation; "auto" measurements ride along (auto.py)
@@ -239,31 +240,66 @@ class MemoryTier:
                 self.off = budget_error(node, need[node], self.budgets[r], self.store.base)
                 log.warning("%s", self.off)  # once: the tier is off from now on
                 return self.off
-        problems = []
-        try:
-            self.store.write(self.rank, step, image)
-            event["bytes"] = size
-        except OSError as exc:
-            problems.append(
-                f"rank {self.rank}: writing {self.store.path(self.rank, step)}: {_why(exc)}"
-            )
+        assert plan is not None
+        problems: list[str] = []
+        # The own copy is filled straight into its file (one copy of the staged bytes); if
+        # the file cannot be had, into a buffer, so the peer still gets its copy.
+        image, tmp = self._reserve(self.rank, step, size, problems)
+        snap.fill(plan, image)
+        if tmp is not None:
+            try:
+                self.store.publish(tmp, self.rank, step)
+                event["bytes"] = size
+            except OSError as exc:
+                problems.append(
+                    f"rank {self.rank}: writing {self.store.path(self.rank, step)}: {_why(exc)}"
+                )
         event["write_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         peer, owners = self.pairing.peer_of[self.rank], self.pairing.holds_for(self.rank)
         if peer is not None or owners:
-            received = peers.exchange(self.group.pg, peer, image, owners)
+            files: dict[int, str | None] = {}
+
+            def into(owner: int, nbytes: int) -> Any:  # a received copy goes into its file
+                buf, files[owner] = self._reserve(owner, step, nbytes, problems)
+                return buf
+
+            received = peers.exchange(self.group.pg, peer, image, owners, into)
             for owner, buf in received.items():
                 where = f"the copy of rank {owner} step {step} received by rank {self.rank}"
+                tmp = files.get(owner)
                 try:
                     snap.verify(buf, where)  # before its name exists
-                    self.store.write(owner, step, buf)
-                    event["peer_bytes"] += len(buf)
+                    if tmp is not None:
+                        self.store.publish(tmp, owner, step)
+                        event["peer_bytes"] += len(buf)
                 except (CheckpointError, OSError) as exc:
+                    if tmp is not None:
+                        self.store.discard(tmp)
                     problems.append(
                         str(exc) if isinstance(exc, CheckpointError) else f"{where}: {_why(exc)}"
                     )
             event["peer_s"] = time.perf_counter() - t1
         return "; ".join(problems) or None
+
+    def _reserve(
+        self, owner: int, step: int, size: int, problems: list[str]
+    ) -> tuple[Any, str | None]:
+        """(a writable image of ``size`` bytes, its temporary file): the owner's next file
+        mapped, or, when that fails (a full tmpfs), a reused buffer and None (the failure
+        goes to ``problems``: this copy is not kept on this node)."""
+        try:
+            tmp, image = self.store.reserve(owner, size)
+            return image, tmp
+        except OSError as exc:
+            path = self.store.path(owner, step)
+            problems.append(f"rank {self.rank}: writing {path}: {_why(exc)}")
+        spare = self._spare.get(owner)
+        if spare is None or spare.shape != (size,):
+            import numpy as np
+
+            spare = self._spare[owner] = np.empty(size, np.uint8)
+        return spare, None
 
     def wait(self) -> float:
         """Block until the generation in flight (if any) is written; the seconds waited."""
@@ -383,12 +419,13 @@ class MemoryTier:
 
     def _fetch(self, step: int, sources: dict[int, tuple[int, int]]) -> Any:
         """This rank's file image of ``step``: its node's copy, or the holder's (and serve
-        the copies this rank holds for owners without one)."""
+        the copies this rank holds for owners without one). Files are mapped, not read: a
+        tmpfs copy is loaded and sent from its pages in place."""
         sends = []
         for owner, (src, _) in sorted(sources.items()):
             if src == self.rank and owner != self.rank:
                 try:
-                    image = snap.read_file(self.store.path(owner, step))
+                    image = snap.map_file(self.store.path(owner, step))
                 except OSError:  # gone since the scan: send zeros, the owner's check fails
                     import numpy as np
 
@@ -399,7 +436,7 @@ class MemoryTier:
         local = None
         if recv is None:
             with contextlib.suppress(OSError):  # a vanished copy fails the check below
-                local = snap.read_file(self.store.path(self.rank, step))
+                local = snap.map_file(self.store.path(self.rank, step))
         got = peers.fetch(self.group.pg, sends, recv) if (sends or recv) else None
         buf = local if recv is None else got
         if buf is None:
@@ -417,7 +454,7 @@ class MemoryTier:
         memory newer than its durable checkpoints, so this node's copies go."""
         self.wait()
         self.stager.release()
-        self._image = None
+        self._spare.clear()
         if remove:
             self.store.remove_all()
 
