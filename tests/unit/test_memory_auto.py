@@ -1,5 +1,6 @@
-"""``checkpoint.memory.every_steps = "auto"``: the job measures two snapshots, the planner
-picks K, and the job snapshots at exactly those steps after."""
+"""``checkpoint.memory.every_steps = "auto"``: the job measures two snapshots ``GAP`` steps
+apart (the first one's blocking, its time to land, and how much it slowed the steps it
+overlapped), the planner picks K, and the job snapshots at exactly those steps after."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from torch import nn
 
 from steadytrain.checkpoint import Checkpointer
+from steadytrain.checkpoint.memory import auto as auto_mod
+from steadytrain.checkpoint.memory.auto import GAP, AutoInterval
 from steadytrain.checkpoint.memory.config import MemoryConfig
 from steadytrain.errors import ConfigError
 from steadytrain.planning.two_tier import memory_every_steps
@@ -36,9 +39,11 @@ def _run(tmp_path, mtbf_s: float, steps: int, step_s: float) -> list[dict]:
 
 
 def test_frequent_failures_choose_every_step(tmp_path):
-    snaps = _run(tmp_path, mtbf_s=0.1, steps=6, step_s=0.2)
-    assert [e["step"] for e in snaps] == [1, 2, 3, 4, 5, 6], snaps
+    snaps = _run(tmp_path, mtbf_s=0.1, steps=GAP + 4, step_s=0.2)
+    assert [e["step"] for e in snaps] == [1, *range(1 + GAP, GAP + 5)], snaps
     assert snaps[1]["every_steps"] == 1, snaps[1]
+    assert set(snaps[1]["auto"]) == {"step_s", "cost_s", "interference_s", "landed_s"}
+    assert snaps[1]["auto"]["step_s"] >= 0.2  # the sleeps are the step's work
     assert all(e["ok"] for e in snaps)
 
 
@@ -46,7 +51,61 @@ def test_rare_failures_choose_a_long_interval(tmp_path):
     snaps = _run(tmp_path, mtbf_s=1e9, steps=12, step_s=0.01)
     chosen = snaps[1]["every_steps"]
     assert chosen > 12, snaps[1]  # with failures once in 30 years, every step would waste
-    assert [e["step"] for e in snaps] == [1, 2], snaps  # nothing more within 12 steps
+    assert [e["step"] for e in snaps] == [1, 1 + GAP], snaps  # nothing more within 12 steps
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _measure(monkeypatch, durations: list[float], landed_after: int, block: float) -> dict:
+    """Drive ``AutoInterval`` through its measuring steps on a fake clock: steps of
+    ``durations`` seconds (the first one holds the first snapshot's ``block``), the first
+    generation landing during step ``landed_after``."""
+    clock = _Clock()
+    monkeypatch.setattr(auto_mod.time, "perf_counter", clock)
+    auto = AutoInterval(mtbf_s=3600.0, survives=0.75)
+    assert auto.due(7, landed=True) is True  # the first step is measured
+    assert auto.started(clock.t, block) is None
+    due = []
+    for i, d in enumerate(durations, start=1):
+        clock.t += d
+        due.append(auto.due(7 + i, landed=i >= landed_after))
+    assert due == [False] * (GAP - 1) + [True]  # the second snapshot GAP steps later
+    measured = auto.started(clock.t, block)
+    assert auto.due(7 + GAP + 1, landed=True) is None  # measuring is over
+    return measured
+
+
+def test_interference_is_what_the_overlapped_steps_lost(monkeypatch):
+    # clean steps take 1.0 s; the two steps the generation overlapped took 1.5 s, the
+    # first of them also held 0.2 s of blocking
+    steps = [1.7, 1.5] + [1.0] * (GAP - 2)
+    m = _measure(monkeypatch, steps, landed_after=2, block=0.2)
+    assert m["step_s"] == pytest.approx(1.0)
+    assert m["interference_s"] == pytest.approx(1.0)
+    assert m["block_s"] == pytest.approx(1.2)  # the cost the planner gets: block + lost
+
+
+def test_no_interference_when_the_generation_lands_at_once(monkeypatch):
+    m = _measure(monkeypatch, [1.2] + [1.0] * (GAP - 1), landed_after=1, block=0.2)
+    assert m["step_s"] == pytest.approx(1.0)
+    assert m["interference_s"] == pytest.approx(0.0)
+    assert m["block_s"] == pytest.approx(0.2)
+
+
+def test_a_costlier_snapshot_gets_a_longer_interval(monkeypatch):
+    cheap = _measure(monkeypatch, [1.2] + [1.0] * (GAP - 1), landed_after=1, block=0.2)
+    costly = _measure(monkeypatch, [1.7, 1.5] + [1.0] * (GAP - 2), landed_after=2, block=0.2)
+    ks = []
+    for m in (cheap, costly):
+        auto = AutoInterval(mtbf_s=3600.0, survives=0.75)
+        ks.append(auto.choose([{**m, "landed_s": 0.5}, None]))
+    assert ks[0] < ks[1], ks
 
 
 def test_the_planner_answer_moves_with_the_failure_rate():

@@ -51,7 +51,7 @@ from steadytrain.checkpoint.config import CheckpointerConfig
 from steadytrain.checkpoint.identity import job_identity
 from steadytrain.checkpoint.lease import Lease, acquire
 from steadytrain.checkpoint.memory.config import MemoryConfig
-from steadytrain.checkpoint.memory.plan import newest_durable
+from steadytrain.checkpoint.memory.plan import newest_durable_step
 from steadytrain.checkpoint.memory.tier import MemoryTier
 from steadytrain.checkpoint.remote import Root, discover
 from steadytrain.checkpoint.repeat_save import PlanCache
@@ -425,8 +425,8 @@ class Checkpointer:
         self.wait()
         event, passed = None, []
         if self.memory is not None:
-            durable = newest_durable(self.group, self.remote or self.local)
-            event, passed = self.memory.restore(states, durable)
+            root = self.remote or self.local
+            event, passed = self.memory.restore(states, lambda: newest_durable_step(root))
         if event is None:
             event = _restore(states, self.group, self.local, self.remote, self.verify)
             event["skipped"] = passed + event["skipped"]

@@ -1,22 +1,32 @@
 """``every_steps = "auto"``: the job measures its snapshots, then the planner picks K.
 
-The first two steps a job runs (after a restore too) are both snapshotted. The second
-generation's agreement (the all-gather every generation does on the tier's group) carries,
-from every rank, the loop's time between those two snapshots (one step, with the first
-snapshot's blocking in it), the larger blocking of the two, and the time the first took to
-land (write and peer copy). Every rank takes the worst of each and the same
-``planning.two_tier.memory_every_steps`` answer, so all ranks snapshot at the same steps: a
-rank that disagreed would leave its peer waiting in the next exchange. Until the answer is
-known, ``due`` waits for that generation (once per run, counted as blocking).
+A snapshot costs the loop more than the seconds it blocks: while its generation is written
+and sent in the background, that work takes cores (and memory bandwidth) from the training
+step, which on a host with no idle core slows every step it overlaps. So the job measures
+the whole cost. The first step it runs (after a restore too) is snapshotted, then
+``GAP`` steps run without a snapshot, timed at each ``due`` call, and the step after them
+is snapshotted again. Steps that began after the first generation landed are the clean
+step time; the steps it overlapped, less the blocking and less as many clean steps, are
+its interference. The snapshot's cost is its blocking plus that interference.
+
+The second generation's agreement (the all-gather every generation does on the tier's
+group) carries, from every rank, the clean step time, the cost, and the time the first
+generation took to land (write and peer copy). Every rank takes the worst of each and the
+same ``planning.two_tier.memory_every_steps`` answer, so all ranks snapshot at the same
+steps: a rank that disagreed would leave its peer waiting in the next exchange. The
+measuring steps are fixed by step number, so every rank takes them together. Until the
+answer is known, ``due`` waits for that generation (once per run, counted as blocking).
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Any
 
-__all__ = ["AutoInterval"]
+__all__ = ["AutoInterval", "GAP"]
 
-MEASURED = 2  # snapshots taken before K is chosen
+GAP = 4  # steps between the two measured snapshots
 
 
 class AutoInterval:
@@ -25,14 +35,27 @@ class AutoInterval:
     def __init__(self, mtbf_s: float, survives: float) -> None:
         self.mtbf_s, self.survives = mtbf_s, survives
         self.every: int | None = None  # chosen K (None: still measuring)
-        self._taken = 0  # snapshots started while measuring
+        self._first: int | None = None  # the step of the first measured snapshot
+        self._taken = 0  # measured snapshots started
         self._t_first = 0.0  # perf_counter at the first one's start
         self._block = 0.0  # the larger blocking of the measured snapshots
-        self.step_s = 0.0
+        self._ticks: list[tuple[float, int, bool]] = []  # (time, step, landed) at due()
+        self.step_s = 0.0  # clean seconds per step
+        self.cost_s = 0.0  # blocking + interference of one snapshot
         self.landed_s = 0.0  # the first generation's write + peer time
+        self.chosen_from: dict[str, float] = {}  # the agreed numbers K was chosen from
 
-    def measuring(self) -> bool:
-        return self.every is None and self._taken < MEASURED
+    def due(self, step: int, landed: bool) -> bool | None:
+        """While measuring: whether ``step`` is snapshotted (``landed``: the first
+        generation is written by now); None once the measuring snapshots are taken."""
+        if self.every is not None or self._taken >= 2:
+            return None
+        if self._first is None:
+            self._first = step
+            return True
+        if self._taken == 1:
+            self._ticks.append((time.perf_counter(), step, landed))
+        return step >= self._first + GAP
 
     def started(self, t0: float, block_s: float) -> dict[str, Any] | None:
         """A snapshot started at ``t0`` blocked ``block_s``; returns this rank's measurement
@@ -44,8 +67,31 @@ class AutoInterval:
         if self._taken == 1:
             self._t_first = t0
             return None
-        self.step_s = max(1e-6, t0 - self._t_first)
-        return {"step_s": self.step_s, "block_s": self._block}
+        self.step_s, interference = self._steps()
+        self.cost_s = self._block + interference
+        return {"step_s": self.step_s, "block_s": self.cost_s, "interference_s": interference}
+
+    def _steps(self) -> tuple[float, float]:
+        """(clean seconds per step, the first generation's interference) from the ticks."""
+        clean, overlapped, steps_overlapped = [], 0.0, 0
+        t_prev, s_prev, free = self._t_first, self._first or 0, False
+        for t, s, landed in self._ticks:
+            n = max(1, s - s_prev)
+            if free:
+                clean.append((t - t_prev) / n)
+            else:
+                overlapped += t - t_prev
+                steps_overlapped += n
+            t_prev, s_prev, free = t, s, landed
+        if not clean and not steps_overlapped:
+            return max(1e-6, t_prev - self._t_first), 0.0
+        # no step began after the first generation landed: the overlapped mean stands in
+        # (an upper bound of the clean step, so the interference is not overstated)
+        step_s = statistics.median(clean) if clean else overlapped / steps_overlapped
+        step_s = max(1e-6, step_s)
+        # The first interval holds the first snapshot's blocking; the rest is interference.
+        interference = max(0.0, overlapped - self._block - steps_overlapped * step_s)
+        return step_s, interference
 
     def landed(self, seconds: float) -> None:
         """The first measured generation's write + peer copy took ``seconds``."""
@@ -67,4 +113,10 @@ class AutoInterval:
             mtbf_s=self.mtbf_s,
             survives=self.survives,
         )
+        self.chosen_from = {
+            "step_s": max(m["step_s"] for m in got),
+            "cost_s": max(m["block_s"] for m in got),
+            "interference_s": max(m.get("interference_s", 0.0) for m in got),
+            "landed_s": max(m.get("landed_s", 0.0) for m in got),
+        }
         return self.every

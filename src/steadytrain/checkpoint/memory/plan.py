@@ -3,7 +3,7 @@
 ``choose``: the newest step at or after the newest durable commit for which every owner's
 copy is on some node, and where each owner gets it (itself when its node holds one, else
 the lowest rank of a node that does). ``check_copy``: a loaded copy is this rank's and fits
-its states, checked before anything is written. ``newest_durable``: the step to beat.
+its states, checked before anything is written. ``newest_durable_step``: the step to beat.
 """
 
 from __future__ import annotations
@@ -13,23 +13,21 @@ from typing import Any
 
 from steadytrain.checkpoint import state as S
 from steadytrain.checkpoint.remote import Root, discover
-from steadytrain.checkpoint.writer import Group
 from steadytrain.errors import CheckpointError
 
-__all__ = ["choose", "check_copy", "newest_durable"]
+__all__ = ["choose", "check_copy", "newest_durable_step"]
 
 log = logging.getLogger("steadytrain.checkpoint")
 
 
-def newest_durable(group: Group, root: Root) -> int:
-    """The newest committed durable step (rank 0 lists ``root``, every rank learns it)."""
-    step = 0
-    if group.rank == 0:
-        try:
-            step = max((i.step for i in discover(root) if i.committed), default=0)
-        except Exception as exc:  # noqa: BLE001 - memory may still restore; durable will say
-            log.warning("listing durable checkpoints in %s failed: %s", root.url, exc)
-    return int(group.broadcast(step))
+def newest_durable_step(root: Root) -> int:
+    """The newest committed durable step under ``root`` (0: none). A listing that fails is
+    logged and taken as 0: memory may still restore, and the durable path will say."""
+    try:
+        return max((i.step for i in discover(root) if i.committed), default=0)
+    except Exception as exc:  # noqa: BLE001 - see above
+        log.warning("listing durable checkpoints in %s failed: %s", root.url, exc)
+        return 0
 
 
 def choose(

@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from steadytrain.checkpoint import state as S
@@ -100,8 +101,10 @@ class MemoryTier:
             return False
         every = self.cfg.every_steps
         if self.auto is not None:
-            if self.auto.measuring():
-                return True
+            landed = self._thread is None or not self._thread.is_alive()
+            measuring = self.auto.due(step, landed)
+            if measuring is not None:
+                return measuring
             if self.auto.every is None:
                 self.wait()  # the generation whose agreement chooses K (auto.py)
             every = self.auto.every or 1
@@ -198,6 +201,8 @@ class MemoryTier:
                 self.auto.every = 1  # the agreement never happened: snapshot every step
             if measured is not None:
                 event["every_steps"] = self.auto.every
+                if self.auto.chosen_from:
+                    event["auto"] = self.auto.chosen_from
         event["ok"] = not event["error"]
         if event["ok"]:
             self.last_step = step
@@ -318,20 +323,25 @@ class MemoryTier:
 
     # -- restore --------------------------------------------------------------------------
     def restore(
-        self, states: dict[str, Any], durable_step: int
+        self, states: dict[str, Any], durable_step: int | Callable[[], int]
     ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         """Load the newest complete memory generation at or after ``durable_step``; returns
-        (the restore event, or None: use durable checkpoints; what was passed over)."""
+        (the restore event, or None: use durable checkpoints; what was passed over).
+        ``durable_step`` may be a function: rank 0 calls it (listing the durable store)
+        while the node's copies are scanned, and its answer rides in the first agreement."""
         t0 = time.perf_counter()
         self.wait()
         if self.off is not None:
             return None, [{"path": self.store.root, "step": 0, "reason": self.off}]
+        listing = _Background(durable_step if callable(durable_step) and self.rank == 0 else None)
         nodes = self.pairing.nodes
         mates = [r for r in range(self.world) if nodes[r] == self.node]
         # the ranks of a node share its directory: each verifies a part of it
         found, passed = self.store.scan(self.job, self.world, (mates.index(self.rank), len(mates)))
         held = {o: {s: list(v) for s, v in steps.items()} for o, steps in found.items()}
-        gathered = self.group.all_gather((held, passed))
+        gathered = self.group.all_gather((held, passed, listing.result()))
+        if callable(durable_step):
+            durable_step = int(gathered[0][2] or 0)
         passed = [p for r in mates for p in gathered[r][1]]
         everyone: list[dict[int, dict[int, Any]]] = []
         for r in range(self.world):  # what a rank's node holds, any rank of it can read
@@ -457,6 +467,26 @@ class MemoryTier:
         self._spare.clear()
         if remove:
             self.store.remove_all()
+
+
+class _Background:
+    """``fn()`` on a thread of its own (None: nothing to do); ``result()`` waits for it."""
+
+    def __init__(self, fn: Callable[[], int] | None) -> None:
+        self._value: int | None = None
+        self._thread = None
+        if fn is not None:
+            self._thread = threading.Thread(
+                target=lambda: setattr(self, "_value", fn()),
+                name="steadytrain-memory-durable-listing",
+                daemon=True,
+            )
+            self._thread.start()
+
+    def result(self) -> int | None:
+        if self._thread is not None:
+            self._thread.join()
+        return self._value
 
 
 def _own(obj: Any) -> Any:
