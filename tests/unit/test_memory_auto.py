@@ -1,6 +1,7 @@
-"""``checkpoint.memory.every_steps = "auto"``: the job measures two snapshots ``GAP`` steps
-apart (the first one's blocking, its time to land, and how much it slowed the steps it
-overlapped), the planner picks K, and the job snapshots at exactly those steps after."""
+"""``checkpoint.memory.every_steps = "auto"``: after ``WARM`` unmeasured snapshots, the job
+measures one (its blocking, its time to land, and how much it slowed the steps it
+overlapped) over ``GAP`` steps, the planner picks K, and the job snapshots at exactly those
+steps after."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from steadytrain.checkpoint import Checkpointer
 from steadytrain.checkpoint.memory import auto as auto_mod
-from steadytrain.checkpoint.memory.auto import GAP, AutoInterval
+from steadytrain.checkpoint.memory.auto import GAP, WARM, AutoInterval
 from steadytrain.checkpoint.memory.config import MemoryConfig
 from steadytrain.errors import ConfigError
 from steadytrain.planning.two_tier import memory_every_steps
@@ -39,19 +40,23 @@ def _run(tmp_path, mtbf_s: float, steps: int, step_s: float) -> list[dict]:
 
 
 def test_frequent_failures_choose_every_step(tmp_path):
-    snaps = _run(tmp_path, mtbf_s=0.1, steps=GAP + 4, step_s=0.2)
-    assert [e["step"] for e in snaps] == [1, *range(1 + GAP, GAP + 5)], snaps
-    assert snaps[1]["every_steps"] == 1, snaps[1]
-    assert set(snaps[1]["auto"]) == {"step_s", "cost_s", "interference_s", "landed_s"}
-    assert snaps[1]["auto"]["step_s"] >= 0.2  # the sleeps are the step's work
+    last = 1 + WARM + GAP  # the snapshot whose agreement chooses K
+    snaps = _run(tmp_path, mtbf_s=0.1, steps=last + 3, step_s=0.2)
+    assert [e["step"] for e in snaps] == [*range(1, WARM + 2), *range(last, last + 4)], snaps
+    chose = snaps[WARM + 1]
+    assert chose["every_steps"] == 1, chose
+    assert all("every_steps" not in e for e in snaps[: WARM + 1])  # measuring, not chosen
+    assert set(chose["auto"]) == {"step_s", "cost_s", "interference_s", "landed_s"}
+    assert chose["auto"]["step_s"] >= 0.2  # the sleeps are the step's work
     assert all(e["ok"] for e in snaps)
 
 
 def test_rare_failures_choose_a_long_interval(tmp_path):
-    snaps = _run(tmp_path, mtbf_s=1e9, steps=12, step_s=0.01)
-    chosen = snaps[1]["every_steps"]
-    assert chosen > 12, snaps[1]  # with failures once in 30 years, every step would waste
-    assert [e["step"] for e in snaps] == [1, 1 + GAP], snaps  # nothing more within 12 steps
+    snaps = _run(tmp_path, mtbf_s=1e9, steps=14, step_s=0.01)
+    chosen = snaps[WARM + 1]["every_steps"]
+    assert chosen > 14, snaps[-1]  # with failures once in 30 years, every step would waste
+    # the measuring snapshots, and nothing more within 14 steps
+    assert [e["step"] for e in snaps] == [*range(1, WARM + 2), 1 + WARM + GAP], snaps
 
 
 class _Clock:
@@ -63,21 +68,30 @@ class _Clock:
 
 
 def _measure(monkeypatch, durations: list[float], landed_after: int, block: float) -> dict:
-    """Drive ``AutoInterval`` through its measuring steps on a fake clock: steps of
-    ``durations`` seconds (the first one holds the first snapshot's ``block``), the first
-    generation landing during step ``landed_after``."""
+    """Drive ``AutoInterval`` through its measuring steps on a fake clock: ``WARM``
+    warm-up snapshots (slow: they must not count), then steps of ``durations`` seconds (the
+    first one holds the measured snapshot's ``block``), the measured generation landing
+    during step ``landed_after``."""
     clock = _Clock()
     monkeypatch.setattr(auto_mod.time, "perf_counter", clock)
     auto = AutoInterval(mtbf_s=3600.0, survives=0.75)
-    assert auto.due(7, landed=True) is True  # the first step is measured
+    for i in range(WARM):  # warm-up snapshots: costly, and not measured
+        assert auto.due(7 + i, landed=True) is True
+        assert auto.started(clock.t, 50.0) is None
+        clock.t += 99.0
+        auto.landed(40.0)
+    first = 7 + WARM
+    assert auto.due(first, landed=True) is True  # the measured snapshot
     assert auto.started(clock.t, block) is None
     due = []
     for i, d in enumerate(durations, start=1):
         clock.t += d
-        due.append(auto.due(7 + i, landed=i >= landed_after))
-    assert due == [False] * (GAP - 1) + [True]  # the second snapshot GAP steps later
+        due.append(auto.due(first + i, landed=i >= landed_after))
+    assert due == [False] * (GAP - 1) + [True]  # the next snapshot GAP steps later
+    auto.landed(0.5)  # the measured generation
     measured = auto.started(clock.t, block)
-    assert auto.due(7 + GAP + 1, landed=True) is None  # measuring is over
+    assert auto.landed_s == 0.5  # the measured generation's, not a warm-up's
+    assert auto.due(first + GAP + 1, landed=True) is None  # measuring is over
     return measured
 
 

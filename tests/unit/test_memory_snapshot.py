@@ -239,6 +239,25 @@ def test_a_mapped_copy_is_never_written_through(tmp_path):
     assert open(store.path(0, 1), "rb").read() == before
 
 
+def test_a_copy_mapped_for_sending_is_read_only_and_sends_without_a_warning(tmp_path):
+    import warnings
+
+    from steadytrain.checkpoint.memory.peers import _readable
+
+    store = Store(str(tmp_path), "k")
+    _reserved_copy(store, 0, 1, 1.0)
+    before = open(store.path(0, 1), "rb").read()
+    image = snap.map_file(store.path(0, 1), readonly=True)
+    assert image.tobytes() == before
+    with pytest.raises(ValueError, match="read-only"):
+        image[:1] = 0  # the holder's copy cannot be written through it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "not writable" warning would fail here
+        assert _readable(image).numpy().tobytes() == before
+    fresh = snap.anonymous(4096)  # a received copy's memory: writable, zeroed
+    assert fresh.flags.writeable and len(fresh) == 4096 and not fresh.any()
+
+
 def test_reserve_on_a_full_tmpfs_is_an_error_not_a_crash(tmp_path):
     from steadytrain.testing.tmpfs import TmpfsUnavailable, tmpfs
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,16 @@ def pair(nodes: list[str], enabled: bool = True) -> Pairing:
             for i, r in enumerate(members[n]):
                 peer_of[r] = nxt[i % len(nxt)]
     return Pairing(nodes=list(nodes), peer_of=peer_of)
+
+
+def _readable(image: np.ndarray) -> torch.Tensor:
+    """A tensor over ``image``, which may be a read-only mapping: a send only reads it
+    (torch warns that writing a read-only array's tensor is undefined; nothing writes)."""
+    if image.flags.writeable:
+        return torch.from_numpy(image)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(image)
 
 
 def _wait(works: list[Any]) -> None:
@@ -105,11 +116,13 @@ def fetch(
     are known from the agreed plan)."""
     import torch.distributed as dist
 
+    from steadytrain.checkpoint.memory.snapshot import anonymous
+
     works, buf = [], None
     for dst, image in sends:
-        works.append(dist.isend(torch.from_numpy(image), dst=dst, group=pg, tag=_TAG_DATA))
+        works.append(dist.isend(_readable(image), dst=dst, group=pg, tag=_TAG_DATA))
     if recv is not None:
-        buf = np.empty(recv[1], dtype=np.uint8)
+        buf = anonymous(recv[1])
         works.append(dist.irecv(torch.from_numpy(buf), src=recv[0], group=pg, tag=_TAG_DATA))
     _wait(works)
     return buf

@@ -48,6 +48,7 @@ __all__ = [
     "Layout",
     "map_file",
     "map_fd",
+    "anonymous",
     "parse",
     "read_header",
     "verify",
@@ -338,16 +339,32 @@ def map_fd(fd: int, size: int, shared: bool) -> np.ndarray:
     return np.frombuffer(mapping, dtype=np.uint8)  # the array keeps the mapping alive
 
 
-def map_file(path: str) -> np.ndarray:
+def map_file(path: str, readonly: bool = False) -> np.ndarray:
     """The whole file, mapped instead of read: a tmpfs file's pages are used in place (no
-    copy). Copy-on-write, so nothing done to the array reaches the file. The tier never
+    copy). Copy-on-write, so nothing done to the array reaches the file; ``readonly``: a
+    read-only array whose pages are all mapped at once (``MAP_POPULATE``: a copy sent to a
+    peer is read whole, and a fault per page cost more than the transfer). The tier never
     shrinks a file while it may be mapped (``Store.reserve`` recycles only older
     generations, never the one a restore or a send is reading)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return map_fd(fd, os.fstat(fd).st_size, shared=False)
+        size = os.fstat(fd).st_size
+        if not readonly or size == 0:
+            return map_fd(fd, size, shared=False)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return np.frombuffer(mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ), np.uint8)
     finally:
         os.close(fd)
+
+
+def anonymous(size: int) -> np.ndarray:
+    """``size`` bytes of fresh memory with every page mapped at once (``MAP_POPULATE``): a
+    copy received from a peer fills all of it, and a fault per page on a fresh array made
+    that receive several times slower and erratic (BENCHMARKS.md, "Memory tier")."""
+    if size == 0:
+        return np.empty(0, np.uint8)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return np.frombuffer(mmap.mmap(-1, size, flags=flags), np.uint8)
 
 
 def write_file(path: str, image: np.ndarray) -> None:

@@ -115,8 +115,9 @@ class MemoryTier:
         seconds the caller was blocked (the previous generation's wait + staging)."""
         t0 = time.perf_counter()
         self.wait()
+        t_stage = time.perf_counter()
         if self.off is not None:
-            return time.perf_counter() - t0
+            return t_stage - t0
         meta = {
             "job": self.job,
             "step": step,
@@ -133,7 +134,9 @@ class MemoryTier:
         except FAILURES as exc:  # noqa: BLE001 - reported with the generation; training goes on
             staged, copied, err = None, None, f"rank {self.rank}: staging failed: {_why(exc)}"
         block_s = time.perf_counter() - t0
-        measured = self.auto.started(t0, block_s) if self.auto is not None else None
+        measured = None
+        if self.auto is not None:  # the cost measured is the staging, not the wait before
+            measured = self.auto.started(t_stage, time.perf_counter() - t_stage)
         self._thread = threading.Thread(
             target=self._generation,
             args=(step, staged, meta, block_s, err, copied, measured),
@@ -435,7 +438,7 @@ class MemoryTier:
         for owner, (src, _) in sorted(sources.items()):
             if src == self.rank and owner != self.rank:
                 try:
-                    image = snap.map_file(self.store.path(owner, step))
+                    image = snap.map_file(self.store.path(owner, step), readonly=True)
                 except OSError:  # gone since the scan: send zeros, the owner's check fails
                     import numpy as np
 
