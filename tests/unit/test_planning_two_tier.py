@@ -297,9 +297,29 @@ def test_from_run_uses_the_snapshot_and_restore_records(capsys, tmp_path: Path) 
     c = tt["costs"]
     assert c["step_s"] == pytest.approx(1.98)
     assert c["memory_cost_s"] == pytest.approx(0.02)
+    assert tt["measured"]["memory_cost_from"] == "block_s"
     assert c["memory_landed_s"] == pytest.approx(0.1)
     assert c["memory_restore_s"] == pytest.approx(1.0)  # mean of 0.5 and 1.5
     assert c["durable_restore_s"] == pytest.approx(9.0)
     assert c["survives"] == pytest.approx(2 / 3)
     assert tt["measured"]["restores"] == {"local-memory": 1, "peer-memory": 1, "durable": 1}
     assert tt["memory_every_steps"] is not None
+
+
+def test_from_run_prefers_the_cost_the_tier_measured(capsys, tmp_path: Path) -> None:
+    """A run with ``every_steps = "auto"`` measured a snapshot's whole cost to the loop
+    (blocking plus interference): the plan uses that, not the blocking alone."""
+    run = _run_with_tiers(tmp_path / "run")
+    ledger = run / "ledger.jsonl"
+    recs = [json.loads(line) for line in ledger.read_text().splitlines()]
+    snap = next(r for r in recs if r["type"] == "memory_snapshot")
+    snap["every_steps"] = 7
+    snap["auto"] = {"step_s": 1.98, "cost_s": 0.4, "interference_s": 0.38, "landed_s": 0.1}
+    ledger.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    args = ["--two-tier", "--sim-runs", "0"]
+    r = plan_json(capsys, "--from-run", str(run), *args)
+    tt = r["two_tier"]
+    assert tt["costs"]["memory_cost_s"] == pytest.approx(0.4)
+    assert tt["measured"]["memory_cost_from"] == "auto.cost_s"
+    # (a dearer snapshot gets a longer interval: test_a_snapshot_tiny_next_to_a_step_...)
+    assert tt["costs"]["memory_landed_s"] == pytest.approx(0.1)  # still the records' own
