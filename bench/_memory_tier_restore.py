@@ -12,11 +12,37 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import statistics
+import subprocess
+import sys
 
 from _checkpoint_restore import timed
 
-TIERS = ("local-memory", "peer-memory", "durable", "durable_warm")
+TIERS = ("local-memory", "peer-memory", "durable", "durable_warm", "durable-remote")
+
+
+def spawn_nodes(script: str, memory_root: str) -> list[subprocess.Popen]:
+    """``script`` (with this process's arguments) as 2 ranks on 2 simulated nodes: rank r
+    is ``node-r``, its memory tier in ``memory_root/node-r``, one thread."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            STEADYTRAIN_NODE=f"node-{r}",
+            STEADYTRAIN_MEMORY_DIR=os.path.join(memory_root, f"node-{r}"),
+        )
+        procs.append(subprocess.Popen([sys.executable, script, *sys.argv[1:]], env=env))
+    return procs
 
 
 def spread(xs: list[float]) -> dict:
@@ -56,12 +82,14 @@ def _read_all(directory: str) -> None:
                     pass
 
 
-def bench_restore(make, base: str, job, rank: int, reps: int) -> dict:
+def bench_restore(make, base: str, job, rank: int, reps: int, remote: bool = False) -> dict:
     """Restore seconds per tier on the same states, both ranks, rotating order. ``make``:
     ``make(events)``, a new Checkpointer on ``base`` with the memory tier every step, its
     events into the list ``events``; every restore gets a new one, as a restarted process
     has (its buffers are allocated by that restore). ``job``: the bench's model and
-    optimizer (``states``, ``step()``, ``disturb()``)."""
+    optimizer (``states``, ``step()``, ``disturb()``). ``remote``: ``make`` copies every
+    durable checkpoint to the object store, and ``durable-remote`` is timed too: a spare
+    with neither memory nor a local disk copy, restoring from the object store."""
     import torch
     import torch.distributed as dist
 
@@ -93,13 +121,31 @@ def bench_restore(make, base: str, job, rank: int, reps: int) -> dict:
             shutil.rmtree(root, ignore_errors=True)  # a close() may have removed it
             os.rename(stash, root)
 
-    lost = {"local-memory": (), "peer-memory": (1,), "durable": (0, 1), "durable_warm": (0, 1)}
-    times: dict[str, list[float]] = {t: [] for t in TIERS}
-    moved: dict[str, list] = {t: [] for t in TIERS}
+    lost = {
+        "local-memory": (),
+        "peer-memory": (1,),
+        "durable": (0, 1),
+        "durable_warm": (0, 1),
+        "durable-remote": (0, 1),
+    }
+    tiers = [t for t in TIERS if remote or t != "durable-remote"]
+    disk_copy = step_dir + ".away"
+
+    def disk(lose: bool) -> None:
+        """The nodes' local disk copy of the checkpoint gone (a spare's empty disk), or
+        back; both ranks share this machine's directory: rank 0 moves it."""
+        if rank == 0:
+            os.rename(*((step_dir, disk_copy) if lose else (disk_copy, step_dir)))
+        dist.barrier()
+
+    times: dict[str, list[float]] = {t: [] for t in tiers}
+    moved: dict[str, list] = {t: [] for t in tiers}
     for rep in range(reps):
-        for tier in rotate(list(TIERS), rep):
+        for tier in rotate(tiers, rep):
             job.disturb()
             away(lost[tier])
+            if tier == "durable-remote":
+                disk(lose=True)
             if tier == "durable" and rank == 0:
                 _evict(step_dir)
             elif tier == "durable_warm" and rank == 0:
@@ -109,6 +155,13 @@ def bench_restore(make, base: str, job, rank: int, reps: int) -> dict:
             t = timed(dist, lambda: fresh.restore_latest(job.states))  # noqa: B023 - called here
             fresh.close()
             back(lost[tier])
+            if tier == "durable-remote":
+                dist.barrier()
+                if rank == 0:  # the downloaded copies (the restore's own directories)
+                    for n in os.listdir(base):
+                        if n.startswith(".restore-"):
+                            shutil.rmtree(os.path.join(base, n), ignore_errors=True)
+                disk(lose=False)
             [ev] = [e for e in events if e.get("type") == "restore"]
             want = "durable" if tier.startswith("durable") else tier
             assert ev["tier"] == want and ev["step"] == step, (tier, ev)
@@ -121,7 +174,7 @@ def bench_restore(make, base: str, job, rank: int, reps: int) -> dict:
     ck.close()
     shutil.rmtree(root, ignore_errors=True)
     out: dict = {"reps": reps, "order": "rotating, interleaved", "step": step}
-    for tier in TIERS:
+    for tier in tiers:
         out[tier] = {
             "s": spread(times[tier]),
             "all_s": times[tier],
@@ -130,11 +183,19 @@ def bench_restore(make, base: str, job, rank: int, reps: int) -> dict:
         }
     out["durable"]["checkpoint_bytes"] = out["durable_warm"]["checkpoint_bytes"] = ck_bytes
     out["durable"]["cold"] = "fsync + POSIX_FADV_DONTNEED before each"
-    med = {t: out[t]["s"]["median"] for t in TIERS}
+    med = {t: out[t]["s"]["median"] for t in tiers}
     out["ratio_durable_vs_peer"] = med["durable"] / med["peer-memory"]
     out["ratio_durable_vs_peer_per_rep"] = [
         d / p for d, p in zip(times["durable"], times["peer-memory"], strict=True)
     ]
     out["ratio_durable_warm_vs_peer"] = med["durable_warm"] / med["peer-memory"]
     out["ratio_durable_vs_local"] = med["durable"] / med["local-memory"]
+    if remote:
+        out["durable-remote"]["checkpoint_bytes"] = ck_bytes
+        out["durable-remote"]["store"] = "SeaweedFS on 127.0.0.1 (S3 API), started by the bench"
+        out["ratio_durable_remote_vs_peer"] = med["durable-remote"] / med["peer-memory"]
+        out["ratio_durable_remote_vs_peer_per_rep"] = [
+            d / p for d, p in zip(times["durable-remote"], times["peer-memory"], strict=True)
+        ]
+        out["ratio_durable_remote_vs_local"] = med["durable-remote"] / med["local-memory"]
     return out

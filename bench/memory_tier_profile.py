@@ -20,15 +20,14 @@ import argparse
 import collections
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import memory_tier as MT  # noqa: E402
+from _memory_tier_restore import spawn_nodes  # noqa: E402
 
 WORK = os.path.join(HERE, ".work", "memory_tier_profile")
 MEMORY_ROOT = os.path.join("/dev/shm", "steadytrain-bench-memory-profile")
@@ -124,24 +123,9 @@ def main() -> int:
     if "RANK" in os.environ:
         run_rank(args)
         return 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     shutil.rmtree(MEMORY_ROOT, ignore_errors=True)
     shutil.rmtree(args.work, ignore_errors=True)
-    procs = []
-    for r in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(r),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            STEADYTRAIN_NODE=f"node-{r}",
-            STEADYTRAIN_MEMORY_DIR=os.path.join(MEMORY_ROOT, f"node-{r}"),
-        )
-        procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env=env))
+    procs = spawn_nodes(__file__, MEMORY_ROOT)
     try:
         return max(p.wait() for p in procs)
     finally:
