@@ -427,29 +427,38 @@ def main() -> int:
     if "RANK" in os.environ:
         run_rank(args)
         return 0
-    server = None
-    if args.remote:
-        from steadytrain.testing.s3_server import SeaweedServer
-
-        shutil.rmtree(args.work + "-seaweed", ignore_errors=True)
-        server = SeaweedServer(args.work + "-seaweed")
-        os.makedirs(server.data_dir, exist_ok=True)
-        server.start()
-        server.make_bucket("bench")
-        os.environ.update(
-            BENCH_S3_ENDPOINT=server.endpoint,
-            BENCH_S3_KEY=server.access_key,
-            BENCH_S3_SECRET=server.secret_key,
-        )
+    server = start_store(args.work) if args.remote else None
     shutil.rmtree(args.memory_root, ignore_errors=True)
     procs = spawn_nodes(__file__, args.memory_root)
     try:
         return max(p.wait() for p in procs)
     finally:
         shutil.rmtree(args.memory_root, ignore_errors=True)
-        if server is not None:
-            server.kill()
-            shutil.rmtree(server.data_dir, ignore_errors=True)
+        stop_store(server)
+
+
+def start_store(work: str):
+    """A SeaweedFS server on 127.0.0.1 with a bucket ``bench``, announced to the ranks
+    through the environment (``_remote``)."""
+    from steadytrain.testing.s3_server import SeaweedServer
+
+    shutil.rmtree(work + "-seaweed", ignore_errors=True)
+    server = SeaweedServer(work + "-seaweed")
+    os.makedirs(server.data_dir, exist_ok=True)
+    server.start()
+    server.make_bucket("bench")
+    os.environ.update(
+        BENCH_S3_ENDPOINT=server.endpoint,
+        BENCH_S3_KEY=server.access_key,
+        BENCH_S3_SECRET=server.secret_key,
+    )
+    return server
+
+
+def stop_store(server) -> None:
+    if server is not None:
+        server.kill()
+        shutil.rmtree(server.data_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

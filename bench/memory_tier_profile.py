@@ -1,17 +1,20 @@
 """Where a memory-tier restore's seconds go: per-phase medians of local- and peer-memory
 restores, 2 ranks on CPU (gloo), the job of bench/memory_tier.py (130 MB of state a rank).
 
-    .venv/bin/python bench/memory_tier_profile.py [--reps 7]
+    .venv/bin/python bench/memory_tier_profile.py [--reps 7] [--remote]
 
 Rank r runs as node-r with its memory in its own /dev/shm directory. One snapshot and one
 durable save of a step; then, ``--reps`` times, a local-memory restore (each rank reads its
 node's copy) and a peer-memory restore (node-1's memory moved aside: rank 1 receives its
 copy from node-0), each through a new ``Checkpointer``. Phases are timed by wrapping the
 tier's functions: ``scan`` (the node's copies, headers), ``all_gather`` (the agreements),
-``fetch`` (the transfer, with ``anon``: mapping the receive buffer, and ``map_file``: the
-holder mapping the copy it sends), ``parse`` (checksum and decode), ``check_copy``,
+``post`` (posting the transfer, with ``anon``: mapping the receive buffer), ``fetch``
+(waiting for it; in an older tree, both), ``map_file`` (the holder mapping the copy it
+sends), ``parse`` (checksum and decode), ``check_copy``,
 ``own`` (the optimizer's tensors copied out of the buffer), ``apply`` (loading the
-states), ``total``. Prints one line per rank and tier; writes nothing.
+states), ``listing`` (rank 0 listing the durable store, on a thread beside the scan),
+``total``. ``--remote``: durable checkpoints also go to a SeaweedFS server on 127.0.0.1,
+as in bench/memory_tier.py, so the listing is the object store's. Prints one line per rank and tier; writes nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ MEMORY_ROOT = os.path.join("/dev/shm", "steadytrain-bench-memory-profile")
 def _timer(acc: dict, obj, name: str, label: str) -> None:
     """Wrap ``obj.name`` so its outermost calls add their seconds to ``acc[label]`` (absent
     in an older tree: not timed)."""
-    if not hasattr(obj, name):
+    if obj is None or not hasattr(obj, name):
         return
     inner, depth = getattr(obj, name), [0]
 
@@ -57,6 +60,7 @@ def run_rank(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from steadytrain.checkpoint import checkpointer as C
     from steadytrain.checkpoint import state as S
     from steadytrain.checkpoint.memory import peers
     from steadytrain.checkpoint.memory import snapshot as snap
@@ -70,7 +74,9 @@ def run_rank(args: argparse.Namespace) -> None:
     job = MT.Job(argparse.Namespace(seq=256, layers=6, embd=384, batch=4), rank)
     acc: dict[str, float] = collections.defaultdict(float)
     for obj, name, label in (
-        (peers, "fetch", "fetch"),
+        (peers, "fetch", "fetch"),  # an older tree's transfer
+        (getattr(peers, "Transfer", None), "__init__", "post"),
+        (getattr(peers, "Transfer", None), "wait", "fetch"),
         (snap, "anonymous", "anon"),
         (snap, "map_file", "map_file"),
         (snap, "parse", "parse"),
@@ -79,9 +85,10 @@ def run_rank(args: argparse.Namespace) -> None:
         (T, "_own", "own"),
         (T, "check_copy", "check_copy"),
         (Store, "scan", "scan"),
+        (C, "newest_durable_step", "listing"),
     ):
         _timer(acc, obj, name, label)
-    ck = MT._checkpointer(args.work, 1, [])
+    ck = MT._checkpointer(args.work, 1, [], remote=args.remote)
     job.step()
     ck.maybe_save(1000, job.states)
     ck.save(1000, job.states)
@@ -95,7 +102,7 @@ def run_rank(args: argparse.Namespace) -> None:
             if lose:
                 os.rename(root, root + ".away")
                 os.makedirs(root)
-            fresh = MT._checkpointer(args.work, 1, [])
+            fresh = MT._checkpointer(args.work, 1, [], remote=args.remote)
             acc.clear()
             dist.barrier()
             t0 = time.perf_counter()
@@ -119,18 +126,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--work", default=WORK)
+    ap.add_argument("--remote", action="store_true", help="durable copies to SeaweedFS too")
     args = ap.parse_args()
     if "RANK" in os.environ:
         run_rank(args)
         return 0
     shutil.rmtree(MEMORY_ROOT, ignore_errors=True)
     shutil.rmtree(args.work, ignore_errors=True)
+    server = MT.start_store(args.work) if args.remote else None
     procs = spawn_nodes(__file__, MEMORY_ROOT)
     try:
         return max(p.wait() for p in procs)
     finally:
         shutil.rmtree(MEMORY_ROOT, ignore_errors=True)
         shutil.rmtree(args.work, ignore_errors=True)
+        MT.stop_store(server)
 
 
 if __name__ == "__main__":

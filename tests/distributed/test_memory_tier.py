@@ -11,7 +11,8 @@ every model and optimizer tensor, the JSON states and the next draws of every RN
 peers, step 6 (newer than any durable checkpoint, whose data files are moved away: no durable
 read); (c) a node and its peer lost: durable step 4; (d) torn generations (a .tmp file, a
 truncated file, a flipped byte) are never loaded: a good copy, the older generation or
-durable is; (e) another world size: durable. Then SIGKILLs at random moments while the job
+durable is; (e) another world size: durable; (f) memory older than the newest durable commit
+(the job went on past its snapshots and saved durably; the nodes kept older copies): durable. Then SIGKILLs at random moments while the job
 snapshots every step: every restart restores bit-exactly some snapshotted step.
 """
 
@@ -201,6 +202,20 @@ def test_e_changed_world_size_restores_durable(two):
     results = two.restore(nodes=["a", "b"])
     assert {(r["step"], r["tier"]) for r in results} == {(4, "durable")}
     assert "the job now has 2" in " ".join(results[0]["skipped"])
+
+
+@pytest.mark.timeout(400)
+def test_f_memory_older_than_the_newest_durable_commit_restores_durable(tmp_path):
+    job = Trained(str(tmp_path), TWO_NODES)  # memory: steps 5 and 6; durable: step 4
+    later = job.memdirs(os.path.join(job.base, "later"))
+    for node, src in job.memdirs(os.path.join(job.base, "pristine")).items():
+        shutil.copytree(src, later[node])
+    run(WORKER, job.args("on-to-8", "8", "crash"), job.nodes, later)  # from step 6 to 8
+    assert 8 in _durable_steps(job)
+    results = job.restore()  # the nodes hold steps 5 and 6 only (the pristine copies)
+    assert {(r["step"], r["tier"]) for r in results} == {(8, "durable")}
+    why = " ".join(results[0]["skipped"])
+    assert "at or after durable step 8" in why and "newest copy seen: step 6" in why
 
 
 @pytest.mark.timeout(600)

@@ -258,6 +258,28 @@ def test_a_copy_mapped_for_sending_is_read_only_and_sends_without_a_warning(tmp_
     assert fresh.flags.writeable and len(fresh) == 4096 and not fresh.any()
 
 
+def test_a_received_copy_keeps_the_kept_tensors_and_gives_back_the_rest():
+    from steadytrain.checkpoint.memory.tier import give_back
+
+    def resident_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    size = 64 << 20
+    buf = snap.anonymous(size)  # a copy received from a peer: this restore's own memory
+    buf[:] = 7
+    t = torch.from_numpy(buf)
+    kept = [t[10_000_000:10_000_064], {"exp_avg": t[40_000_000:41_000_000]}]
+    before = resident_mib()
+    give_back(buf, kept)  # the modules' share, loaded into their parameters
+    assert before - resident_mib() > 50  # 62 of its 64 MiB went back
+    assert bool((kept[0] == 7).all()) and bool((kept[1]["exp_avg"] == 7).all())
+    assert not buf[:4096].any() and not buf[-4096:].any() and not buf[20_000_000]
+    plain = np.full(1 << 16, 7, np.uint8)  # not a mapping of its own: left as it is
+    give_back(plain, [])
+    assert bool((plain == 7).all())
+
+
 def test_reserve_on_a_full_tmpfs_is_an_error_not_a_crash(tmp_path):
     from steadytrain.testing.tmpfs import TmpfsUnavailable, tmpfs
 

@@ -25,7 +25,7 @@ import torch
 
 from steadytrain.checkpoint.memory.config import ENV_NODE
 
-__all__ = ["node_name", "Pairing", "pair", "exchange", "fetch"]
+__all__ = ["node_name", "Pairing", "pair", "exchange", "Transfer"]
 
 _TAG_SIZE, _TAG_DATA = 7301, 7302
 
@@ -109,20 +109,28 @@ def exchange(
     return bufs
 
 
-def fetch(
-    pg: Any, sends: list[tuple[int, np.ndarray]], recv: tuple[int, int] | None
-) -> np.ndarray | None:
-    """Restore's transfers: send each ``(dst, image)``, receive ``(src, nbytes)`` (sizes
-    are known from the agreed plan)."""
-    import torch.distributed as dist
+class Transfer:
+    """Restore's transfers, posted at once: send each ``(dst, image)``, receive
+    ``(src, nbytes)`` (sizes are known from the agreed plan) into fresh memory mapped
+    before the transfer; ``wait()`` for all of them, then ``received`` holds the copy."""
 
-    from steadytrain.checkpoint.memory.snapshot import anonymous
+    def __init__(
+        self, pg: Any, sends: list[tuple[int, np.ndarray]], recv: tuple[int, int] | None
+    ) -> None:
+        import torch.distributed as dist
 
-    works, buf = [], None
-    for dst, image in sends:
-        works.append(dist.isend(_readable(image), dst=dst, group=pg, tag=_TAG_DATA))
-    if recv is not None:
-        buf = anonymous(recv[1])
-        works.append(dist.irecv(torch.from_numpy(buf), src=recv[0], group=pg, tag=_TAG_DATA))
-    _wait(works)
-    return buf
+        from steadytrain.checkpoint.memory.snapshot import anonymous
+
+        self._works, self.received = [], None
+        for dst, image in sends:
+            self._works.append(dist.isend(_readable(image), dst=dst, group=pg, tag=_TAG_DATA))
+        if recv is not None:
+            self.received = anonymous(recv[1])
+            buf = torch.from_numpy(self.received)
+            self._works.append(dist.irecv(buf, src=recv[0], group=pg, tag=_TAG_DATA))
+        self._images = sends  # alive until the sends are done
+
+    def wait(self) -> None:
+        works, self._works = self._works, []
+        _wait(works)
+        self._images = []

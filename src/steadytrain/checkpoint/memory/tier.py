@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import threading
 import time
@@ -330,21 +331,22 @@ class MemoryTier:
     ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         """Load the newest complete memory generation at or after ``durable_step``; returns
         (the restore event, or None: use durable checkpoints; what was passed over).
-        ``durable_step`` may be a function: rank 0 calls it (listing the durable store)
-        while the node's copies are scanned, and its answer rides in the first agreement."""
+        ``durable_step`` may be a function: rank 0 calls it (listing the durable store) on
+        a thread while the copies are scanned and moved, and its answer rides in the
+        verdicts; a generation older than it is then dropped, as if it had been known
+        from the start (the newest complete generation is older than it, so is any other)."""
         t0 = time.perf_counter()
         self.wait()
         if self.off is not None:
             return None, [{"path": self.store.root, "step": 0, "reason": self.off}]
         listing = _Background(durable_step if callable(durable_step) and self.rank == 0 else None)
+        known = None if callable(durable_step) else int(durable_step)
         nodes = self.pairing.nodes
         mates = [r for r in range(self.world) if nodes[r] == self.node]
         # the ranks of a node share its directory: each verifies a part of it
         found, passed = self.store.scan(self.job, self.world, (mates.index(self.rank), len(mates)))
         held = {o: {s: list(v) for s, v in steps.items()} for o, steps in found.items()}
-        gathered = self.group.all_gather((held, passed, listing.result()))
-        if callable(durable_step):
-            durable_step = int(gathered[0][2] or 0)
+        gathered = self.group.all_gather((held, passed))
         passed = [p for r in mates for p in gathered[r][1]]
         everyone: list[dict[int, dict[int, Any]]] = []
         for r in range(self.world):  # what a rank's node holds, any rank of it can read
@@ -357,30 +359,31 @@ class MemoryTier:
         # that loads it. A damaged one drops that copy (or, for any other doubt, the step)
         # and the ranks agree on the next plan.
         for _ in range(_ATTEMPTS):
-            plan = choose(everyone, self.world, durable_step)
+            plan = choose(everyone, self.world, known or 0)
             if plan is None:
                 break
             step, sources = plan
             src, nbytes = sources[self.rank]
-            err, damaged, header, tree = None, False, {}, None
+            err, damaged, header, tree, buf = None, False, {}, None, None
             where = f"{self.store.path(self.rank, step)} (on {nodes[src]}, rank {src})"
             try:
-                buf = self._fetch(step, sources)
-                try:
-                    header, tree = snap.parse(buf, where)
-                except CheckpointError:
-                    damaged = True
-                    raise
+                buf, header, tree = self._fetch(step, sources, where)
                 check_copy(header, tree, states, self.job, self.world, self.rank, step)
             except FAILURES as exc:  # noqa: BLE001 - any doubt: another plan, or durable
-                err = f"rank {self.rank}: {exc}"
-            verdicts = self.group.all_gather((err, src != self.rank, damaged))
-            errors = [e for e, _, _ in verdicts if e]
+                err, damaged = f"rank {self.rank}: {exc}", isinstance(exc, _Damaged)
+            newest_durable = listing.result() if known is None else None
+            verdicts = self.group.all_gather((err, src != self.rank, damaged, newest_durable))
+            if known is None:
+                known = int(verdicts[0][3] or 0)
+                if step < known:  # older than the newest durable commit: durable it is
+                    plan = None
+                    break
+            errors = [e for e, _, _, _ in verdicts if e]
             if not errors:
                 break
             reason = "memory restore refused: " + "; ".join(errors[:4])
             passed.append({"path": self.store.root, "step": step, "reason": reason})
-            for owner, (e, _, bad) in enumerate(verdicts):
+            for owner, (e, _, bad, _) in enumerate(verdicts):
                 if not e:
                     continue
                 src_node = nodes[sources[owner][0]]
@@ -393,19 +396,26 @@ class MemoryTier:
         if plan is None:
             newest = max((s for h in everyone for st in h.values() for s in st), default=0)
             newest = max([newest] + [p["step"] for p in passed])
+            since = "" if known is None else f" at or after durable step {known}"
             why = (
-                f"no memory generation at or after durable step {durable_step} is complete "
-                f"and good for all {self.world} ranks (newest copy seen: step {newest})"
+                f"no memory generation{since} is complete and good for all {self.world} "
+                f"ranks (newest copy seen: step {newest})"
             )
             if not newest:  # nothing in memory (a fresh job): nothing to report
                 return None, passed
             return None, passed + [{"path": self.store.root, "step": newest, "reason": why}]
+        from_peer = src != self.rank
         try:
             modules, _, _ = S.split_states(states)
             # Modules copy into their parameters; anything else (an optimizer) may keep the
-            # tensors it is given, which would pin the whole file buffer: give it its own.
-            tree = {k: v if k in modules else _own(v) for k, v in tree.items()}
+            # tensors it is given. A copy mapped from this node's file gives it its own (the
+            # tier rewrites that file later, and a private mapping sees what is written); a
+            # copy received from a peer is this restore's memory alone: its tensors are
+            # kept as they are, and the pages no kept tensor lies on are given back.
+            tree = {k: v if k in modules or from_peer else _own(v) for k, v in tree.items()}
             S.apply_dcp_state_dict(states, tree)
+            if from_peer:
+                give_back(buf, [v for k, v in tree.items() if k not in modules])
             S.apply_json_states(states, header["json_states"])
             S.set_rng_state(header["rng"])
         except FAILURES as exc:  # noqa: BLE001 - checked above; a surprise still falls back
@@ -416,11 +426,10 @@ class MemoryTier:
             reason = "memory restore failed while loading: " + "; ".join(failed[:4])
             return None, passed + [{"path": self.store.root, "step": step, "reason": reason}]
         self.last_step = step
-        from_peer = src != self.rank
         return {
             "type": "restore",
             "step": step,
-            "tier": "peer-memory" if any(p for _, p, _ in verdicts) else "local-memory",
+            "tier": "peer-memory" if any(p for _, p, _, _ in verdicts) else "local-memory",
             "restore_s": time.perf_counter() - t0,
             "bytes_local": 0 if from_peer else nbytes,
             "bytes_peer": nbytes if from_peer else 0,
@@ -430,10 +439,12 @@ class MemoryTier:
             "changes": S.json_state_changes(states),
         }, passed
 
-    def _fetch(self, step: int, sources: dict[int, tuple[int, int]]) -> Any:
-        """This rank's file image of ``step``: its node's copy, or the holder's (and serve
-        the copies this rank holds for owners without one). Files are mapped, not read: a
-        tmpfs copy is loaded and sent from its pages in place."""
+    def _fetch(self, step: int, sources: dict[int, tuple[int, int]], where: str) -> Any:
+        """This rank's copy of ``step``, verified and decoded (buffer, header, tree): its node's
+        copy, or the holder's; and serve the copies this rank holds for owners without one
+        (its own copy is verified while they are sent). Files are mapped, not read: a tmpfs
+        copy is loaded and sent from its pages in place. Raises ``_Damaged`` for a copy
+        that fails its checksum or does not decode."""
         sends = []
         for owner, (src, _) in sorted(sources.items()):
             if src == self.rank and owner != self.rank:
@@ -450,11 +461,14 @@ class MemoryTier:
         if recv is None:
             with contextlib.suppress(OSError):  # a vanished copy fails the check below
                 local = snap.map_file(self.store.path(self.rank, step))
-        got = peers.fetch(self.group.pg, sends, recv) if (sends or recv) else None
-        buf = local if recv is None else got
-        if buf is None:
-            raise CheckpointError(f"{self.store.path(self.rank, step)} vanished before it was read")
-        return buf
+        transfer = peers.Transfer(self.group.pg, sends, recv)
+        try:
+            if recv is None:
+                return local, *_parse(local, self.store.path(self.rank, step), where)
+        finally:
+            transfer.wait()  # the sends read their mappings until they are done
+        got = transfer.received
+        return got, *_parse(got, self.store.path(self.rank, step), where)
 
     def forget_after(self, step: int) -> None:
         """After a restore to ``step``: newer copies on this node are a future that will
@@ -470,6 +484,20 @@ class MemoryTier:
         self._spare.clear()
         if remove:
             self.store.remove_all()
+
+
+class _Damaged(CheckpointError):
+    """A copy that fails its checksum or does not decode: that copy is dropped, not the
+    step."""
+
+
+def _parse(buf: Any, path: str, where: str) -> tuple[dict[str, Any], Any]:
+    if buf is None:
+        raise CheckpointError(f"{path} vanished before it was read")
+    try:
+        return snap.parse(buf, where)
+    except CheckpointError as exc:
+        raise _Damaged(str(exc)) from None
 
 
 class _Background:
@@ -490,6 +518,29 @@ class _Background:
         if self._thread is not None:
             self._thread.join()
         return self._value
+
+
+def give_back(buf: Any, kept: Any) -> None:
+    """Release the pages of ``buf`` (an anonymous mapping, ``snap.anonymous``) that no
+    tensor of ``kept`` lies on: they read as zeros afterwards and cost no memory."""
+    view = getattr(buf, "base", None)
+    mapping = view.obj if isinstance(view, memoryview) else view
+    if not isinstance(mapping, mmap.mmap) or len(mapping) != len(buf) or not len(buf):
+        return  # not a whole mapping of its own: nothing to give back
+    import torch
+
+    base, page = buf.ctypes.data, mmap.PAGESIZE
+    spans = sorted(
+        (t.data_ptr() - base, t.data_ptr() - base + t.nbytes)
+        for t in torch.utils._pytree.tree_leaves(kept)
+        if isinstance(t, torch.Tensor) and t.nbytes
+    )
+    start = 0
+    for lo, hi in [*spans, (len(buf), len(buf))]:
+        a, b = -(-start // page) * page, min(lo, len(buf)) // page * page
+        if b > a:
+            mapping.madvise(mmap.MADV_DONTNEED, a, b - a)
+        start = max(start, hi)
 
 
 def _own(obj: Any) -> Any:
