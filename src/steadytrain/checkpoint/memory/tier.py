@@ -28,7 +28,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from steadytrain.checkpoint import state as S
@@ -527,13 +527,9 @@ def give_back(buf: Any, kept: Any) -> None:
     mapping = view.obj if isinstance(view, memoryview) else view
     if not isinstance(mapping, mmap.mmap) or len(mapping) != len(buf) or not len(buf):
         return  # not a whole mapping of its own: nothing to give back
-    import torch
-
     base, page = buf.ctypes.data, mmap.PAGESIZE
     spans = sorted(
-        (t.data_ptr() - base, t.data_ptr() - base + t.nbytes)
-        for t in torch.utils._pytree.tree_leaves(kept)
-        if isinstance(t, torch.Tensor) and t.nbytes
+        (t.data_ptr() - base, t.data_ptr() - base + t.nbytes) for t in _tensors(kept) if t.nbytes
     )
     start = 0
     for lo, hi in [*spans, (len(buf), len(buf))]:
@@ -541,6 +537,18 @@ def give_back(buf: Any, kept: Any) -> None:
         if b > a:
             mapping.madvise(mmap.MADV_DONTNEED, a, b - a)
         start = max(start, hi)
+
+
+def _tensors(obj: Any) -> Iterator[Any]:
+    """Every tensor in a nest of dicts, lists and tuples (the shapes a state dict takes)."""
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+    elif hasattr(obj, "data_ptr") and hasattr(obj, "nbytes"):
+        yield obj
 
 
 def _own(obj: Any) -> Any:
