@@ -43,8 +43,8 @@ pytestmark = pytest.mark.dist
 class Trained:
     """A job that trained 6 steps and was killed: its durable dir, references and memory."""
 
-    def __init__(self, base: str, nodes: list[str]) -> None:
-        self.base, self.nodes = base, nodes
+    def __init__(self, base: str, nodes: list[str], parallel: str = "ddp") -> None:
+        self.base, self.nodes, self.parallel = base, nodes, parallel
         for d in ("ckpt", "refs", "out", "pristine"):
             os.makedirs(os.path.join(base, d), exist_ok=True)
         mem = self.memdirs(os.path.join(base, "pristine"))
@@ -56,7 +56,7 @@ class Trained:
 
     def args(self, tag: str, until: str, end: str) -> list[str]:
         b = self.base
-        return [f"{b}/ckpt", f"{b}/refs", f"{b}/out", tag, until, end]
+        return [f"{b}/ckpt", f"{b}/refs", f"{b}/out", tag, until, end, "32", self.parallel]
 
     def restore(self, damage=None, nodes: list[str] | None = None) -> list[dict]:
         """A fresh copy of every node's memory, ``damage(key dirs by node)``, one restore."""
@@ -216,6 +216,16 @@ def test_f_memory_older_than_the_newest_durable_commit_restores_durable(tmp_path
     assert {(r["step"], r["tier"]) for r in results} == {(8, "durable")}
     why = " ".join(results[0]["skipped"])
     assert "at or after durable step 8" in why and "newest copy seen: step 6" in why
+
+
+@pytest.mark.timeout(600)
+def test_g_fsdp2_sharded_states_restore_from_memory_bit_exact(tmp_path):
+    job = Trained(str(tmp_path), ["a", "b"], parallel="fsdp")  # rank 0 <-> rank 1
+    results = job.restore()
+    assert {(r["step"], r["tier"]) for r in results} == {(6, "local-memory")}
+    results = job.restore(damage=lambda keys: shutil.rmtree(keys["b"]))
+    assert {(r["step"], r["tier"]) for r in results} == {(6, "peer-memory")}
+    assert [r["bytes_peer"] > 0 for r in results] == [False, True]
 
 
 @pytest.mark.timeout(600)

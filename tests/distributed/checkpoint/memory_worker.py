@@ -1,6 +1,6 @@
 """One rank of the memory tier tests (tests/distributed/test_memory_tier.py).
 
-usage: memory_worker.py CKPT REFS OUT TAG UNTIL END [WIDTH]  (RANK, WORLD_SIZE, MASTER_*,
+usage: memory_worker.py CKPT REFS OUT TAG UNTIL END [WIDTH [PARALLEL]]  (RANK, WORLD_SIZE, MASTER_*,
 STEADYTRAIN_NODE, STEADYTRAIN_MEMORY_DIR set by memory_launch.py)
 
 Restores (memory tier every step, durable every 4 steps, sync), compares what it restored
@@ -8,7 +8,9 @@ with the reference this rank wrote at that step (every tensor of model and optim
 JSON states, the next draws of every RNG) and writes ``OUT/TAG-rankR.json``; then trains
 until step UNTIL, writing the reference of each step before its snapshot, and ends with
 END: ``crash`` (waits for the last generation, then exits without close, like a killed
-job), ``close`` (a clean end), or ``forever`` (trains until killed).
+job), ``close`` (a clean end), or ``forever`` (trains until killed). PARALLEL: ``ddp``
+(the default) or ``fsdp`` (FSDP2 ``fully_shard``: every model and optimizer tensor a
+sharded ``DTensor``; the references hold each rank's local shards).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 
 from steadytrain.checkpoint import Checkpointer
 from steadytrain.checkpoint import state as S
@@ -51,17 +54,21 @@ def _write_atomic(path: str, write) -> None:
     os.replace(tmp, path)
 
 
+def _copy(x):
+    """A plain copy of a tensor (a DTensor's local shard), anything else as it is."""
+    if isinstance(x, DTensor):
+        return x.to_local().clone()
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
 def reference(model, optim, sched, cursor) -> dict:
     """Everything a restore of this step must reproduce; the RNG draws leave the RNG as is."""
     rng = S.rng_state()
     draws = [torch.rand(4).tolist(), random.random(), float(np.random.rand())]
     S.set_rng_state(rng)
     return {
-        "model": {k: v.clone() for k, v in get_model_state_dict(model).items()},
-        "optim": torch.utils._pytree.tree_map(
-            lambda x: x.clone() if isinstance(x, torch.Tensor) else x,
-            get_optimizer_state_dict(model, optim),
-        ),
+        "model": {k: _copy(v) for k, v in get_model_state_dict(model).items()},
+        "optim": torch.utils._pytree.tree_map(_copy, get_optimizer_state_dict(model, optim)),
         "json": {"sched": sched.state_dict(), "cursor": cursor.state_dict()},
         "draws": draws,
     }
@@ -92,6 +99,7 @@ def differences(now: dict, ref: dict) -> list[str]:
 def main() -> None:
     ckpt_dir, refs, out, tag, until, end = sys.argv[1:7]
     width = int(sys.argv[7]) if len(sys.argv) > 7 else 32
+    parallel = sys.argv[8] if len(sys.argv) > 8 else "ddp"
     until_step = int(until)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -99,9 +107,15 @@ def main() -> None:
     torch.manual_seed(1000 + rank)  # a fresh job: weights differ from any saved state
     random.seed(rank)
     np.random.seed(rank)
-    model = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 8))
-    )
+    net = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 8))
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (net[0], net[2]):
+            fully_shard(layer)
+        model = fully_shard(net)
+    else:
+        model = nn.parallel.DistributedDataParallel(net)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=3, gamma=0.5)
     cursor = Cursor()

@@ -18,11 +18,18 @@ inf too), bools, None, strings and tensors. JSON holds it exactly once tuples be
 ``{"__tuple__": [...]}`` and dicts whose keys are not all strings (or that could be
 mistaken for a marker) become ``{"__dict__": [[key, value], ...]}``; decoding restores the
 exact types. Nothing here ever unpickles.
+
+A sharded tensor (a ``DTensor``: FSDP2, tensor parallel) keeps its local part, written as
+``{"__dtensor__": [i, global shape, placements, mesh shape]}``. It decodes to a
+``LocalShard``; ``place_shards`` turns it back into a ``DTensor`` on the live state's own
+mesh and placements, and refuses one whose layout is not the live one (a restore then
+falls back to durable checkpoints, which reshard).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import mmap
@@ -55,13 +62,16 @@ __all__ = [
     "read_file",
     "write_file",
     "payload_digest",
+    "LocalShard",
+    "place_shards",
+    "has_shards",
 ]
 
 MAGIC = b"STMEM001"
 FORMAT = 1
 ALIGN = 64
 _U64 = struct.Struct("<Q")
-_MARKERS = ("__tensor__", "__tuple__", "__dict__")
+_MARKERS = ("__tensor__", "__tuple__", "__dict__", "__dtensor__")
 _MAX_HEADER = 1 << 30  # a header longer than this is damage, not a state tree
 _DIGEST_LEN = 32  # hex digits of an xxh3-128
 
@@ -79,12 +89,13 @@ def encode_tree(tree: Any) -> tuple[Any, list[torch.Tensor]]:
         if isinstance(obj, torch.Tensor):
             from torch.distributed.tensor import DTensor
 
-            if isinstance(obj, DTensor):
-                raise CheckpointError(
-                    f"state {path} is a DTensor (FSDP2 / tensor parallel): the memory tier "
-                    "keeps plain tensors only (DDP or one device); set "
-                    "checkpoint.memory.every_steps = 0 and rely on durable checkpoints"
-                )
+            if isinstance(obj, DTensor):  # its local part, and the layout it must meet again
+                layout = [
+                    list(obj.shape),
+                    [repr(p) for p in obj.placements],
+                    list(obj.device_mesh.shape),
+                ]
+                return {"__dtensor__": [enc(obj.to_local(), path)["__tensor__"], *layout]}
             if obj.is_quantized or obj.layout != torch.strided:
                 raise CheckpointError(
                     f"state {path} is a {'quantized' if obj.is_quantized else 'sparse'} "
@@ -131,8 +142,87 @@ def decode_tree(obj: Any, tensors: list[torch.Tensor]) -> Any:
                 return tuple(decode_tree(v, tensors) for v in value)
             if key == "__dict__":
                 return {_key(decode_tree(k, tensors)): decode_tree(v, tensors) for k, v in value}
+            if key == "__dtensor__":
+                i, shape, placements, mesh = value
+                return LocalShard(
+                    tensors[i], _ints(shape), tuple(map(str, placements)), _ints(mesh)
+                )
         return {k: decode_tree(v, tensors) for k, v in obj.items()}
     return obj
+
+
+def _ints(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(type(x) is int for x in v):
+        raise ValueError(f"{v!r} is not a list of ints")  # a header that is not ours
+    return tuple(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalShard:
+    """A ``DTensor``'s local part as a snapshot holds it, with the layout it was taken on."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+
+
+def place_shards(tree: Any, live: Any, path: str = "<state>") -> Any:
+    """``tree`` with every ``LocalShard`` a ``DTensor`` again, on the mesh and placements of
+    the live state's tensor at the same place (no communication). A shard whose live
+    counterpart is not a ``DTensor`` of the same global shape, placements, mesh shape and
+    local shape is a ``CheckpointError``: the layout changed, and durable checkpoints
+    (which reshard) must be used."""
+    if isinstance(tree, LocalShard):
+        from torch.distributed.tensor import DTensor
+
+        now = (
+            (
+                tuple(live.shape),
+                tuple(repr(p) for p in live.placements),
+                tuple(live.device_mesh.shape),
+                tuple(live.to_local().shape),
+            )
+            if isinstance(live, DTensor)
+            else None
+        )
+        was = (tree.global_shape, tree.placements, tree.mesh_shape, tuple(tree.local.shape))
+        if now != was:
+            raise CheckpointError(
+                f"state {path}: the snapshot holds a shard of {list(tree.global_shape)} placed "
+                f"{list(tree.placements)} on a mesh of {list(tree.mesh_shape)}, the live state "
+                f"{'is not sharded' if now is None else f'is {list(now[0])} placed {list(now[1])} on a mesh of {list(now[2])}'}"
+                ": another layout, so durable checkpoints (which reshard) are used"
+            )
+        return DTensor.from_local(
+            tree.local,
+            live.device_mesh,
+            live.placements,
+            run_check=False,
+            shape=live.shape,
+            stride=live.stride(),
+        )
+    if isinstance(tree, dict):
+        other = live if isinstance(live, dict) else {}
+        return {k: place_shards(v, other.get(k), f"{path}.{k}") for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        same = isinstance(live, (list, tuple)) and len(live) == len(tree)
+        parts = [
+            place_shards(v, live[i] if same else None, f"{path}[{i}]") for i, v in enumerate(tree)
+        ]
+        return type(tree)(parts)
+    return tree
+
+
+def has_shards(tree: Any) -> bool:
+    """Whether ``tree`` holds any ``LocalShard``."""
+    if isinstance(tree, LocalShard):
+        return True
+    if isinstance(tree, dict):
+        return any(has_shards(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(has_shards(v) for v in tree)
+    return False
 
 
 def _key(k: Any) -> Any:

@@ -368,6 +368,8 @@ class MemoryTier:
             where = f"{self.store.path(self.rank, step)} (on {nodes[src]}, rank {src})"
             try:
                 buf, header, tree = self._fetch(step, sources, where)
+                if snap.has_shards(tree):  # FSDP2 / tensor parallel: on the live layout
+                    tree = snap.place_shards(tree, S.dcp_state_dict(states))
                 check_copy(header, tree, states, self.job, self.world, self.rank, step)
             except FAILURES as exc:  # noqa: BLE001 - any doubt: another plan, or durable
                 err, damaged = f"rank {self.rank}: {exc}", isinstance(exc, _Damaged)
@@ -547,6 +549,8 @@ def _tensors(obj: Any) -> Iterator[Any]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors(v)
+    elif hasattr(obj, "to_local"):  # a DTensor: its local part is what lies in the buffer
+        yield obj.to_local()
     elif hasattr(obj, "data_ptr") and hasattr(obj, "nbytes"):
         yield obj
 
