@@ -70,3 +70,17 @@ def test_a_shard_on_another_layout_is_refused_naming_the_state(mesh):
     reshaped["m"]["w"] = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
     with pytest.raises(CheckpointError, match="another layout"):
         snap.place_shards(got, reshaped)
+
+
+def test_a_damaged_shard_entry_is_refused_naming_the_file(mesh, tmp_path):
+    """A header whose checksum holds but whose ``__dtensor__`` entry is not ours (a shape
+    that is not a list of ints) is a ``CheckpointError`` naming the file, not a crash."""
+    import numpy as np
+
+    plan = snap.layout({"job": "j", "step": 3}, sharded_tree(mesh))
+    entry = plan.header["tree"]["m"]["w"]["__dtensor__"]
+    entry[1] = "x"  # the global shape; the header gets shorter, so it still fits
+    path = str(tmp_path / "step.snap")
+    snap.write_file(path, snap.fill(plan, np.empty(plan.total, np.uint8)))
+    with pytest.raises(CheckpointError, match=str(tmp_path)):
+        snap.parse(snap.read_file(path), path)
