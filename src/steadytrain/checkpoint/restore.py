@@ -8,11 +8,13 @@ agree; then DCP loads and reshards the tensors through ``reader.VerifyingReader`
 (``verify="full"``) checksums every shard file before any live tensor is written and then
 copies tensor bytes straight into place; the JSON states and RNG are applied last.
 
-A candidate that fails verification (or cannot be read) is reported in ``skipped`` and the
-next older one is tried. One that verifies but does not fit the job (another seq_len, a
-missing state, other tensor shapes) stops the restore with a ``CheckpointError`` that says
-the checkpoint is intact: falling back would silently drop progress, or, with nothing older,
-silently start from scratch beside good checkpoints. Advice to remove checkpoints is given
+A candidate that fails verification (or misses a file its COMMIT lists) is reported in
+``skipped`` and the next older one is tried. One that verifies but does not fit the job
+(another seq_len, a missing state, other tensor shapes) stops the restore with a
+``CheckpointError`` that says the checkpoint is intact: falling back would silently drop
+progress, or, with nothing older, silently start from scratch beside good checkpoints. So
+does one that cannot be read at all (a full local disk for its download, a dead store, no
+read permission): it is not known to be damaged, and the error names the cause. Advice to remove checkpoints is given
 only for ones that failed verification.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from typing import Any
@@ -30,9 +33,13 @@ from steadytrain.checkpoint import state as S
 from steadytrain.checkpoint.remote import Root, discover
 from steadytrain.checkpoint.writer import FAILURES as _FAILURES
 from steadytrain.checkpoint.writer import Group
-from steadytrain.errors import CheckpointError
+from steadytrain.errors import CheckpointError, StorageError
+from steadytrain.storage.store import is_missing
 
 __all__ = ["restore_latest"]
+
+# A remote checkpoint's files are downloaded, per rank, into LOCAL_ROOT/.restore-NAME-rankR-PID
+_DOWNLOAD_PREFIX = ".restore-"
 
 
 def _candidates(root: Root) -> tuple[list[dict], list[dict]]:
@@ -54,11 +61,44 @@ def _local_copy(cand: dict, local: Root, remote: Root, rank: int, shards: bool) 
         return here, False
     except CheckpointError:
         pass
-    tmp = os.path.join(local.root, f".restore-{cand['name']}-rank{rank}-{os.getpid()}")
+    tmp = os.path.join(local.root, f"{_DOWNLOAD_PREFIX}{cand['name']}-rank{rank}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    remote.download(cand["name"], [f["path"] for f in cand["manifest"]["files"]], tmp)
-    C.verify_local(tmp, cand["manifest"], shards=shards)
+    try:
+        remote.download(cand["name"], [f["path"] for f in cand["manifest"]["files"]], tmp)
+        C.verify_local(tmp, cand["manifest"], shards=shards)
+    except BaseException:
+        # a dead store, a full disk, a damaged remote file: what arrived goes, or every
+        # failed attempt would leave up to a checkpoint's size behind in the local root
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return tmp, True
+
+
+def _sweep_downloads(local: Root, rank: int) -> None:
+    """Remove this rank's download directories left by processes that are gone (a
+    SIGKILL mid-download). Only this rank's (the job's other ranks may be downloading
+    now, in the same directory) and only of a process not running on this node."""
+    pattern = re.compile(re.escape(_DOWNLOAD_PREFIX) + rf".+-rank{rank}-(\d+)$")
+    try:
+        names = os.listdir(local.root)
+    except OSError:
+        return  # no local directory yet: nothing was left
+    for name in names:
+        m = pattern.match(name)
+        if m and not _running(int(m.group(1))):
+            shutil.rmtree(os.path.join(local.root, name), ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # an earlier attempt of this process, which removes its own anyway
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists (another user's): not ours to judge
+    return True
 
 
 def _json_name(manifest: dict, rank: int) -> str:
@@ -172,6 +212,8 @@ def restore_latest(
     root = remote if remote is not None else local
     overlap = verify == "overlap" and remote is None
     part = (group.rank, group.world)  # ranks sharing a directory split the checksumming
+    if remote is not None:
+        _sweep_downloads(local, group.rank)
     found = _candidates(root) if group.rank == 0 else None
     cands, skipped = group.broadcast(found)
     dirty = False  # live states hold data from a checkpoint that failed verification
@@ -189,8 +231,10 @@ def restore_latest(
             rank_json = _rank_state(path, cand["manifest"], group.rank, blobs)
         except CheckpointError as exc:
             err = f"rank {group.rank}: {exc}"
-        except _FAILURES as exc:  # noqa: BLE001 - any failure means: try an older one
+        except _FAILURES as exc:  # noqa: BLE001 - storage or OS: not known to be damaged
             err, kind = f"rank {group.rank}: {exc}", "unreadable"
+            if isinstance(exc, StorageError) and is_missing(exc):
+                kind = "damaged"  # a file its COMMIT lists is gone: incomplete
         if err is None:
             try:  # JSON first: a state that will not load is refused before any tensor is
                 S.check_json_states(states, rank_json["states"])
@@ -230,6 +274,8 @@ def restore_latest(
         kinds = {k for e, k, _ in gathered if e}
         if kinds == {"mismatch"}:
             raise CheckpointError(_mismatch(root, cand["name"], errs, touched, skipped))
+        if "unreadable" in kinds and "damaged" not in kinds:
+            raise CheckpointError(_unreadable(root, local, cand["name"], errs, dirty or touched))
         # Only a failure after some rank wrote live tensors leaves the state dirty.
         dirty = dirty or touched
         if "damaged" in kinds:
@@ -268,6 +314,25 @@ def _mismatch(root: Root, name: str, errs: list[str], touched: bool, skipped: li
         f"{root.path(name)} verifies, but this job cannot load it: {'; '.join(errs)}. {state} "
         "The checkpoint is intact: keep it. Run with the settings it was saved with to "
         f"resume, or point the checkpoint directory elsewhere to start a new run.{newer}"
+    )
+
+
+def _unreadable(root: Root, local: Root, name: str, errs: list[str], touched: bool) -> str:
+    """The message for a checkpoint that could not be read (a full local disk, a dead
+    store, a file without read permission): it is not known to be damaged, so an older one
+    is not loaded in its place (that would silently drop its progress), nor does the run
+    start from scratch beside it."""
+    state = (
+        "Part of the live state was already overwritten by an earlier attempt: restart the "
+        "process once it is fixed."
+        if touched
+        else "Nothing was loaded."
+    )
+    return (
+        f"{root.url.rstrip('/')}/{name} could not be read: {'; '.join(errs)}. It is not known to be "
+        f"damaged, so no older checkpoint is loaded in its place. {state} Fix the cause "
+        f"(free space in {local.root}, where a remote checkpoint is downloaded; the store's "
+        "endpoint or credentials; the files' permissions) and start the job again."
     )
 
 

@@ -325,9 +325,20 @@ class Store:
                         "written: retry once the writer has finished"
                     )
             else:  # each attempt rewrites tmp from byte 0
-                self._call(
-                    name, "get_file", self.path(name), tmp, deadline_s=self._transfer_deadline(size)
-                )
+                _reserve(tmp, size, local_path, self.display(name))
+                try:
+                    self._call(
+                        name,
+                        "get_file",
+                        self.path(name),
+                        tmp,
+                        deadline_s=self._transfer_deadline(size),
+                    )
+                except StorageError as exc:
+                    cause = _errno_cause(exc)
+                    if cause is None:
+                        raise
+                    raise _local_write_error(local_path, self.display(name), size, cause) from exc
             publish_file(tmp, local_path, durable=durable)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -344,15 +355,7 @@ class Store:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
 
         def local_error(exc: OSError) -> StorageError:
-            fix = (
-                "free space there (or point the download elsewhere) and retry"
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                else "check that directory"
-            )
-            return StorageError(
-                f"cannot write {local_path} (downloading {self.display(name)}, {size} bytes): "
-                f"{exc.strerror or exc}; {fix}"
-            )
+            return _local_write_error(local_path, self.display(name), size, exc)
 
         def fetch(span: tuple[int, int]) -> None:
             start, end = span
@@ -377,11 +380,7 @@ class Store:
                 raise local_error(exc) from exc
 
         try:
-            try:  # a full disk is said before any byte is fetched, where the filesystem can
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise local_error(exc) from exc
+            _fallocate(fd, size, local_error)
             workers = min(self.parts_in_flight, len(spans))
             with concurrent.futures.ThreadPoolExecutor(
                 workers, thread_name_prefix="steadytrain-get"
@@ -556,3 +555,56 @@ class Store:
         finally:
             self.fs.invalidate_cache(final)
         return True
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _local_write_error(local_path: str, source: str, size: int, exc: OSError) -> StorageError:
+    """A download that could not be written locally: the local file and its fix (not the
+    store's endpoint or credentials, which were fine)."""
+    fix = (
+        "free space there (or point the download elsewhere) and retry"
+        if exc.errno in _NO_SPACE
+        else "check that directory"
+    )
+    return StorageError(
+        f"cannot write {local_path} (downloading {source}, {size} bytes): "
+        f"{exc.strerror or exc}; {fix}"
+    )
+
+
+def _fallocate(fd: int, size: int, error: Callable[[OSError], StorageError]) -> None:
+    """Reserve ``size`` bytes: a full disk is said before any byte is fetched, where the
+    filesystem can tell (elsewhere, the write that finds it full says so)."""
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in _NO_SPACE:
+            raise error(exc) from exc
+
+
+def _reserve(tmp: str, size: int, local_path: str, source: str) -> None:
+    """``_fallocate`` for a download written by another hand (fsspec's ``get_file``, which
+    rewrites ``tmp`` from byte 0 and so keeps none of the reservation: the check is
+    what counts)."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        _fallocate(fd, size, lambda exc: _local_write_error(local_path, source, size, exc))
+    finally:
+        os.close(fd)
+
+
+def _errno_cause(exc: BaseException) -> OSError | None:
+    """The local write error (no space, a read-only file system) behind a failed
+    download, else None (a store error)."""
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (*_NO_SPACE, errno.EROFS):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
