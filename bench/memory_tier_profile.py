@@ -13,7 +13,8 @@ tier's functions: ``scan`` (the node's copies, headers), ``all_gather`` (the agr
 sends), ``parse`` (checksum and decode), ``check_copy``,
 ``own`` (the optimizer's tensors copied out of the buffer), ``apply`` (loading the
 states), ``listing`` (rank 0 listing the durable store, on a thread beside the scan),
-``total``. ``--remote``: durable checkpoints also go to a SeaweedFS server on 127.0.0.1,
+``total``. Interleaved with them, ``transfer-floor``: the same copy sent from rank 0 to
+rank 1 into fresh memory and checksummed, and nothing else (``_Floor``). ``--remote``: durable checkpoints also go to a SeaweedFS server on 127.0.0.1,
 as in bench/memory_tier.py, so the listing is the object store's. Prints one line per rank and tier; writes nothing.
 """
 
@@ -95,8 +96,12 @@ def run_rank(args: argparse.Namespace) -> None:
     ck.wait()
     root = ck.memory.store.root
     rows: dict[str, list[dict]] = collections.defaultdict(list)
+    floor = _Floor(ck.memory.store.path(0, 1000), rank)
     for _ in range(args.reps):
-        for tier in ("local-memory", "peer-memory"):
+        for tier in ("local-memory", "peer-memory", "transfer-floor"):
+            if tier == "transfer-floor":
+                rows[tier].append({"total": floor.run()})
+                continue
             job.disturb()
             lose = tier == "peer-memory" and rank == 1
             if lose:
@@ -120,6 +125,40 @@ def run_rank(args: argparse.Namespace) -> None:
         print(f"rank {rank} {tier}: " + " ".join(f"{k} {v:.3f}" for k, v in med.items()))
     ck.close()
     dist.destroy_process_group()
+
+
+class _Floor:
+    """The least a peer restore can cost here: rank 0's copy (mapped from its file) sent
+    to rank 1, which maps fresh memory for it (``snapshot.anonymous``), receives it and
+    checksums it (``payload_digest``): no agreement, no decoding, no loading."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from steadytrain.checkpoint.memory import snapshot as snap
+
+        self.rank, self.snap = rank, snap
+        self.image = snap.map_file(path, readonly=True) if rank == 0 else None
+        size = torch.tensor([0 if self.image is None else len(self.image)])
+        dist.broadcast(size, 0)
+        self.nbytes = int(size.item())
+
+    def run(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        from steadytrain.checkpoint.memory import peers
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            dist.send(peers._readable(self.image), 1)
+        elif self.rank == 1:
+            buf = self.snap.anonymous(self.nbytes)
+            dist.recv(torch.from_numpy(buf), 0)
+            self.snap.payload_digest(buf)
+        return time.perf_counter() - t0
 
 
 def main() -> int:

@@ -188,11 +188,11 @@ def place_shards(tree: Any, live: Any, path: str = "<state>") -> Any:
         )
         was = (tree.global_shape, tree.placements, tree.mesh_shape, tuple(tree.local.shape))
         if now != was:
+            live_is = "is not sharded" if now is None else f"is {_placed(*now[:3])}"
             raise CheckpointError(
-                f"state {path}: the snapshot holds a shard of {list(tree.global_shape)} placed "
-                f"{list(tree.placements)} on a mesh of {list(tree.mesh_shape)}, the live state "
-                f"{'is not sharded' if now is None else f'is {list(now[0])} placed {list(now[1])} on a mesh of {list(now[2])}'}"
-                ": another layout, so durable checkpoints (which reshard) are used"
+                f"state {path}: the snapshot holds a shard of {_placed(*was[:3])}, the live "
+                f"state {live_is}: another layout, so durable checkpoints (which reshard) are "
+                "used"
             )
         return DTensor.from_local(
             tree.local,
@@ -212,6 +212,10 @@ def place_shards(tree: Any, live: Any, path: str = "<state>") -> Any:
         ]
         return type(tree)(parts)
     return tree
+
+
+def _placed(shape: tuple, placements: tuple, mesh: tuple) -> str:
+    return f"{list(shape)} placed {list(placements)} on a mesh of {list(mesh)}"
 
 
 def has_shards(tree: Any) -> bool:
