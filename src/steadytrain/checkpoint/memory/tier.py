@@ -371,6 +371,8 @@ class MemoryTier:
                 if snap.has_shards(tree):  # FSDP2 / tensor parallel: on the live layout
                     tree = snap.place_shards(tree, S.dcp_state_dict(states))
                 check_copy(header, tree, states, self.job, self.world, self.rank, step)
+                if src == self.rank:  # now, while the ranks that receive are still busy
+                    tree = _owned(tree, states)
             except FAILURES as exc:  # noqa: BLE001 - any doubt: another plan, or durable
                 err, damaged = f"rank {self.rank}: {exc}", isinstance(exc, _Damaged)
             newest_durable = listing.result() if known is None else None
@@ -409,12 +411,6 @@ class MemoryTier:
         from_peer = src != self.rank
         try:
             modules, _, _ = S.split_states(states)
-            # Modules copy into their parameters; anything else (an optimizer) may keep the
-            # tensors it is given. A copy mapped from this node's file gives it its own (the
-            # tier rewrites that file later, and a private mapping sees what is written); a
-            # copy received from a peer is this restore's memory alone: its tensors are
-            # kept as they are, and the pages no kept tensor lies on are given back.
-            tree = {k: v if k in modules or from_peer else _own(v) for k, v in tree.items()}
             S.apply_dcp_state_dict(states, tree)
             if from_peer:
                 give_back(buf, [v for k, v in tree.items() if k not in modules])
@@ -553,6 +549,18 @@ def _tensors(obj: Any) -> Iterator[Any]:
         yield obj.to_local()
     elif hasattr(obj, "data_ptr") and hasattr(obj, "nbytes"):
         yield obj
+
+
+def _owned(tree: dict[str, Any], states: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` as it is loaded from this node's own file. Modules copy into their
+    parameters; anything else (an optimizer) may keep the tensors it is given, so those get
+    their own copies: the tier rewrites that file later, and a private mapping sees what is
+    written. (A copy received from a peer is this restore's memory alone: its tensors are
+    kept as they are, and the pages no kept tensor lies on are given back.) Done before the
+    ranks agree, as it writes no live state: a rank that loads its own copy has the time
+    while the ranks that receive theirs finish."""
+    modules, _, _ = S.split_states(states)
+    return {k: v if k in modules else _own(v) for k, v in tree.items()}
 
 
 def _own(obj: Any) -> Any:
