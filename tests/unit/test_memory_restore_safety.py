@@ -6,7 +6,9 @@
   or it would change under the state's feet when the file is reused, two generations on.
 - A copy that does not fit the live model (another shape) is refused before any tensor is
   written: the durable checkpoint is then judged on its own (here: it does not fit either,
-  and the error says nothing was loaded, which is true)."""
+  and the error says nothing was loaded, which is true).
+- A memory restore that fails half-way (the model loaded, another state refused) with no
+  durable checkpoint to load over it stops the start: it never goes on from step 0."""
 
 from __future__ import annotations
 
@@ -77,4 +79,36 @@ def test_a_copy_that_does_not_fit_the_model_is_refused_before_anything_is_writte
         ck.restore_latest({"model": wider})
     assert "Nothing was loaded" in str(err.value), err.value
     assert torch.equal(wider[0].weight, before)  # not a byte of the snapshot went in
+    ck.close()
+
+
+class Refuses:
+    """A state whose loading fails after the model's has gone in (a user's object that
+    rejects what it is given)."""
+
+    def state_dict(self) -> dict:
+        return {"x": torch.zeros(3)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise ValueError("this object refuses the state it is given")
+
+
+def test_a_load_that_fails_half_way_with_nothing_durable_stops_instead_of_starting_afresh(
+    tmp_path,
+):
+    torch.manual_seed(0)
+    states = {"model": nn.Linear(4, 4), "picky": Refuses()}
+    ck = _checkpointer(tmp_path)  # durable every 1000 steps: memory only
+    for step in (1, 2):
+        ck.maybe_save(step, states)
+    ck.wait()  # dies here
+
+    torch.manual_seed(1)
+    model = nn.Linear(4, 4)
+    ck = _checkpointer(tmp_path)
+    # the model took the snapshot's weights before the other state refused its own: going
+    # on from step 0 with them would train a half-restored job as if it were a new one
+    with pytest.raises(CheckpointError, match="failed while loading and no durable") as err:
+        ck.restore_latest({"model": model, "picky": Refuses()})
+    assert "refuses the state" in str(err.value) and "restart the process" in str(err.value)
     ck.close()
