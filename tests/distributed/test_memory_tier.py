@@ -12,7 +12,9 @@ peers, step 6 (newer than any durable checkpoint, whose data files are moved awa
 read); (c) a node and its peer lost: durable step 4; (d) torn generations (a .tmp file, a
 truncated file, a flipped byte) are never loaded: a good copy, the older generation or
 durable is; (e) another world size: durable; (f) memory older than the newest durable commit
-(the job went on past its snapshots and saved durably; the nodes kept older copies): durable. Then SIGKILLs at random moments while the job
+(the job went on past its snapshots and saved durably; the nodes kept older copies): durable. A
+copy damaged on its way to the peer (a byte flipped in transit, injected by the worker) is
+never published there. Then SIGKILLs at random moments while the job
 snapshots every step: every restart restores bit-exactly some snapshotted step.
 """
 
@@ -229,6 +231,26 @@ def test_g_fsdp2_sharded_states_restore_from_memory_bit_exact(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_a_copy_damaged_in_transit_is_never_published_by_its_peer(tmp_path, monkeypatch):
+    """Rank 1's 6th copy reaches rank 3 (its peer, on node b) with a flipped payload byte:
+    rank 3 verifies it before giving it a name, so node b never holds it; rank 1's own copy
+    of step 6 (node a) is good, and so is every other copy."""
+    base = str(tmp_path)
+    for d in ("ckpt", "refs", "out"):
+        os.makedirs(os.path.join(base, d))
+    mem = {n: os.path.join(base, f"mem-{n}") for n in ("a", "b")}
+    monkeypatch.setenv("MEMTEST_CORRUPT_SEND", "1:6")
+    run(WORKER, [f"{base}/ckpt", f"{base}/refs", f"{base}/out", "t", "6", "crash"], TWO_NODES, mem)
+    with open(os.path.join(base, "out", "t-rank3-snapshots.json")) as f:
+        said = {e["step"]: e for e in json.load(f)}
+    assert [s for s, e in said.items() if not e["ok"]] == [6], said
+    assert "received by rank 3" in said[6]["error"] and "checksum" in said[6]["error"]
+    a, b = _key_dir(mem["a"]), _key_dir(mem["b"])
+    assert not os.path.exists(_snap(b, 1, 6)) and os.path.exists(_snap(b, 1, 5))
+    assert os.path.exists(_snap(a, 1, 6)) and os.path.exists(_snap(b, 3, 6))
+    assert glob.glob(os.path.join(b, "rank00001", "*.tmp-*")) == []  # nothing half-kept
+
+
 def test_sigkill_during_snapshots_never_loads_a_torn_generation(tmp_path):
     """Kill one rank at a random moment (then the others, as torchrun does), restart, and
     check every restore is bit-exact with the step it names."""

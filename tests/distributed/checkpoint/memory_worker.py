@@ -96,6 +96,33 @@ def differences(now: dict, ref: dict) -> list[str]:
     return out
 
 
+# "RANK:N": that rank's N-th snapshot reaches its peer with a payload byte flipped, in
+# transit only (its own copy and the staged states are untouched): the fault, injected
+CORRUPT_SEND = "MEMTEST_CORRUPT_SEND"
+
+
+def _corrupt_sends(rank: int) -> bool:
+    """Arm ``CORRUPT_SEND`` on this rank; whether a fault is injected in this job."""
+    spec = os.environ.get(CORRUPT_SEND)
+    if not spec:
+        return False
+    who, nth = (int(x) for x in spec.split(":"))
+    if rank == who:
+        from steadytrain.checkpoint.memory import peers
+
+        inner, calls = peers.exchange, [0]
+
+        def exchange(pg, peer, image, owners, into=None):
+            calls[0] += 1
+            if image is not None and calls[0] == nth:
+                image = image.copy()
+                image[-10] ^= 0xFF
+            return inner(pg, peer, image, owners, into)
+
+        peers.exchange = exchange
+    return True
+
+
 def main() -> None:
     ckpt_dir, refs, out, tag, until, end = sys.argv[1:7]
     width = int(sys.argv[7]) if len(sys.argv) > 7 else 32
@@ -104,6 +131,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
+    injected = _corrupt_sends(rank)
     torch.manual_seed(1000 + rank)  # a fresh job: weights differ from any saved state
     random.seed(rank)
     np.random.seed(rank)
@@ -156,7 +184,12 @@ def main() -> None:
     ckpt.wait()
     snaps = [e for e in events if e["type"] == "memory_snapshot"]
     bad = [e for e in snaps if not e["ok"]]
-    assert not bad, bad
+    if injected:  # the test judges what the tier said about the fault
+        seen = [{k: e[k] for k in ("step", "ok", "error")} for e in snaps]
+        path = os.path.join(out, f"{tag}-rank{rank}-snapshots.json")
+        _write_atomic(path, lambda p: open(p, "w").write(json.dumps(seen)))
+    else:
+        assert not bad, bad
     if end == "crash":
         print(f"rank {rank} crash at {s}", flush=True)
         os._exit(0)  # no close: the memory tier's directory stays, as after a crash
