@@ -14,8 +14,8 @@ A candidate that fails verification (or misses a file its COMMIT lists) is repor
 ``CheckpointError`` that says the checkpoint is intact: falling back would silently drop
 progress, or, with nothing older, silently start from scratch beside good checkpoints. So
 does one that cannot be read at all (a full local disk for its download, a dead store, no
-read permission): it is not known to be damaged, and the error names the cause. Advice to remove checkpoints is given
-only for ones that failed verification.
+read permission): it is not known to be damaged, and the error names the cause. Advice to
+remove checkpoints is given only for ones that failed verification.
 """
 
 from __future__ import annotations
@@ -329,10 +329,11 @@ def _unreadable(root: Root, local: Root, name: str, errs: list[str], touched: bo
         else "Nothing was loaded."
     )
     return (
-        f"{root.url.rstrip('/')}/{name} could not be read: {'; '.join(errs)}. It is not known to be "
-        f"damaged, so no older checkpoint is loaded in its place. {state} Fix the cause "
-        f"(free space in {local.root}, where a remote checkpoint is downloaded; the store's "
-        "endpoint or credentials; the files' permissions) and start the job again."
+        f"{root.url.rstrip('/')}/{name} could not be read: {'; '.join(errs)}. It is not "
+        "known to be damaged, so no older checkpoint is loaded in its place. "
+        f"{state} Fix the cause (free space in {local.root}, where a remote checkpoint is "
+        "downloaded; the store's endpoint or credentials; the files' permissions) and start "
+        "the job again."
     )
 
 
