@@ -30,6 +30,7 @@ from typing import Any
 from steadytrain.checkpoint import commit as C
 from steadytrain.checkpoint import reader as R
 from steadytrain.checkpoint import state as S
+from steadytrain.checkpoint.identity import pid_gone
 from steadytrain.checkpoint.remote import Root, discover
 from steadytrain.checkpoint.writer import FAILURES as _FAILURES
 from steadytrain.checkpoint.writer import Group
@@ -90,15 +91,8 @@ def _sweep_downloads(local: Root, rank: int) -> None:
 
 
 def _running(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # an earlier attempt of this process, which removes its own anyway
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # it exists (another user's): not ours to judge
-    return True
+    # this process's own earlier attempt is not "running": it removes its own anyway
+    return pid != os.getpid() and not pid_gone(pid, None)
 
 
 def _json_name(manifest: dict, rank: int) -> str:
