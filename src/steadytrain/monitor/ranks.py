@@ -39,6 +39,7 @@ from steadytrain.monitor.ledger import (
 )
 from steadytrain.monitor.rank_summary import RANK_KEYS, RankSummary, StepSeries
 from steadytrain.monitor.records import RANK_FIELDS, Rejects, iter_records
+from steadytrain.node import node_name
 
 __all__ = [
     "RANKS_DIR",
@@ -59,12 +60,6 @@ __all__ = [
 RANKS_DIR = "ranks"
 MAX_MISSING = 1000  # rows of missing ranks listed (the rest are not enumerated)
 _FILE_RE = re.compile(r"^rank-(\d+)\.jsonl$")
-
-
-def node_name() -> str:
-    """This node's name in every record: ``STEADYTRAIN_NODE`` (tests and the node harness
-    set it), else the host name."""
-    return os.environ.get("STEADYTRAIN_NODE") or socket.gethostname()
 
 
 def host_addrs(limit: int = 16) -> list[str]:

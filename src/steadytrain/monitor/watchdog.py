@@ -59,7 +59,6 @@ import json
 import logging
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -84,6 +83,7 @@ from steadytrain.monitor.hangs import (
     where,
 )
 from steadytrain.monitor.reaper import spawn as spawn_reaper
+from steadytrain.node import node_name
 from steadytrain.settings import check
 from steadytrain.storage.publish import publish_bytes
 
@@ -204,7 +204,7 @@ class HangWatchdog:
         self.config = cfg = config or WatchdogConfig()
         self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
         self.attempt, self.meter, self._exit = attempt, meter, exit
-        self.node = os.environ.get("STEADYTRAIN_NODE") or socket.gethostname()
+        self.node = node_name()
         self._loop_ident = threading.get_ident()  # the thread that beats: the loop's
         self._t = time.monotonic()
         self._step = 0

@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from steadytrain.node import ENV_NODE  # a rank's node name (else the host name)
 from steadytrain.settings import check
 
 __all__ = ["MemoryConfig", "DEFAULT_DIR", "ENV_DIR", "ENV_NODE"]
 
 DEFAULT_DIR = "/dev/shm/steadytrain"  # node-local RAM on Linux: survives a worker's death
 ENV_DIR = "STEADYTRAIN_MEMORY_DIR"  # the node harness gives each node its own tmpfs
-ENV_NODE = "STEADYTRAIN_NODE"  # a rank's node name (else the host name)
 
 
 @dataclasses.dataclass(kw_only=True)

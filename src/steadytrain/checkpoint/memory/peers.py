@@ -14,8 +14,6 @@ a uint8 tensor of the file's bytes.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -23,16 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from steadytrain.checkpoint.memory.config import ENV_NODE
-
-__all__ = ["node_name", "Pairing", "pair", "exchange", "Transfer"]
+__all__ = ["Pairing", "pair", "exchange", "Transfer"]
 
 _TAG_SIZE, _TAG_DATA = 7301, 7302
-
-
-def node_name() -> str:
-    """This rank's node: ``STEADYTRAIN_NODE``, else the host name."""
-    return os.environ.get(ENV_NODE, "") or socket.gethostname()
 
 
 @dataclasses.dataclass

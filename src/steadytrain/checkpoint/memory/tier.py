@@ -47,6 +47,7 @@ from steadytrain.checkpoint.memory.store import (
 from steadytrain.checkpoint.staging import Stager
 from steadytrain.checkpoint.writer import FAILURES, Group
 from steadytrain.errors import CheckpointError
+from steadytrain.node import node_name
 
 __all__ = ["MemoryTier"]
 
@@ -69,7 +70,7 @@ class MemoryTier:
         self.auto = AutoInterval(mtbf_s, cfg.survives) if cfg.every_steps == "auto" else None
         self.group = Group(pg)
         self.rank, self.world = self.group.rank, self.group.world
-        self.node = peers.node_name()
+        self.node = node_name()
         self.store = Store(cfg.resolved_dir(), store_key(job, checkpoint_dir))
         err, budget = None, 0
         try:
