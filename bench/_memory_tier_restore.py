@@ -89,7 +89,10 @@ def bench_restore(make, base: str, job, rank: int, reps: int, remote: bool = Fal
     has (its buffers are allocated by that restore). ``job``: the bench's model and
     optimizer (``states``, ``step()``, ``disturb()``). ``remote``: ``make`` copies every
     durable checkpoint to the object store, and ``durable-remote`` is timed too: a spare
-    with neither memory nor a local disk copy, restoring from the object store."""
+    with neither memory nor a local disk copy, restoring from the object store into a
+    local directory of its own node (``make(events, directory)``: each rank its own, as
+    on two machines, so each downloads the whole checkpoint; ranks sharing one directory
+    would split one download between them)."""
     import torch
     import torch.distributed as dist
 
@@ -151,16 +154,14 @@ def bench_restore(make, base: str, job, rank: int, reps: int, remote: bool = Fal
             elif tier == "durable_warm" and rank == 0:
                 _read_all(step_dir)
             events: list = []
-            fresh = make(events)
+            spare = f"{base}.spare-node{rank}"  # this node's own local disk, empty
+            fresh = make(events, spare) if tier == "durable-remote" else make(events)
             t = timed(dist, lambda: fresh.restore_latest(job.states))  # noqa: B023 - called here
             fresh.close()
             back(lost[tier])
             if tier == "durable-remote":
                 dist.barrier()
-                if rank == 0:  # the downloaded copies (the restore's own directories)
-                    for n in os.listdir(base):
-                        if n.startswith(".restore-"):
-                            shutil.rmtree(os.path.join(base, n), ignore_errors=True)
+                shutil.rmtree(spare, ignore_errors=True)  # whatever the restore left there
                 disk(lose=False)
             [ev] = [e for e in events if e.get("type") == "restore"]
             want = "durable" if tier.startswith("durable") else tier
@@ -168,7 +169,8 @@ def bench_restore(make, base: str, job, rank: int, reps: int, remote: bool = Fal
             same = all(torch.equal(p, q) for p, q in zip(params, saved, strict=True))
             assert same, f"{tier}: the restored weights differ from the saved ones"
             got: list = [None] * dist.get_world_size()
-            dist.all_gather_object(got, (ev.get("bytes_local", 0), ev.get("bytes_peer", 0)))
+            moved_here = tuple(ev.get(k, 0) for k in ("bytes_local", "bytes_peer", "bytes_remote"))
+            dist.all_gather_object(got, moved_here)
             times[tier].append(t)
             moved[tier].append(got)
     ck.close()
@@ -178,8 +180,9 @@ def bench_restore(make, base: str, job, rank: int, reps: int, remote: bool = Fal
         out[tier] = {
             "s": spread(times[tier]),
             "all_s": times[tier],
-            "bytes_local_per_rank": [b for b, _ in moved[tier][0]],
-            "bytes_peer_per_rank": [p for _, p in moved[tier][0]],
+            "bytes_local_per_rank": [b[0] for b in moved[tier][0]],
+            "bytes_peer_per_rank": [b[1] for b in moved[tier][0]],
+            "bytes_remote_per_rank": [b[2] for b in moved[tier][0]],
         }
     out["durable"]["checkpoint_bytes"] = out["durable_warm"]["checkpoint_bytes"] = ck_bytes
     out["durable"]["cold"] = "fsync + POSIX_FADV_DONTNEED before each"

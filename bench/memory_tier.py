@@ -326,7 +326,7 @@ def run_rank(args: argparse.Namespace) -> None:
     base = os.path.join(args.work, "restore")
     remote = _remote()[0] is not None
     restore = bench_restore(
-        lambda events: _checkpointer(base, 1, events, remote=remote),
+        lambda events, directory=base: _checkpointer(directory, 1, events, remote=remote),
         base,
         job,
         rank,

@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import time
 from typing import Any
 
 from steadytrain.checkpoint import commit as C
+from steadytrain.checkpoint import download as D
 from steadytrain.checkpoint import reader as R
 from steadytrain.checkpoint import state as S
-from steadytrain.checkpoint.identity import pid_gone
 from steadytrain.checkpoint.remote import Root, discover
 from steadytrain.checkpoint.writer import FAILURES as _FAILURES
 from steadytrain.checkpoint.writer import Group
@@ -38,9 +36,6 @@ from steadytrain.errors import CheckpointError, StorageError
 from steadytrain.storage.store import is_missing
 
 __all__ = ["restore_latest"]
-
-# A remote checkpoint's files are downloaded, per rank, into LOCAL_ROOT/.restore-NAME-rankR-PID
-_DOWNLOAD_PREFIX = ".restore-"
 
 
 def _candidates(root: Root) -> tuple[list[dict], list[dict]]:
@@ -52,47 +47,6 @@ def _candidates(root: Root) -> tuple[list[dict], list[dict]]:
             why = info.error or "no COMMIT (partial: the save never finished)"
             skipped.append({"path": info.name, "step": info.step, "reason": why})
     return cands, skipped
-
-
-def _local_copy(cand: dict, local: Root, remote: Root, rank: int, shards: bool) -> tuple[str, bool]:
-    """A verified local directory with this remote checkpoint: the staging copy or a download."""
-    here = os.path.join(local.root, cand["name"])
-    try:
-        C.verify_local(here, cand["manifest"], shards=shards)
-        return here, False
-    except CheckpointError:
-        pass
-    tmp = os.path.join(local.root, f"{_DOWNLOAD_PREFIX}{cand['name']}-rank{rank}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        remote.download(cand["name"], [f["path"] for f in cand["manifest"]["files"]], tmp)
-        C.verify_local(tmp, cand["manifest"], shards=shards)
-    except BaseException:
-        # a dead store, a full disk, a damaged remote file: what arrived goes, or every
-        # failed attempt would leave up to a checkpoint's size behind in the local root
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return tmp, True
-
-
-def _sweep_downloads(local: Root, rank: int) -> None:
-    """Remove this rank's download directories left by processes that are gone (a
-    SIGKILL mid-download). Only this rank's (the job's other ranks may be downloading
-    now, in the same directory) and only of a process not running on this node."""
-    pattern = re.compile(re.escape(_DOWNLOAD_PREFIX) + rf".+-rank{rank}-(\d+)$")
-    try:
-        names = os.listdir(local.root)
-    except OSError:
-        return  # no local directory yet: nothing was left
-    for name in names:
-        m = pattern.match(name)
-        if m and not _running(int(m.group(1))):
-            shutil.rmtree(os.path.join(local.root, name), ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    # this process's own earlier attempt is not "running": it removes its own anyway
-    return pid != os.getpid() and not pid_gone(pid, None)
 
 
 def _json_name(manifest: dict, rank: int) -> str:
@@ -206,30 +160,35 @@ def restore_latest(
     root = remote if remote is not None else local
     overlap = verify == "overlap" and remote is None
     part = (group.rank, group.world)  # ranks sharing a directory split the checksumming
+    copies = None
     if remote is not None:
-        _sweep_downloads(local, group.rank)
+        D.sweep(local, group.rank)
+        copies = D.NodeCopies.open(group, local, remote)
     found = _candidates(root) if group.rank == 0 else None
     cands, skipped = group.broadcast(found)
     dirty = False  # live states hold data from a checkpoint that failed verification
     damaged: list[str] = []  # candidates that failed verification (never ones that verify)
     for cand in cands:
-        path, tmp, blobs, rank_json = "", False, {}, {}
+        path, blobs, rank_json, ready = "", {}, {}, False
         err: str | None = None
         kind = "damaged"  # or "unreadable" (storage), "mismatch" (verifies, does not fit)
         try:
-            if remote is not None:
-                path, tmp = _local_copy(cand, local, remote, group.rank, True)  # verified
+            if copies is not None:
+                path = copies.fetch(cand)  # verified, by the node's ranks together
             else:
                 path = os.path.join(local.root, cand["name"])
             blobs = _preverify(path, cand["manifest"], group.rank, part)
             rank_json = _rank_state(path, cand["manifest"], group.rank, blobs)
+            ready = True
+        except D.ByMate:
+            pass  # a rank of this node could not provide its part: its error is reported
         except CheckpointError as exc:
             err = f"rank {group.rank}: {exc}"
         except _FAILURES as exc:  # noqa: BLE001 - storage or OS: not known to be damaged
             err, kind = f"rank {group.rank}: {exc}", "unreadable"
             if isinstance(exc, StorageError) and is_missing(exc):
                 kind = "damaged"  # a file its COMMIT lists is gone: incomplete
-        if err is None:
+        if err is None and ready:
             try:  # JSON first: a state that will not load is refused before any tensor is
                 S.check_json_states(states, rank_json["states"])
             except _FAILURES as exc:  # noqa: BLE001
@@ -248,8 +207,9 @@ def restore_latest(
                     err = f"rank {group.rank}: load failed: {type(exc).__name__}: {exc}"
                     kind = "mismatch"
             gathered = group.all_gather((err, kind, bool(flags["touched"])))
-        if tmp:
-            shutil.rmtree(path, ignore_errors=True)
+        downloaded = copies.downloaded if copies is not None else 0
+        if copies is not None:
+            copies.release()  # every rank of the node is done with this candidate's copy
         errs = list(dict.fromkeys(e for e, _, _ in gathered if e))  # verify errors repeat
         if not errs:
             return {
@@ -259,6 +219,7 @@ def restore_latest(
                 "restore_s": time.perf_counter() - t0,
                 "bytes_local": 0,
                 "bytes_peer": 0,
+                "bytes_remote": downloaded,
                 "path": root.path(cand["name"]),
                 "skipped": skipped,
                 "tokens_seen": int(cand["manifest"]["tokens_seen"]),

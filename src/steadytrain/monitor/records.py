@@ -109,7 +109,7 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
     },
     # ``tier``: "local-memory", "peer-memory" or "durable" (issue 28); an older ledger's
     # restore has none and was a durable one. Bytes read from the node's own memory and
-    # fetched from a peer's.
+    # fetched from a peer's; a durable restore's bytes downloaded from the remote store.
     "restore": {
         "t": "time?",
         "step": "int?",
@@ -117,6 +117,7 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "tier": "str?",
         "bytes_local": "nonneg?",
         "bytes_peer": "nonneg?",
+        "bytes_remote": "nonneg?",
     },
     # One generation of the memory tier (checkpoint/memory/): the loop's blocking (staging,
     # and waiting for the previous generation), the background write and peer transfer.

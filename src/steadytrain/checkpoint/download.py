@@ -1,0 +1,163 @@
+"""A remote checkpoint's local copy for restore: one per node, not one per rank.
+
+The ranks that share a local checkpoint directory (a node's ranks, or every rank when the
+directory is a filesystem the nodes share: its ``mates``) share its copy of a candidate.
+Who shares is asked of the filesystem, not of names: each rank makes a probe directory
+there and looks for the others' (``NodeCopies.open``), so two nodes with one host name
+never take each other's files for their own. First they check the staging copy,
+each mate checksumming its part of the files; if that copy is not whole and good, they
+download the checkpoint once into one directory, ``LOCAL_ROOT/.restore-NAME-rankL-PID``
+(L: the node's lowest rank, PID: its process), each mate its part of the files, and then
+each checksums its part. Eight ranks on a node so move and hash a checkpoint once, not eight
+times, and need room for one copy, not eight.
+
+Every rank makes the same two all-gathers per candidate, whatever its node does (the
+ranks of other nodes may be downloading), so the group's collectives stay in step. A rank
+that fails raises its own error; its mates raise ``ByMate`` (their part is not usable, and
+the failing rank's error is the one to report). The node's lowest rank removes the
+download after the candidate's last collective (``release``); one left by a killed process
+is removed by that rank's next restore on the node (``sweep``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from dataclasses import dataclass
+
+from steadytrain.checkpoint import commit as C
+from steadytrain.checkpoint.identity import pid_gone
+from steadytrain.checkpoint.remote import Root
+from steadytrain.checkpoint.writer import FAILURES, Group
+from steadytrain.errors import CheckpointError
+
+__all__ = ["PREFIX", "ByMate", "NodeCopies", "sharing", "sweep"]
+
+PREFIX = ".restore-"
+
+
+class ByMate(Exception):  # noqa: N818 - not an error of this rank: a signal
+    """A mate on this node could not provide its part: its own error says why."""
+
+
+@dataclass
+class NodeCopies:
+    """This rank's view of its node's copies of remote checkpoints (``open`` makes it)."""
+
+    group: Group
+    local: Root
+    remote: Root
+    mates: list[int]  # the ranks sharing this rank's local directory, ascending
+    leader_pid: int  # the process of the lowest of them, whose name the download takes
+    tmp: str = ""  # the download in use for the current candidate ("" for none)
+    downloaded: int = 0  # bytes this rank downloaded for the current candidate
+
+    @classmethod
+    def open(cls, group: Group, local: Root, remote: Root) -> NodeCopies:
+        """Two all-gathers: which ranks share this rank's directory. Each rank makes a probe
+        there, then says whose probes it sees; mates see each other, and a rank whose view
+        is not the same as every mate's (a filesystem that shows files late) goes alone."""
+        rank, pid = group.rank, os.getpid()
+        probe = os.path.join(local.root, f"{PREFIX}probe-rank{rank}-{pid}")
+        try:
+            os.makedirs(probe, exist_ok=True)
+            made = os.path.basename(probe)
+        except OSError:
+            made = ""  # no directory to share: this rank goes alone (its restore says why)
+        facts = group.all_gather((made, pid))
+        try:
+            there = set(os.listdir(local.root))
+        except OSError:
+            there = set()
+        seen = group.all_gather([r for r, (p, _) in enumerate(facts) if p and p in there])
+        with contextlib.suppress(OSError):
+            os.rmdir(probe)
+        mates = sharing(seen, rank)
+        return cls(group, local, remote, mates, facts[mates[0]][1])
+
+    @property
+    def part(self) -> tuple[int, int]:
+        return self.mates.index(self.group.rank), len(self.mates)
+
+    def fetch(self, cand: dict) -> str:
+        """A verified local directory with checkpoint ``cand``: the node's staging copy or
+        the node's download. Raises this rank's own error, else ``ByMate``."""
+        name, manifest = cand["name"], cand["manifest"]
+        self.tmp, self.downloaded = "", 0
+        here = os.path.join(self.local.root, name)
+        own: BaseException | None = None
+        whole = False
+        try:
+            C.verify_local(here, manifest, part=self.part)
+            whole = True
+        except CheckpointError:
+            pass  # not staged here, or not all of it: download
+        except FAILURES as exc:  # noqa: BLE001 - reported once the node has agreed
+            own = exc
+        first = self.group.all_gather((whole, own is not None))
+        ours = [first[m] for m in self.mates]
+        use_here = all(w for w, _ in ours)
+        if not use_here and not any(f for _, f in ours):
+            self.tmp = os.path.join(
+                self.local.root, f"{PREFIX}{name}-rank{self.mates[0]}-{self.leader_pid}"
+            )
+            i, n = self.part
+            mine = manifest["files"][i::n]
+            try:
+                self.remote.download(name, [f["path"] for f in mine], self.tmp)
+                self.downloaded = sum(int(f["size"]) for f in mine)
+            except FAILURES as exc:  # noqa: BLE001 - reported once the node has agreed
+                own = exc
+        second = self.group.all_gather(own is not None)
+        if own is not None:
+            raise own
+        if any(second[m] or first[m][1] for m in self.mates):
+            raise ByMate
+        if use_here:
+            return here
+        # every part has arrived: sizes of all, checksums of this rank's part (the same
+        # files it downloaded: ``part`` picks every n-th file, as the split did)
+        C.verify_local(self.tmp, manifest, part=self.part)
+        return self.tmp
+
+    def release(self) -> None:
+        """After the candidate's last collective: the node's lowest rank removes its
+        download (a dead store, a full disk, a damaged file: what arrived goes too)."""
+        if self.tmp and self.group.rank == self.mates[0]:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp = ""
+
+
+def sharing(seen: list[list[int]], rank: int) -> list[int]:
+    """The ranks ``rank`` shares its directory with (itself included), from whose probes
+    each rank saw (``seen[r]``). Two ranks share when each saw the other; a rank whose
+    group is not every member's own group (one saw late, or not at all) goes alone, and so
+    does every member of it: each rank computes this from the same ``seen``, so all agree."""
+
+    def mates_of(r: int) -> list[int]:
+        return sorted({r} | {s for s in seen[r] if r in seen[s]})
+
+    mates = mates_of(rank)
+    return mates if all(mates_of(m) == mates for m in mates) else [rank]
+
+
+def sweep(local: Root, rank: int) -> None:
+    """Remove download directories named for ``rank`` whose process is gone (a SIGKILL
+    mid-download). Only those named for this rank (the other ranks' may be in use now, in
+    the same directory) and only of a process not running on this node."""
+    pattern = re.compile(re.escape(PREFIX) + rf".+-rank{rank}-(\d+)$")
+    try:
+        names = os.listdir(local.root)
+    except OSError:
+        return  # no local directory yet: nothing was left
+    for name in names:
+        m = pattern.match(name)
+        if m and _gone(int(m.group(1))):
+            shutil.rmtree(os.path.join(local.root, name), ignore_errors=True)
+
+
+def _gone(pid: int) -> bool:
+    # this process's own earlier attempt counts as gone: it is not downloading now
+    return pid == os.getpid() or pid_gone(pid, None)
