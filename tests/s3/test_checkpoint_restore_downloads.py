@@ -1,5 +1,5 @@
-"""A remote checkpoint is downloaded, per rank, into ``LOCAL_ROOT/.restore-NAME-rankR-PID``
-and verified there. What a failed download leaves (a damaged remote file, a full local
+"""A remote checkpoint is downloaded, once per node, into ``LOCAL_ROOT/.restore-NAME-rankL-PID``
+(L: the node's lowest rank; here the one rank) and verified there. What a failed download leaves (a damaged remote file, a full local
 disk, a process killed mid-download) never stays behind in the local root: each failed
 attempt would otherwise keep up to a checkpoint's size there until the disk fills. A
 damaged checkpoint is passed over for an older one; one that cannot be downloaded (a full
