@@ -25,6 +25,7 @@ import contextlib
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from steadytrain.checkpoint import commit as C
@@ -33,7 +34,7 @@ from steadytrain.checkpoint.remote import Root
 from steadytrain.checkpoint.writer import FAILURES, Group
 from steadytrain.errors import CheckpointError
 
-__all__ = ["PREFIX", "ByMate", "NodeCopies", "sharing", "sweep"]
+__all__ = ["PREFIX", "ByMate", "NodeCopies", "runs", "sharing", "sweep"]
 
 PREFIX = ".restore-"
 
@@ -57,21 +58,22 @@ class NodeCopies:
     @classmethod
     def open(cls, group: Group, local: Root, remote: Root) -> NodeCopies:
         """Two all-gathers: which ranks share this rank's directory. Each rank makes a probe
-        there, then says whose probes it sees; mates see each other, and a rank whose view
-        is not the same as every mate's (a filesystem that shows files late) goes alone."""
+        there, then says whose probes it sees (as runs of ranks: a few numbers even when
+        thousands of ranks share one filesystem); see ``sharing``."""
         rank, pid = group.rank, os.getpid()
-        probe = os.path.join(local.root, f"{PREFIX}probe-rank{rank}-{pid}")
+        probe = os.path.join(local.root, _probe(rank, pid))
         try:
             os.makedirs(probe, exist_ok=True)
-            made = os.path.basename(probe)
+            made = True
         except OSError:
-            made = ""  # no directory to share: this rank goes alone (its restore says why)
+            made = False  # no directory to share: this rank goes alone (its restore says why)
         facts = group.all_gather((made, pid))
         try:
             there = set(os.listdir(local.root))
         except OSError:
             there = set()
-        seen = group.all_gather([r for r, (p, _) in enumerate(facts) if p and p in there])
+        saw = [r for r, (ok, p) in enumerate(facts) if ok and _probe(r, p) in there]
+        seen = group.all_gather(runs(saw))
         with contextlib.suppress(OSError):
             os.rmdir(probe)
         mates = sharing(seen, rank)
@@ -130,17 +132,35 @@ class NodeCopies:
         self.tmp = ""
 
 
-def sharing(seen: list[list[int]], rank: int) -> list[int]:
+def _probe(rank: int, pid: int) -> str:
+    return f"{PREFIX}probe-rank{rank}-{pid}"
+
+
+Runs = tuple[tuple[int, int], ...]
+
+
+def runs(ranks: Iterable[int]) -> Runs:
+    """Sorted ranks as ``(first, last + 1)`` runs: a node's ranks are one run, and so are all
+    of a job's when they share one filesystem."""
+    out: list[tuple[int, int]] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1][1] == r:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
+    return tuple(out)
+
+
+def sharing(seen: list[Runs], rank: int) -> list[int]:
     """The ranks ``rank`` shares its directory with (itself included), from whose probes
-    each rank saw (``seen[r]``). Two ranks share when each saw the other; a rank whose
-    group is not every member's own group (one saw late, or not at all) goes alone, and so
-    does every member of it: each rank computes this from the same ``seen``, so all agree."""
-
-    def mates_of(r: int) -> list[int]:
-        return sorted({r} | {s for s in seen[r] if r in seen[s]})
-
-    mates = mates_of(rank)
-    return mates if all(mates_of(m) == mates for m in mates) else [rank]
+    each rank saw (``seen[r]``, as ``runs``). Ranks share when they saw the very same
+    probes, their own among them: on one directory every rank sees every probe, and a
+    rank that saw one late (or could not make its own) goes alone. The groups split the
+    ranks with no overlap, and every rank computes them from the same ``seen``, so two
+    ranks that split a download both know it. Linear in the ranks."""
+    mine = seen[rank]
+    group = [r for r, s in enumerate(seen) if s == mine and any(a <= r < b for a, b in mine)]
+    return group if rank in group else [rank]
 
 
 def sweep(local: Root, rank: int) -> None:
