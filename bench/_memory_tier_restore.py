@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 
 from _checkpoint_restore import timed
+from _spawn import spawn_ranks
 
 TIERS = ("local-memory", "peer-memory", "durable", "durable_warm", "durable-remote")
 
@@ -25,24 +25,15 @@ TIERS = ("local-memory", "peer-memory", "durable", "durable_warm", "durable-remo
 def spawn_nodes(script: str, memory_root: str) -> list[subprocess.Popen]:
     """``script`` (with this process's arguments) as 2 ranks on 2 simulated nodes: rank r
     is ``node-r``, its memory tier in ``memory_root/node-r``, one thread."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(r),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(r),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            STEADYTRAIN_NODE=f"node-{r}",
-            STEADYTRAIN_MEMORY_DIR=os.path.join(memory_root, f"node-{r}"),
-        )
-        procs.append(subprocess.Popen([sys.executable, script, *sys.argv[1:]], env=env))
-    return procs
+    return spawn_ranks(
+        script,
+        2,
+        sys.argv[1:],
+        lambda r: {
+            "STEADYTRAIN_NODE": f"node-{r}",
+            "STEADYTRAIN_MEMORY_DIR": os.path.join(memory_root, f"node-{r}"),
+        },
+    )
 
 
 def spread(xs: list[float]) -> dict:

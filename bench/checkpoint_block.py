@@ -37,15 +37,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _checkpoint_restore import bench_restore, max_over_ranks  # noqa: E402
+from _spawn import spawn_ranks  # noqa: E402
 
 WORK = os.path.join(HERE, ".work", "checkpoint_block")
 OUT = os.path.join(HERE, "results", "checkpoint_block.json")
@@ -410,21 +409,7 @@ def main() -> int:
     if "RANK" in os.environ:
         run_rank(args)
         return 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(args.ranks):
-        env = dict(
-            os.environ,
-            RANK=str(r),
-            WORLD_SIZE=str(args.ranks),
-            LOCAL_RANK=str(r),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env=env))
+    procs = spawn_ranks(__file__, args.ranks, sys.argv[1:])
     return max(p.wait() for p in procs)
 
 

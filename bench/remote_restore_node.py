@@ -24,14 +24,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from _spawn import spawn_ranks  # noqa: E402
 from memory_tier import _remote, start_store, stop_store  # noqa: E402
 
 WORK = os.path.join(HERE, ".work", "remote_restore_node")
@@ -147,24 +146,9 @@ def main() -> int:
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
     server = start_store(args.work)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    procs = []
     try:
-        for r in range(args.ranks):
-            env = dict(
-                os.environ,
-                RANK=str(r),
-                WORLD_SIZE=str(args.ranks),
-                LOCAL_RANK=str(r),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1",
-            )
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--load-before", load]
-            procs.append(subprocess.Popen(cmd, env=env))
+        procs = spawn_ranks(__file__, args.ranks, [*sys.argv[1:], "--load-before", load])
         return max(p.wait() for p in procs)
     finally:
         stop_store(server)
