@@ -48,6 +48,7 @@ from steadytrain.monitor.meter import GoodputMeter
 from steadytrain.monitor.meter_config import MeterConfig
 from steadytrain.monitor.watchdog import HangWatchdog, backend_timeout_s, recover_hang_records
 from steadytrain.run_birth import process_start
+from steadytrain.run_identity import establish as establish_identity
 from steadytrain.run_support import (
     DataWait,
     SignalGuard,
@@ -122,6 +123,7 @@ class Run:
         self.tokens_seen = 0  # tokens of all steps so far, restored ones included
         self.attempt = 0  # this attempt's number in the ledger (rank 0's count)
         self.attempt_id = 0.0  # one id shared by the ranks of this attempt
+        self.nonce = ""  # the run's identity (run_identity.py), the same on every rank
         self._signals = SignalGuard()
         self._made_group = False
         self._wait_s = 0.0
@@ -154,17 +156,24 @@ class Run:
         )
         held: list[dict[str, Any]] = []  # the restore event waits for job_start (see above)
         ckpt = self._make_checkpointer(held.append)
+        # One id per attempt, shared by all ranks (each agent counts its own restarts),
+        # rank 0's attempt number (from the ledger) for every rank's own file, and the
+        # run's identity (run_identity.py), which the restore needs: nothing another run
+        # wrote is restored.
+        ids: list[Any] = [time.time(), self.meter.attempt, None]
+        if self.rank == 0:
+            adopt = getattr(ckpt, "newest_run_nonce", None)
+            ids[2] = establish_identity(self.run_dir, adopt).nonce
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(ids, src=0)
+        self.attempt_id, self.attempt, self.nonce = float(ids[0]), int(ids[1]), str(ids[2])
+        if ckpt is not None and hasattr(ckpt, "run_nonce"):
+            ckpt.run_nonce = self.nonce
         t_restore = time.perf_counter()
         step = ckpt.restore_latest(self.states) if ckpt is not None else self._restored_step
         restore_s = time.perf_counter() - t_restore if ckpt is not None else 0.0
         self.start_step = self.step = int(step)
         self.tokens_seen = int(getattr(ckpt, "tokens_seen", 0) or 0)
-        # One id per attempt, shared by all ranks (each agent counts its own restarts), and
-        # rank 0's attempt number (from the ledger) for every rank's own file.
-        ids: list[Any] = [time.time(), self.meter.attempt]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(ids, src=0)
-        self.attempt_id, self.attempt = float(ids[0]), int(ids[1])
         self.meter.job_start(
             attempt=self.attempt,
             restored_step=self.start_step,
@@ -172,6 +181,7 @@ class Run:
             restore_s=restore_s,
             config=self._config,
             device=self._device,
+            run_nonce=self.nonce,
         )
         for event in held:
             self.meter.event(event)

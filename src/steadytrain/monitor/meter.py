@@ -222,11 +222,13 @@ class GoodputMeter:
         config: dict[str, Any] | None = None,
         device: str | None = None,
         attempt: int | None = None,
+        run_nonce: str | None = None,
     ) -> None:
         """Mark the start of this attempt (after start-up and restore, before step 1).
         ``device`` ("cpu", "cuda"): what the ranks run on, so advice fits the hardware.
         ``attempt``: rank 0's ``meter.attempt`` broadcast to the other ranks (rank 0 counts
-        attempts from the ledger; without it another rank uses torchrun's restart count)."""
+        attempts from the ledger; without it another rank uses torchrun's restart count).
+        ``run_nonce``: the run's identity (``steadytrain.run_identity``), in rank 0's record."""
         if not self.recording:
             return
         self._last_mono = time.monotonic()
@@ -252,6 +254,7 @@ class GoodputMeter:
                 "restore_s": float(restore_s),
                 "config": dict(config or {}),
                 "device": device,
+                "run_nonce": run_nonce,
                 # JSON has no infinity: an open upper bound is stored as null.
                 "expected_tokens_per_s": None
                 if band is None

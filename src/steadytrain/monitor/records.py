@@ -88,6 +88,7 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "config": "dict?",
         "expected_tokens_per_s": "band?",
         "device": "str?",
+        "run_nonce": "str?",
     },
     "step": {
         "t": "!time",
