@@ -468,3 +468,29 @@ def test_a_malformed_rank_state_is_skipped_before_any_tensor_is_loaded(tmp_path,
     assert ckpt.restore_latest(states) == 1
     assert torch.all(states["model"].weight == 1.0) and states["loader"].cursor == 1
     assert "state-rank00000.json" in events[-1]["skipped"][0]["reason"]
+
+
+def test_a_deeply_nested_rank_state_is_passed_over_by_restore_and_export_alike(tmp_path):
+    """A state file of 100k nested brackets (resealed, so it verifies): restore passes the
+    checkpoint over for the older one; export did so with a RecursionError traceback. Both
+    read it with one parser now: export of the root takes the older checkpoint too, saying
+    why, and export of that checkpoint itself is refused naming the file."""
+    _save_steps(tmp_path, [1, 2])
+    d = tmp_path / "step-00000002"
+    data = b"[" * 100_000 + b"]" * 100_000
+    (d / "state-rank00000.json").write_bytes(data)
+    _reseal(d, {"state-rank00000.json": data})
+    step, _, event = _restore(tmp_path)
+    assert step == 1 and "state-rank00000.json" in event["skipped"][0]["reason"]
+    named = f"{d}/state-rank00000.json: nests too deeply"
+    out = _cli("export", str(tmp_path), "--to", "dcp", "--out", str(tmp_path / "x"), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["step"] == 1 and named in out.stderr
+    for to in ("dcp", "torch", "safetensors"):
+        out = _cli("export", str(d), "--to", to, "--out", str(tmp_path / f"y-{to}"))
+        assert out.returncode == 2 and named in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith("step-")) == [
+        ".writer-lease",
+        "x",
+    ]  # nothing written for the refused exports, not even a temporary
