@@ -20,13 +20,12 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 import socket
-import stat
 import uuid
 from collections.abc import Iterator
 
 from steadytrain.checkpoint.identity import pid_gone
+from steadytrain.storage.regular import remove_own
 
 __all__ = ["building", "export_temp_name", "sweep"]
 
@@ -42,18 +41,6 @@ def export_temp_name(dest: str) -> str:
     that says which host and process builds it."""
     directory, base = os.path.split(dest)
     return os.path.join(directory, f".{base}.tmp-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def _remove(path: str) -> None:
-    """Remove ``path`` without following it: a symlink goes as a link, a directory with
-    ``rmtree`` (which never follows the links inside it)."""
-    try:
-        if stat.S_ISDIR(os.lstat(path).st_mode):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def sweep(dest: str) -> list[str]:
@@ -72,13 +59,10 @@ def sweep(dest: str) -> list[str]:
             continue
         path = os.path.join(directory, name)
         try:
-            st = os.lstat(path)
-            if not stat.S_ISLNK(st.st_mode) and st.st_uid != os.geteuid():
-                log.warning("%s: left by a killed export but not yours (uid %d); kept", path,
-                            st.st_uid)  # fmt: skip
-                continue
-            _remove(path)
-            removed.append(path)
+            if remove_own(path):
+                removed.append(path)
+            else:
+                log.warning("%s: left by a killed export, but another user's: kept", path)
         except OSError as exc:
             log.warning("%s: left by a killed export, not removed (%s)", path, exc)
     return removed
@@ -99,7 +83,7 @@ def building(tmp: str) -> Iterator[None]:
     finally:
         guard.hold()  # a second SIGTERM now would cut the removal short
         try:
-            _remove(tmp)
+            remove_own(tmp)
         except OSError as exc:  # never in place of the error that stopped the export
             log.warning("%s: the export's temporary was not removed (%s); remove it", tmp, exc)
         finally:
