@@ -104,11 +104,17 @@ def test_no_control_character_from_the_records_reaches_the_terminal_or_the_page(
     tmp_path: Path,
 ) -> None:
     run = _run_with_node(tmp_path / "run", HOSTILE)
+    # and a rank file that links out of the run directory, to a name of the same kind: the
+    # warning that skips it names where it leads
+    outside = tmp_path / f"elsewhere-{HOSTILE.replace(chr(10), '')}.jsonl"
+    (run / "ranks" / "rank-00000.jsonl").rename(outside)
+    (run / "ranks" / "rank-00000.jsonl").symlink_to(outside)
     p = _report(run)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not RAW.findall(p.stdout), sorted(set(RAW.findall(p.stdout)))
     assert not RAW.findall(p.stderr), sorted(set(RAW.findall(p.stderr)))
     assert f"rank 1    {SHOWN}" in p.stdout  # the rank line shows it, escaped
+    assert printable(str(outside)) in p.stderr  # the skipped file, named
     page = (run / "report" / "report.html").read_text(encoding="utf-8")
     assert not RAW.findall(page.replace("\n", "")), sorted(set(RAW.findall(page)))
     assert html_text(HOSTILE) in page
