@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from steadytrain.printable import printable
 from steadytrain.storage.regular import NotRegularFileError, inside, open_regular_fd
 
 __all__ = [
@@ -228,8 +229,8 @@ class Rejects:
         if self.warn and entry["count"] <= _WARN_PER_FILE:
             log.warning(
                 "%s: skipped (%s)%s",
-                where or file,
-                reason,
+                printable(where or file),  # a file name in a run directory: anyone's choice
+                printable(reason),
                 "; further ones are only counted" if entry["count"] == _WARN_PER_FILE else "",
             )
 
