@@ -243,7 +243,8 @@ def test_a_reaper_runs_beside_the_watchdog_of_a_rank_and_ends_with_it(tmp_path) 
     off = HangWatchdog(tmp_path, 0, 2, config=WatchdogConfig(floor_s=60, reaper=False))
     assert off.reaper is None
     off.close()
-    wd = HangWatchdog(tmp_path, 1, 2, attempt=2, config=cfg)
+    nonce = "7f" * 16
+    wd = HangWatchdog(tmp_path, 1, 2, attempt=2, config=cfg, nonce=nonce)
     proc = wd.reaper
     try:
         assert proc is not None and proc.poll() is None
@@ -251,6 +252,9 @@ def test_a_reaper_runs_beside_the_watchdog_of_a_rank_and_ends_with_it(tmp_path) 
             argv = f.read().decode().split("\0")
         assert argv[3].endswith("reaper.py") and f"--parent={os.getpid()}" in argv
         assert f"--dir={hang_dir(tmp_path, 2)}" in argv and "--rank=1" in argv
+        assert "--world=2" in argv and not any(nonce in a for a in argv)  # public in /proc
+        with open(f"/proc/{proc.pid}/environ", "rb") as f:  # readable by this user only
+            assert f"STEADYTRAIN_REAPER_NONCE={nonce}".encode() in f.read().split(b"\0")
     finally:
         wd.close()
     assert proc.poll() is not None and wd.reaper is None  # killed and waited for
