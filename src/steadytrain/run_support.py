@@ -15,7 +15,7 @@ from typing import Any
 from steadytrain.checkpoint.config import CheckpointerConfig
 from steadytrain.monitor.alerts import AlertConfig
 from steadytrain.monitor.meter_config import MeterConfig
-from steadytrain.monitor.watchdog_config import WatchdogConfig
+from steadytrain.monitor.watchdog import WatchdogConfig
 
 __all__ = [
     "CLEAN_REASONS",
