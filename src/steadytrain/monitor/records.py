@@ -40,6 +40,7 @@ __all__ = [
     "MAX_WORLD",
     "LEDGER_FIELDS",
     "RANK_FIELDS",
+    "PHASE_FIELDS",
     "VERDICT_FIELDS",
     "TRACE_FIELDS",
     "iter_trace",
@@ -209,6 +210,20 @@ VERDICT_FIELDS = {
     "frame": "str?",
     "phase": "str?",
     "stack": "list?",
+    "nonce": "str?",
+    "held_by": "dict?",
+}
+# A rank's declared phase (hangs/phases/attempt-A/phase-rank-R.json, monitor/phases.py).
+PHASE_FIELDS = {
+    "rank": "!int",
+    "attempt": "!int",
+    "nonce": "!str",
+    "phase": "!str",
+    "state": "!str",
+    "progress_t": "!time",
+    "deadline_s": "!dur",
+    "entered_t": "time?",
+    "closed_t": "time?",
 }
 
 
