@@ -18,11 +18,11 @@ What a fork cannot give, so a test that depends on it starts a fresh Python inst
   between ranks only through ``PYTHONHASHSEED`` is for fresh processes to catch (the
   torchrun tests; ``STEADYTRAIN_TEST_FRESH=1`` makes every ``popen``/``run`` here fresh).
 
-Protocol on a Unix socket pair: the client sends one JSON line ``{"argv", "env", "cwd"}``
-with the child's stdout and stderr write ends (``SCM_RIGHTS``; one fd when they are the
-same pipe); the server answers ``{"pid"}``, and ``{"exit": pid, "code": returncode}`` when
-that child ends (negative: the signal, as ``subprocess``). The end of the socket ends the
-server, which SIGKILLs the children still running.
+Protocol on a Unix socket pair: the client sends one JSON line ``{"argv", "env", "cwd",
+"umask"}`` with the child's stdout and stderr write ends (``SCM_RIGHTS``; one fd when they
+are the same pipe); the server answers ``{"pid"}``, and ``{"exit": pid, "code":
+returncode}`` when that child ends (negative: the signal, as ``subprocess``). The end of the
+socket ends the server, which SIGKILLs the children still running.
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ def _become(msg: dict[str, Any], fds: list[int]) -> int:
     os.environ.clear()
     os.environ.update(msg["env"])
     os.chdir(msg["cwd"])
+    if msg.get("umask") is not None:
+        os.umask(msg["umask"])
     # A fresh interpreter seeds torch's and numpy's global generators from the OS; a fork
     # would share the server's state with every sibling (``random`` reseeds itself).
     if "torch" in sys.modules:
@@ -137,7 +139,7 @@ def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
 
 
 def serve(sock: socket.socket, preload: Sequence[str]) -> None:
-    """The server's loop (``python -m steadytrain.testing.forkserver FD MODULE,...``)."""
+    """The server's loop (``python .../forkserver.py FD MODULE,...``)."""
     _warm_up(preload)
     children: set[int] = set()
 
@@ -237,7 +239,9 @@ class Forkserver:
         self._sock, theirs = socket.socketpair()
         fd = theirs.fileno()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "steadytrain.testing.forkserver", str(fd), ",".join(preload)],
+            # By its path, not `-m`: the server must not import the steadytrain package (a
+            # stock reader checks that it never does; a child imports what it needs).
+            [sys.executable, os.path.abspath(__file__), str(fd), ",".join(preload)],
             pass_fds=[fd],
             env=dict(os.environ, OMP_NUM_THREADS="1"),
         )
@@ -267,12 +271,19 @@ class Forkserver:
             self._cond.notify_all()
 
     def popen(
-        self, argv: list[str], env: dict[str, str], cwd: str | None = None, *, merge: bool = True
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str | None = None,
+        *,
+        merge: bool = True,
+        umask: int | None = None,
     ) -> ForkedProcess:
         """Fork ``python *argv`` with exactly ``env``; output to one pipe (``merge``) or to
         two (stdout, stderr)."""
         ends = [os.pipe() for _ in range(1 if merge else 2)]
-        msg = json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd()}).encode() + b"\n"
+        req = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "umask": umask}
+        msg = json.dumps(req).encode() + b"\n"
         with self._send:
             try:
                 socket.send_fds(self._sock, [msg], [w for _, w in ends])
@@ -328,9 +339,11 @@ def popen(
     env: dict[str, str] | None = None,
     cwd: str | None = None,
     merge: bool = True,
+    umask: int | None = None,
 ) -> ForkedProcess | subprocess.Popen:
-    """``subprocess.Popen(cmd, stdout=PIPE, stderr=STDOUT if merge else PIPE, text=True)``,
-    forked from this process's server (started at the first call, closed at exit) when ``python_argv(cmd)`` says a fork can run it; a fresh process otherwise, or
+    """``subprocess.Popen(cmd, stdout=PIPE, stderr=STDOUT if merge else PIPE, text=True,
+    umask=umask)``, forked from this process's server (started at the first call, closed at
+    exit) when ``python_argv(cmd)`` says a fork can run it; a fresh process otherwise, or
     with ``STEADYTRAIN_TEST_FRESH=1``."""
     env = dict(os.environ if env is None else env)
     argv = python_argv(cmd)
@@ -338,6 +351,7 @@ def popen(
         return subprocess.Popen(
             list(cmd), env=env, cwd=cwd, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True,
+            umask=-1 if umask is None else umask,
         )  # fmt: skip
     global _SERVER
     with _LOCK:
@@ -345,7 +359,7 @@ def popen(
             _SERVER = Forkserver(PRELOAD)
             atexit.register(_SERVER.close)
         server = _SERVER
-    return server.popen(argv, env, cwd, merge=merge)
+    return server.popen(argv, env, cwd, merge=merge, umask=umask)
 
 
 def run(
@@ -354,9 +368,10 @@ def run(
     env: dict[str, str] | None = None,
     cwd: str | None = None,
     timeout: float | None = None,
+    umask: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(cmd, capture_output=True, text=True, ...)`` through ``popen``."""
-    proc = popen(cmd, env=env, cwd=cwd, merge=False)
+    proc = popen(cmd, env=env, cwd=cwd, merge=False, umask=umask)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -367,4 +382,5 @@ def run(
 
 
 if __name__ == "__main__":
+    sys.path[0] = os.getcwd()  # not this file's directory (its modules are steadytrain's)
     serve(socket.socket(fileno=int(sys.argv[1])), [m for m in sys.argv[2].split(",") if m])
