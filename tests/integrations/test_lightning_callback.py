@@ -11,6 +11,7 @@ and the steps of both attempts. Single-process runs check an exception, SIGTERM 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,7 +22,10 @@ from example_runs import CRASH_AT, STEPS, assert_finished_without_hang, finish, 
 
 from steadytrain.testing.incidents.common import report as _report
 
-pytest.importorskip("lightning.pytorch")
+# Looked up, not imported: importing Lightning costs every test worker seconds at collection,
+# and only the worker processes this file starts use it.
+if importlib.util.find_spec("lightning") is None:
+    pytest.skip("lightning is not installed", allow_module_level=True)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
