@@ -21,6 +21,7 @@ _EXPORTS = {
     "Checkpointer": "steadytrain.checkpoint.checkpointer",
     "GoodputMeter": "steadytrain.monitor.meter",
     "Run": "steadytrain.run",
+    "exact_ddp": "steadytrain.ddp",
     "SteadyError": "steadytrain.errors",
     "DatasetError": "steadytrain.errors",
     "StorageError": "steadytrain.errors",
