@@ -16,6 +16,7 @@ _EXPORTS = {
     "DatasetWriter": "steadytrain.data.ingest.writer",
     "TokenLoader": "steadytrain.data.read.loader",
     "TokenIterableDataset": "steadytrain.data.read.faces",
+    "TokenWindows": "steadytrain.data.read.faces",
     "ShardCache": "steadytrain.storage.cache",
     "Store": "steadytrain.storage.store",
     "Checkpointer": "steadytrain.checkpoint.checkpointer",

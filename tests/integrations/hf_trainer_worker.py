@@ -13,14 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-
-import torch  # noqa: E402
-from hf_trainer_callback import Windows  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     Trainer,
@@ -28,8 +24,8 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from steadytrain import TokenDataset  # noqa: E402
-from steadytrain.integrations.hf import SteadytrainCallback  # noqa: E402
+from steadytrain import TokenDataset, TokenWindows
+from steadytrain.integrations.hf import SteadytrainCallback
 
 
 class Fail(TrainerCallback):
@@ -84,7 +80,7 @@ def main() -> None:
     trainer = Trainer(
         model=LlamaForCausalLM(config),
         args=targs,
-        train_dataset=Windows(ds, 32),
+        train_dataset=TokenWindows(ds, 32),
         callbacks=[cb, Fail(args.fail, args.at)],
     )
     trainer.train()

@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from lightning_callback import TinyLM, Windows  # noqa: E402
+from lightning_callback import TinyLM  # noqa: E402
 
-from steadytrain import TokenDataset  # noqa: E402
+from steadytrain import TokenDataset, TokenWindows  # noqa: E402
 from steadytrain.integrations.lightning import SteadytrainCallback  # noqa: E402
 
 
@@ -65,7 +65,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    data = torch.utils.data.DataLoader(Windows(ds, 32), batch_size=2)
+    data = torch.utils.data.DataLoader(TokenWindows(ds, 32, labels="next"), batch_size=2)
     trainer.fit(Failing(ds.vocab_size, args.fail, args.at), data)
 
 
