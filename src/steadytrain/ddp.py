@@ -7,13 +7,13 @@ Why (issue 40; ``bench/ddp_resume_layout.py`` shows it): DDP reduces a process's
 backward in its initial bucket layout (torch 2.13: every parameter in one bucket, in
 registration order) and then rebuilds its buckets in the order the gradients became ready
 (``Reducer::rebuild_buckets``; for a GPT, the reverse). An all-reduce over 3 or more ranks
-sums an element in an order that depends on where it lies in its bucket (gloo's and NCCL's
-rings start each chunk at another rank), so the same gradients reduced in the two layouts
-differ in the last bit. An uninterrupted run reduces step 1 in the initial layout and every
-later step in the rebuilt one; an attempt restored at step k reduces step k+1 in the initial
-layout, and from there on its weights differ by an ULP or so. Two ranks are immune
-(``a + b == b + a``), and so is a DDP that never rebuilds (``find_unused_parameters=True``
-without ``static_graph``: left as it is).
+sums an element in an order that depends on where it lies in its bucket (gloo's ring starts
+each chunk's sum at another rank; NCCL is not measured here), so the same gradients reduced
+in the two layouts differ in the last bit. An uninterrupted run reduces step 1 in the
+initial layout and every later step in the rebuilt one; an attempt restored at step k
+reduces step k+1 in the initial layout, and from there on its weights differ by an ULP or
+so. Two ranks are immune (``a + b == b + a``), and so is a DDP that never rebuilds
+(``find_unused_parameters=True`` without ``static_graph``: left as it is).
 
 What it does: a DDP communication hook that, until DDP has rebuilt its buckets, reduces each
 gradient as the rebuilt buckets will. Hooks after each gradient's accumulation record the
