@@ -128,8 +128,8 @@ def test_lightning_callback_hang_is_detected(dataset, tmp_path) -> None:
 
 def test_exact_resume_says_when_the_recipe_is_not_followed(dataset, tmp_path) -> None:
     """Batches that do not come from ``loader.as_dataset()``, a DataLoader with a state of
-    its own and Lightning steps that are not the loader's each get a warning; the run goes
-    on."""
+    its own, Lightning steps that are not the loader's and a resume from a checkpoint that
+    holds no loader position each get a warning; the run goes on."""
     import lightning as L
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -140,27 +140,35 @@ def test_exact_resume_says_when_the_recipe_is_not_followed(dataset, tmp_path) ->
     from steadytrain.integrations.lightning import ExactResume
 
     ds = TokenDataset.open(dataset)
-    loader = TokenLoader(ds, seq_len=32, global_batch=4, micro_batch=2)  # 2 per step
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        accumulate_grad_batches=1,
-        callbacks=[ExactResume(loader)],
-        default_root_dir=str(tmp_path),
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    with pytest.warns(RuntimeWarning) as caught:
-        trainer.fit(
-            TinyLM(ds.vocab_size),
-            StatefulDataLoader(TokenWindows(ds, 32, labels="next"), batch_size=2),
+
+    def trainer(steps: int, *callbacks: object) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            accumulate_grad_batches=1,
+            callbacks=list(callbacks),
+            default_root_dir=str(tmp_path),
+            enable_checkpointing=False,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
+
+    def data() -> StatefulDataLoader:
+        return StatefulDataLoader(TokenWindows(ds, 32, labels="next"), batch_size=2)
+
+    first = trainer(2)  # saved without ExactResume
+    first.fit(TinyLM(ds.vocab_size), data())
+    first.save_checkpoint(str(tmp_path / "plain.ckpt"))
+    loader = TokenLoader(ds, seq_len=32, global_batch=4, micro_batch=2)  # 2 per step
+    second = trainer(4, ExactResume(loader))
+    with pytest.warns(RuntimeWarning) as caught:
+        second.fit(TinyLM(ds.vocab_size), data(), ckpt_path=str(tmp_path / "plain.ckpt"))
     said = " | ".join(str(w.message) for w in caught)
     assert "accumulate_grad_batches=1 but the loader makes a step of 2" in said, said
     assert "saves a state of its own" in said, said
     assert "did not come from loader.as_dataset()" in said, said
-    assert trainer.global_step == 2
+    assert "resumed at step 2 from a checkpoint that holds no loader position" in said, said
+    assert second.global_step == 4
     loader.close()

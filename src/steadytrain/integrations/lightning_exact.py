@@ -53,11 +53,18 @@ class ExactResume(Callback):
         self.loader = loader
         self.dataset = loader.as_dataset()  # the one face, the same the DataLoader iterates
         self._warned = False
+        self._loaded = False  # a position came from Lightning's checkpoint
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         model = getattr(trainer.strategy, "model", None)
         if isinstance(model, DistributedDataParallel):
             exact_ddp(model)
+        if trainer.global_step and not self._loaded:
+            _warn(
+                f"Lightning resumed at step {trainer.global_step} from a checkpoint that holds "
+                "no loader position of this callback (saved without it?): the loader starts "
+                "where it stands, not where that run stopped"
+            )
         if trainer.accumulate_grad_batches != self.loader.micro_per_step:
             _warn(
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches} but the loader "
@@ -88,6 +95,7 @@ class ExactResume(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state_dict["loader"])
+        self._loaded = True
 
 
 def _warn(what: str) -> None:
