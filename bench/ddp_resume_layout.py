@@ -11,8 +11,10 @@ step 3 from a copy of its state, in three variants:
 - ``exact``: ``steadytrain.exact_ddp``.
 
 It prints, per variant, how many of the parameter tensors differ from the uninterrupted
-run after each step that followed the restart, the layout DDP rebuilt, and the median step
-time of the uninterrupted run (2 shared cores: read the times as a rough indication, not a
+run after each step that followed the restart, the layout DDP rebuilt, whether the
+uninterrupted runs with and without ``exact_ddp`` end with the same weights (at 2 ranks they
+must: its arithmetic is DDP's own; at 3+ they differ from step 1 on, which ``exact_ddp``
+reduces in the rebuilt layout), and the median step time of the uninterrupted run (2 shared cores: read the times as a rough indication, not a
 measurement of the hook's cost on a GPU).
 
     .venv/bin/python bench/ddp_resume_layout.py [--worlds 2 3 4]
@@ -65,6 +67,9 @@ def main() -> None:
                 f"median step {r['median_step_s'] * 1e3:.1f} ms; warnings {r['warnings']}"
             )
         print(f"  rebuilt layout (parameter indices per bucket): {got['stock']['rebuilt_layout']}")
+        if "stock" in got and "exact" in got:
+            same = got["stock"]["uninterrupted_sha256"] == got["exact"]["uninterrupted_sha256"]
+            print(f"  uninterrupted runs, exact_ddp and stock: {'equal' if same else 'differ'}")
     path = os.path.join(HERE, "results", "ddp_resume_layout.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)

@@ -4,7 +4,8 @@ Each variant trains the reference GPT under DDP over gloo for ``--steps`` steps 
 uninterrupted, once restarted after step ``--restart-at`` (a fresh model, optimizer and DDP
 built from a copy of the state at that step, as a restore does). Rank 0 writes, per variant,
 how many parameter tensors differ from the uninterrupted run after each step that followed
-the restart, the warnings steadytrain raised and the median step time. Variants:
+the restart, the uninterrupted run's final weights (SHA-256), the warnings steadytrain
+raised and the median step time. Variants:
 
 - ``stock``: DDP as it comes;
 - ``exact``: ``steadytrain.exact_ddp`` on every DDP;
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import hashlib
 import json
 import os
 import statistics
@@ -112,9 +114,13 @@ def run(variant: str, rank: int, steps: int, restart_at: int) -> dict[str, Any]:
         step(ddp, optim, rank, s)
         got = params(model)
         differing.append(sum(not torch.equal(a, b) for a, b in zip(got, ref[s - 1], strict=True)))
+    digest = hashlib.sha256()
+    for t in ref[-1]:
+        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     return {
         "differing_after_restart": differing,
         "tensors": len(ref[-1]),
+        "uninterrupted_sha256": digest.hexdigest(),
         "rebuilt_layout": layout,
         "median_step_s": statistics.median(times[2:]) if len(times) > 2 else None,
     }
