@@ -378,6 +378,11 @@ class GoodputMeter:
     def _process(self, batch: list[dict[str, Any]]) -> None:
         out: list[dict[str, Any]] = []
         for rec in batch:
+            if rec.get("type") == "step" and rec.get("recovered"):
+                # written back at start-up, without timing: the ledger and goodput only
+                self._acc.add(rec)
+                out.append(rec)
+                continue
             if rec.get("type") == "step":
                 loss = rec.get("loss")
                 if loss is not None and not isinstance(loss, float):
