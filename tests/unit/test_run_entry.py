@@ -7,9 +7,11 @@ PyTorch loop of ``tests/integrations/plain_worker.py`` run alone, as a script.
 - the last step is committed when it is not a multiple of ``every_steps``;
 - SIGTERM is a crash too (``signal: SIGTERM``, exit status 143), never a clean end;
 - the rendezvous-store check, and configs given as dicts;
-- one live job per run directory (issue 40, 3): a second process started on a live job's
-  run directory is refused at entry, before it restored or wrote anything, naming the
-  holder, with and without a checkpointer; a restart after the holder was SIGKILLed goes on.
+- one live job per run directory (issue 40, 3): a second job started on a live job's run
+  directory is refused at entry, before it restored or wrote anything, naming the holder:
+  a script with ``checkpoint=False``, and 2 ranks under torchrun with a checkpointer (every
+  rank refused, rank 1 writes nothing either); a restart after the holder was SIGKILLed
+  goes on.
 
 The same loop under torchrun (a SIGKILLed rank, a hung rank): tests/integrations/
 test_run_plain_pytorch.py.
