@@ -211,7 +211,8 @@ class Run:
                 ckpt.before_commit = self.meter.record_through
         self.meter.flush()  # the attempt's start is on disk even if it dies in step 1
         if self.rank == 0:
-            recover_hang_records(self.run_dir, self.meter)  # an earlier rank 0 was stuck
+            # An earlier rank 0 was stuck: its verdicts, this run's own (the nonce) only.
+            recover_hang_records(self.run_dir, self.meter, nonce=self.nonce or None)
         timeout = self._backend_timeout_s
         if timeout is None and dist.is_initialized():
             timeout = backend_timeout_s(dist.get_backend())
@@ -223,6 +224,7 @@ class Run:
             meter=self.meter,
             config=self.monitor.watchdog,
             backend_timeout_s=timeout,
+            nonce=self.nonce,  # its reaper acts only on decisions that carry it
         )
         self._mark = time.perf_counter()
 
@@ -304,8 +306,10 @@ class Run:
         return block
 
     def phase(self, name: str) -> Any:
-        """A legitimately long part of the loop (an evaluation: ``"checkpoint"`` gives it
-        the checkpoint deadline) under the watchdog: ``with run.phase("checkpoint"): ...``."""
+        """A legitimately long part of the loop under its own watchdog deadline, for every
+        rank of the job while this rank is inside it: ``with run.phase("eval"): ...``
+        (``monitor.watchdog.phases.eval_s``; any identifier, default ``checkpoint_s``).
+        Phases nest; leaving one is progress. Call it on the ranks that do the work."""
         self._check_open("phase")
         return self.watchdog.phase(name)
 

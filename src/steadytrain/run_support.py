@@ -19,6 +19,7 @@ from steadytrain.checkpoint.config import CheckpointerConfig
 from steadytrain.monitor.alerts import AlertConfig
 from steadytrain.monitor.meter_config import MeterConfig
 from steadytrain.monitor.watchdog import WatchdogConfig
+from steadytrain.printable import printable
 
 __all__ = [
     "CLEAN_REASONS",
@@ -42,8 +43,9 @@ FIX_AGENT_STORE = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 
 
 def say(msg: str) -> None:
-    """A ``[steadytrain]`` line on stderr (stdout stays the user's)."""
-    print(f"[steadytrain] {msg}", file=sys.stderr, flush=True)
+    """A ``[steadytrain]`` line on stderr (stdout stays the user's); a path or a node name
+    in it from the records shows its control characters as escapes (printable.py)."""
+    print(f"[steadytrain] {printable(msg)}", file=sys.stderr, flush=True)
 
 
 def agent_store_warning(env: dict[str, str] | None = None) -> str | None:

@@ -114,3 +114,15 @@ def assert_crash_reported(crashed: str) -> None:
     assert badput["restart_gap"] > 0, badput
     assert badput["startup"] > 0, badput
     assert badput["other"] < 0.10, badput
+
+
+def assert_finished_without_hang(run_dir: str, steps: int, stderr: str) -> None:
+    """A trainer-callback run's ledger: every step 1..steps, no hang, one clean end, and no
+    watchdog line on stderr (nothing fired, nothing was killed)."""
+    from steadytrain.monitor.ledger import read_ledger
+
+    records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
+    assert [r["step"] for r in records if r["type"] == "step"] == list(range(1, steps + 1))
+    assert not [r for r in records if r["type"] == "hang"], stderr[-4000:]
+    assert [r["reason"] for r in records if r["type"] == "job_end"] == ["finished"]
+    assert "[watchdog]" not in stderr and "[reaper]" not in stderr, stderr[-4000:]

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from example_runs import CRASH_AT, STEPS, finish, start_example
+from example_runs import CRASH_AT, STEPS, assert_finished_without_hang, finish, start_example
 
 from steadytrain.testing.incidents.common import report as _report
 
@@ -111,3 +111,28 @@ def test_lightning_callback_hang_is_detected(dataset, tmp_path) -> None:
     assert proc.returncode == 124, proc.stderr[-4000:]
     hangs = [r for r in read_ledger(os.path.join(run_dir, "ledger.jsonl")) if r["type"] == "hang"]
     assert hangs and hangs[0]["step"] == 2, hangs
+
+
+FLOOR_S = 2.0
+
+
+def test_lightning_validation_longer_than_the_step_deadline_is_no_hang(dataset, tmp_path) -> None:
+    """Issue 40: a validation of 2x the step deadline (and of the checkpoint deadline, both
+    FLOOR_S) every 4 steps used to end the job with exit 124 inside ``validation_step``. It
+    now runs in the declared ``"eval"`` phase under its own deadline (``phases.eval_s``,
+    5 x FLOOR_S) and the job finishes."""
+    run_dir = str(tmp_path / "val")
+    proc = subprocess.run(
+        [sys.executable, WORKER, dataset, run_dir, "--fail", "none",
+         "--val-s", str(2 * FLOOR_S), "--floor", str(FLOOR_S)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(run_dir, "validations.json")) as f:
+        vals = json.load(f)
+    assert [v["step"] for v in vals] == [4, 8]
+    assert all(v["s"] >= 2 * FLOOR_S for v in vals), vals
+    assert_finished_without_hang(run_dir, 8, proc.stderr)

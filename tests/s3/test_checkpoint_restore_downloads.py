@@ -102,3 +102,25 @@ def test_a_full_local_disk_leaves_no_partial_download_behind(s3_server, s3_bucke
             ck.close()
     except TmpfsUnavailable as exc:
         pytest.skip(str(exc))
+
+
+def test_a_symlink_where_the_download_goes_is_never_written_through(s3_server, s3_bucket, tmp_path):
+    """Another local user who can write the local root plants ``.restore-*`` names as links
+    to a directory of the job's user: the restore downloads into a directory of its own,
+    the links go as links, and the directory they point at is left exactly as it was."""
+    opts = dict(s3_server.storage_options, skip_instance_cache=True)
+    _save(s3_bucket, opts, str(tmp_path / "saver"), (1, 2))
+    here = tmp_path / "node1"
+    here.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("mine")
+    for name in ("step-00000002", "step-00000001"):  # this process's download names
+        (here / f".restore-{name}-rank0-{os.getpid()}").symlink_to(victim)
+    ck = Checkpointer(str(here), async_mode="sync", remote=s3_bucket, storage_options=opts)
+    states = _states(-1.0)
+    assert ck.restore_latest(states) == 2
+    assert torch.all(states["model"].weight == 2.0)
+    assert os.listdir(victim) == ["precious"] and (victim / "precious").read_text() == "mine"
+    assert _downloads(str(here)) == []  # the links removed (as links), the download too
+    ck.close()

@@ -223,6 +223,15 @@ assert "SECRET" not in open("run/ledger.jsonl").read()
         replace={'sinks=("jsonl", "mlflow", "console")': 'sinks=("jsonl",)'},
     ),
     Sample(
+        "docs/monitoring.md",
+        r'with run\.phase\("eval"\)',
+        check="""
+recs = [json.loads(l) for l in open("runs/eval/ledger.jsonl")]
+assert [r["step"] for r in recs if r["type"] == "step"] == [1, 2, 3], recs
+assert recs[-1]["type"] == "job_end" and recs[-1]["reason"] == "finished", recs[-1]
+""",
+    ),
+    Sample(
         "docs/testing.md",
         r"with NodeHarness\(tmp_dir, nodes=2",
         prelude="""

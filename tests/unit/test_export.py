@@ -224,6 +224,21 @@ for path in ("st/model.safetensors", "one.safetensors"):
     assert out.returncode == 2 and "not a module state" in out.stderr and "model" in out.stderr
 
 
+def test_every_export_follows_the_umask(saved, tmp_path) -> None:
+    """safetensors wrote model.safetensors 0600 whatever the umask; the other exports' files
+    are 0666 less the umask, and so is it now (a directory and a file DEST)."""
+    for to, name in [("dcp", "d"), ("torch", "all.pt"), ("safetensors", "st"),
+                     ("safetensors", "one.safetensors")]:  # fmt: skip
+        out = subprocess.run(
+            [CLI, "export", saved["root"], "--to", to, "--out", str(tmp_path / name)],
+            capture_output=True, text=True, timeout=300, umask=0o027,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+    files = ["d/.metadata", "d/__0_0.distcp", "all.pt", "st/model.safetensors", "one.safetensors"]
+    modes = {f: oct(os.stat(tmp_path / f).st_mode & 0o777) for f in files}
+    assert set(modes.values()) == {"0o640"}, modes
+
+
 def test_hf_model_from_pretrained(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

@@ -468,3 +468,69 @@ def test_a_malformed_rank_state_is_skipped_before_any_tensor_is_loaded(tmp_path,
     assert ckpt.restore_latest(states) == 1
     assert torch.all(states["model"].weight == 1.0) and states["loader"].cursor == 1
     assert "state-rank00000.json" in events[-1]["skipped"][0]["reason"]
+
+
+def test_a_deeply_nested_rank_state_is_passed_over_by_restore_and_export_alike(tmp_path):
+    """A state file of 100k nested brackets (resealed, so it verifies): restore passes the
+    checkpoint over for the older one; export did so with a RecursionError traceback. Both
+    read it with one parser now: export of the root takes the older checkpoint too, saying
+    why, and export of that checkpoint itself is refused naming the file."""
+    _save_steps(tmp_path, [1, 2])
+    d = tmp_path / "step-00000002"
+    data = b"[" * 100_000 + b"]" * 100_000
+    (d / "state-rank00000.json").write_bytes(data)
+    _reseal(d, {"state-rank00000.json": data})
+    step, _, event = _restore(tmp_path)
+    assert step == 1 and "state-rank00000.json" in event["skipped"][0]["reason"]
+    named = f"{d}/state-rank00000.json: nests too deeply"
+    out = _cli("export", str(tmp_path), "--to", "dcp", "--out", str(tmp_path / "x"), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["step"] == 1 and named in out.stderr
+    for to in ("dcp", "torch", "safetensors"):
+        out = _cli("export", str(d), "--to", to, "--out", str(tmp_path / f"y-{to}"))
+        assert out.returncode == 2 and named in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith("step-")) == [
+        ".writer-lease",
+        "x",
+    ]  # nothing written for the refused exports, not even a temporary
+
+
+# -- a restore's download directory (.restore-*) is never followed -------------------------
+
+
+def test_the_download_directory_is_made_never_followed_and_never_another_users(tmp_path):
+    """``own_dir``: a symlink where the download goes is removed as a link and a directory
+    of this user made (0700); another user's directory there, or a file, is refused
+    naming it and left as it is. ``sweep`` and ``release`` remove links as links."""
+    from steadytrain.checkpoint import download as D
+    from steadytrain.checkpoint.remote import Root
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("mine")
+    where = tmp_path / ".restore-step-00000002-rank0-1"
+    where.symlink_to(victim)
+    D.own_dir(str(where))
+    assert where.is_dir() and not where.is_symlink()
+    assert where.stat().st_mode & 0o777 == 0o700 and where.stat().st_uid == os.geteuid()
+    assert os.listdir(victim) == ["precious"]
+    D.own_dir(str(where))  # a mate joins the directory another mate made
+    other = tmp_path / ".restore-step-00000002-rank4-1"
+    other.mkdir()
+    os.chown(other, 65534, 65534)  # the tests run as root: another uid's directory
+    with pytest.raises(CheckpointError, match=rf"{other}: a directory of uid 65534") as err:
+        D.own_dir(str(other))
+    assert "chmod 700" in str(err.value) and other.stat().st_uid == 65534
+    afile = tmp_path / ".restore-step-00000002-rank8-1"
+    afile.write_text("x")
+    with pytest.raises(CheckpointError, match="a regular file, not a directory"):
+        D.own_dir(str(afile))
+    # left by a dead process of this rank: a link is unlinked, its target left whole
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = tmp_path / f".restore-step-00000001-rank0-{dead.pid}"
+    left.symlink_to(victim)
+    D.sweep(Root(str(tmp_path)), 0)
+    assert not os.path.lexists(left) and os.listdir(victim) == ["precious"]
+    assert other.is_dir()  # another rank's name, another user's: not this rank's to sweep

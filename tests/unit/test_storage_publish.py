@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from steadytrain.storage import publish
 from steadytrain.storage.publish import (
     Hasher,
     atomic_writer,
@@ -19,6 +20,7 @@ from steadytrain.storage.publish import (
     publish_bytes,
     publish_dir,
     publish_file,
+    publish_new_dir,
     temp_name,
 )
 
@@ -154,6 +156,25 @@ def test_publish_dir_refuses_to_overwrite_an_existing_directory(tmp_path):
     # The old directory is untouched and the finished new one is kept for the caller.
     assert (tmp_path / "ds" / "shards" / "a").read_text() == "old"
     assert open(os.path.join(tmp, "shards", "a")).read() == "new"
+
+
+@pytest.mark.parametrize("renameat2", [True, False])
+def test_publish_new_dir_never_replaces_even_an_empty_directory(tmp_path, monkeypatch, renameat2):
+    """An export's destination made by someone else while the export was built: empty, so
+    a plain rename would replace it. Without renameat2 (another system), the check just
+    before the rename refuses it the same way."""
+    if not renameat2:
+        monkeypatch.setattr(publish, "_renameat2", lambda: None)
+    final = tmp_path / "dest"
+    final.mkdir()
+    tmp = _build(tmp_path, str(final), "mine")
+    with pytest.raises(FileExistsError) as err:
+        publish_new_dir(tmp, str(final))
+    assert err.value.filename == str(final)
+    assert _entries(final) == [] and open(os.path.join(tmp, "shards", "a")).read() == "mine"
+    final.rmdir()
+    publish_new_dir(tmp, str(final))
+    assert (final / "shards" / "a").read_text() == "mine" and not os.path.exists(tmp)
 
 
 def test_fsync_dir_accepts_the_current_directory_and_names_a_missing_one(tmp_path, monkeypatch):

@@ -17,14 +17,21 @@ that fails raises its own error; its mates raise ``ByMate`` (their part is not u
 the failing rank's error is the one to report). The node's lowest rank removes the
 download after the candidate's last collective (``release``); one left by a killed process
 is removed by that rank's next restore on the node (``sweep``).
+
+The download directory is never followed (``own_dir``): each mate makes it (mode 0700) or
+joins it only when it is a real directory of this user. A symlink in its place (another
+user who can write the local root planted it, pointing at a directory of the job's user)
+is removed as a link, never written through; a directory of another user there is refused
+naming it. ``release`` and ``sweep`` remove links as links and leave other users' entries.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
-import shutil
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,10 +40,13 @@ from steadytrain.checkpoint.identity import pid_gone
 from steadytrain.checkpoint.remote import Root
 from steadytrain.checkpoint.writer import FAILURES, Group
 from steadytrain.errors import CheckpointError
+from steadytrain.storage.regular import file_kind, remove_own
 
-__all__ = ["PREFIX", "ByMate", "NodeCopies", "runs", "sharing", "sweep"]
+__all__ = ["PREFIX", "ByMate", "NodeCopies", "own_dir", "runs", "sharing", "sweep"]
 
 PREFIX = ".restore-"
+
+log = logging.getLogger(__name__)
 
 
 class ByMate(Exception):  # noqa: N818 - not an error of this rank: a signal
@@ -108,6 +118,7 @@ class NodeCopies:
             i, n = self.part
             mine = manifest["files"][i::n]
             try:
+                own_dir(self.tmp)  # made or joined, never followed
                 self.remote.download(name, [f["path"] for f in mine], self.tmp)
                 self.downloaded = sum(int(f["size"]) for f in mine)
             except FAILURES as exc:  # noqa: BLE001 - reported once the node has agreed
@@ -128,7 +139,7 @@ class NodeCopies:
         """After the candidate's last collective: the node's lowest rank removes its
         download (a dead store, a full disk, a damaged file: what arrived goes too)."""
         if self.tmp and self.group.rank == self.mates[0]:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            _remove(self.tmp)
         self.tmp = ""
 
 
@@ -175,7 +186,48 @@ def sweep(local: Root, rank: int) -> None:
     for name in names:
         m = pattern.match(name)
         if m and _gone(int(m.group(1))):
-            shutil.rmtree(os.path.join(local.root, name), ignore_errors=True)
+            _remove(os.path.join(local.root, name))
+
+
+def own_dir(path: str) -> None:
+    """Make the download directory ``path`` (0700), or join it when a mate made it first:
+    only ever a real directory of this user. A symlink in its place is removed as a link
+    and the directory made; anything else that is not this user's directory is a
+    CheckpointError naming it. Checked with ``lstat`` after the ``mkdir``, so a link
+    planted in between is seen, not followed."""
+    for _ in range(2):  # a link removed once; one that reappears at once is refused below
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+        if not stat.S_ISLNK(st.st_mode):
+            break
+        log.warning("%s: a symlink where this restore downloads; removed (not followed)", path)
+        with contextlib.suppress(FileNotFoundError):  # a mate removed it first
+            os.unlink(path)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+        return
+    if stat.S_ISLNK(st.st_mode):
+        what = "a symlink, planted again as soon as it was removed"
+    elif stat.S_ISDIR(st.st_mode):
+        what = f"a directory of uid {st.st_uid}, not this user's"
+    else:
+        what = f"{file_kind(st.st_mode)}, not a directory"
+    raise CheckpointError(
+        f"{path}: {what}, where this restore downloads a checkpoint; nothing was written "
+        "there. Another user can write the local checkpoint directory: give it to this "
+        "user alone (chmod 700), or remove that entry"
+    )
+
+
+def _remove(path: str) -> None:
+    """Remove a download without following it (``remove_own``); never fails the restore."""
+    try:
+        if not remove_own(path):
+            log.warning("%s: another user's, left where a download goes", path)
+    except OSError as exc:
+        log.warning("%s: download not removed (%s)", path, exc)
 
 
 def _gone(pid: int) -> bool:

@@ -19,16 +19,17 @@ turns one checkpoint into:
   model these are the names ``from_pretrained`` expects). Non-tensor entries cannot go into
   safetensors; they are listed in the result as ``skipped_keys``.
 
-The checkpoint is verified first (COMMIT, every file's size and xxh3-64): a damaged one is
-never exported. The destination is built under a hidden temporary name beside it and
-renamed into place; an existing destination is never replaced.
+The checkpoint is verified first (COMMIT, every file's size and xxh3-64, every rank's JSON
+state parsed as restore parses it): a damaged one is never exported. The destination is
+built under a hidden temporary name beside it (``export_temp.py``: removed on failure,
+SIGTERM and SIGINT, swept after a SIGKILL) and renamed into place; a destination that
+exists, or appears meanwhile (an empty directory too), is never replaced.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -125,9 +126,12 @@ def find_checkpoint(ckpt: str, progress: Progress = _no_progress) -> dict[str, A
 
 
 def _load_verified(path: str, progress: Progress) -> dict[str, Any]:
+    from steadytrain.checkpoint.export_dcp import rank_states
+
     try:
         manifest = _read_commit(path)
         _verify(path, manifest, progress)
+        rank_states(path, manifest)  # a state file restore would refuse: not this one either
     except CheckpointError as exc:
         raise CheckpointError(
             f"{path}: does not verify, nothing was exported ({exc}); export another "
@@ -184,24 +188,29 @@ def export_checkpoint(
         from steadytrain.checkpoint.export_safetensors import pick_state
 
         state = pick_state(src, manifest, metadata, state)
-    from steadytrain.storage.publish import temp_name
+    from steadytrain.checkpoint.export_temp import building, export_temp_name, sweep
 
-    tmp = temp_name(dest)  # hidden, unique, beside DEST: the rename stays on one file system
+    tmp = export_temp_name(dest)  # hidden, unique, beside DEST: the rename stays on one disk
     try:
-        os.makedirs(os.path.dirname(dest), exist_ok=True)  # only now: a refusal writes nothing
-        with warnings.catch_warnings():
-            # One process reading a checkpoint is the intended use, not a mistake to warn of.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            tensors, skipped_keys = _write(to, src, manifest, metadata, state, tmp, dest, progress)
+        with building(tmp):  # removed on any error, SIGTERM and SIGINT too (export_temp.py)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)  # only now: a refusal writes nothing
+            sweep(dest)  # what an export to DEST killed by SIGKILL left
+            with warnings.catch_warnings():
+                # One process reading a checkpoint is the intended use, not a mistake.
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                tensors, skipped_keys = _write(
+                    to, src, manifest, metadata, state, tmp, dest, progress
+                )
     except FileExistsError:
-        raise CheckpointError(f"{out}: appeared while exporting; nothing was replaced") from None
+        raise CheckpointError(
+            f"{out}: appeared while exporting (someone else made it); it was left as it is "
+            "and nothing was written: pass a new --out path"
+        ) from None
     except OSError as exc:  # a full disk, a read-only --out, a file where a directory goes
         raise CheckpointError(
             f"export of {src} to {out} failed, nothing was written: {exc}; pass an --out "
             "on a writable disk with room for a copy of the checkpoint"
         ) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return {
         "source": src,
         "step": manifest["step"],
@@ -225,15 +234,17 @@ def _write(
     dest: str,
     progress: Progress,
 ) -> tuple[int, list[str]]:
-    """Build the export in ``tmp`` and publish it as ``dest``; (tensors, skipped keys)."""
-    from steadytrain.storage.publish import publish_dir
+    """Build the export in ``tmp`` and publish it as ``dest``; (tensors, skipped keys).
+    ``publish_new_dir``: a directory ``dest`` that appeared meanwhile is never replaced,
+    even an empty one (``FileExistsError``)."""
+    from steadytrain.storage.publish import publish_new_dir
 
     if to == "safetensors":
         from steadytrain.checkpoint.export_safetensors import write_safetensors
 
         tensors, skipped = write_safetensors(src, manifest, metadata, state, tmp, dest)
         if not dest.endswith(".safetensors"):
-            publish_dir(tmp, dest)
+            publish_new_dir(tmp, dest)
         return tensors, skipped
     from steadytrain.checkpoint.export_dcp import write_dcp
 
@@ -241,7 +252,7 @@ def _write(
     if to == "torch":
         _write_torch(tmp, dest, progress)
     else:
-        publish_dir(tmp, dest)
+        publish_new_dir(tmp, dest)
     return tensors, []
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import os
 import pickle
 from collections.abc import Callable
@@ -32,22 +31,27 @@ _COPY = 8 << 20
 
 def _json_states(src: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """The ``_steadytrain`` item: the JSON states and RNG of every rank, plus step counts."""
-    from steadytrain.checkpoint.reader import read_verified
-
-    ranks = []
-    for f in sorted(manifest["files"], key=lambda e: e["path"]):
-        if f["path"].startswith("state-rank") and f["path"].endswith(".json"):
-            try:
-                ranks.append(json.loads(read_verified(src, f)))
-            except ValueError as exc:
-                raise CheckpointError(f"{src}/{f['path']}: not valid JSON ({exc})") from None
     return {
         "step": manifest["step"],
         "tokens_seen": manifest["tokens_seen"],
         "world_size": manifest["world"]["world_size"],
         "source": src,
-        "ranks": ranks,
+        "ranks": rank_states(src, manifest),
     }
+
+
+def rank_states(src: str, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every ``state-rankNNNNN.json`` of the checkpoint, in rank order, read against COMMIT
+    and parsed as restore parses them (``state.parse_rank_json``): CheckpointError names
+    a file that restore would pass over, never a traceback."""
+    from steadytrain.checkpoint.reader import read_verified
+    from steadytrain.checkpoint.state import parse_rank_json
+
+    return [
+        parse_rank_json(read_verified(src, f), f"{src}/{f['path']}")
+        for f in sorted(manifest["files"], key=lambda e: e["path"])
+        if f["path"].startswith("state-rank") and f["path"].endswith(".json")
+    ]
 
 
 def write_dcp(
@@ -119,7 +123,13 @@ def write_dcp(
             _sync(w, durable)
     # The JSON states, as one non-tensor item in a file of its own.
     extra = io.BytesIO()
-    torch.save(_json_states(src, manifest), extra)
+    try:
+        torch.save(_json_states(src, manifest), extra)
+    except RecursionError:  # parsed, but too deep for pickle (about half json's limit)
+        raise CheckpointError(
+            f"{src}: its JSON states (state-rank*.json) nest too deeply to be pickled into "
+            "the export; export --to safetensors, which leaves them out"
+        ) from None
     extra_name = EXTRA_FILE
     with open(os.path.join(tmp, extra_name), "xb") as w:
         w.write(extra.getvalue())

@@ -96,6 +96,11 @@ def write_safetensors(
     os.makedirs(tmp)
     tmp_file = os.path.join(tmp, SAFETENSORS_NAME)
     save_file(tensors, tmp_file, metadata={"format": "pt"})
+    # safetensors writes its file 0600 whatever the umask; every other export file is
+    # created 0666 less the umask, and so is this one now: the mode of ``tmp`` (made 0777
+    # less the umask) without its execute bits. Not os.umask(): setting it to read it would
+    # change it for every thread of the process meanwhile.
+    os.chmod(tmp_file, os.stat(tmp).st_mode & 0o666)
     if dest.endswith(".safetensors"):
         from steadytrain.checkpoint.export import publish_new_file
 

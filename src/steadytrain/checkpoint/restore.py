@@ -20,7 +20,6 @@ remove checkpoints is given only for ones that failed verification.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -80,12 +79,7 @@ def _preverify(path: str, manifest: dict, rank: int, part: tuple[int, int]) -> d
 def _rank_state(path: str, manifest: dict, rank: int, blobs: dict[str, bytes]) -> dict:
     """This rank's ``state-rankNNNNN.json`` (already checksummed), checked for shape."""
     name = _json_name(manifest, rank)
-    try:
-        doc = json.loads(blobs[name])
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}/{name}: not valid JSON ({exc})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("states"), dict):
-        raise CheckpointError(f'{path}/{name}: has no "states" object')
+    doc = S.parse_rank_json(blobs[name], f"{path}/{name}")
     if rank < int(manifest["world"]["world_size"]):
         if not isinstance(doc.get("rng"), dict):
             raise CheckpointError(f'{path}/{name}: has no "rng" object')

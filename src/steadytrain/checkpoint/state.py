@@ -27,7 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from steadytrain.errors import CheckpointError
+
 __all__ = [
+    "parse_rank_json",
     "split_states",
     "dcp_state_dict",
     "apply_dcp_state_dict",
@@ -249,6 +252,25 @@ def check_rng_state(state: Any) -> None:
         isinstance(c, str) for c in state.get("cuda", [])
     ):
         raise ValueError("cuda is not a list of base64 strings")
+
+
+def parse_rank_json(raw: bytes, where: str) -> dict[str, Any]:
+    """A rank's ``state-rankNNNNN.json`` (its bytes already checked against COMMIT) as the
+    object a save writes, with a ``states`` object; CheckpointError naming ``where``
+    otherwise. The one parser of these files (restore, export): a document nested deeper
+    than the interpreter can parse (``json.loads`` raises ``RecursionError`` on 100k
+    brackets) is refused like any other damage, never a traceback."""
+    try:
+        doc = json.loads(raw)
+    except RecursionError:
+        raise CheckpointError(
+            f"{where}: nests too deeply to be a state a save writes; the file is damaged"
+        ) from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("states"), dict):
+        raise CheckpointError(f'{where}: has no "states" object')
+    return doc
 
 
 def seed_rng(seed: int) -> None:

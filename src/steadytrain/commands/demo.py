@@ -80,6 +80,7 @@ def _incident(args: argparse.Namespace, out) -> int:  # noqa: ANN001
     import os
 
     from steadytrain.demo import default_run_dir
+    from steadytrain.printable import printable
     from steadytrain.testing.incidents import replay
 
     workdir = args.run_dir or default_run_dir().replace("demo-", f"incident-{args.incident}-")
@@ -106,7 +107,7 @@ def _incident(args: argparse.Namespace, out) -> int:  # noqa: ANN001
         print(f"  [{run}] the report's incidents: " + ("none" if not found else ""))
         for i in found:
             for line in incident_lines(i):
-                print(f"    {line}")
+                print(f"    {printable(line)}")  # node names come from the run's records
         check = checks.get(run)
         if check is not None:
             print(f"    injected vs diagnosed: {_verdict(check)}")

@@ -32,27 +32,33 @@ def run(args: argparse.Namespace) -> int:
     )
     from steadytrain.monitor.report_ranks import node_rows, where
     from steadytrain.monitor.report_restores import restore_lines
+    from steadytrain.printable import printable
+
+    def say(line: str) -> None:
+        # Node names, messages and paths come from the run's records: no escape code in
+        # them reaches the terminal (steadytrain/printable.py).
+        print(printable(line))
 
     s = build_report(args.run_dir, args.out)
     if args.json:
         print_json(s)
         return 0
-    print(f"goodput {s['goodput']:.1%} of {s['total_s'] / 60:.1f} min, {s['attempts']} attempt(s)")
+    say(f"goodput {s['goodput']:.1%} of {s['total_s'] / 60:.1f} min, {s['attempts']} attempt(s)")
     for line in lost_warning(s.get("records_lost") or []):  # a failing disk's gaps
-        print(f"  {line}")
+        say(f"  {line}")
     # The report's one breakdown: every bucket, zero ones too, and their sum.
     for k, sec, share in bucket_rows(s):
-        print(f"  {k:<18} {share:6.1%}  ({sec:.1f} s)")
+        say(f"  {k:<18} {share:6.1%}  ({sec:.1f} s)")
     db = s["data_bound"]
-    print(
+    say(
         f"  data-bound (data_wait + straggler_wait) {db['share']:.1%} ({db['s']:.1f} s): "
         "each step at its slowest rank's data wait"
     )
     if note := slowdown_note(s):
-        print(f"  {note}")
+        say(f"  {note}")
     # The diagnosis engine's incidents (one per fault): kind, where, steps, cost, what, advice.
     if not s["incidents"]:
-        print("incidents: none")
+        say("incidents: none")
     for i, a in enumerate(s["incidents"], 1):
         at = where(a)
         first, last = a.get("first_step"), a.get("last_step")
@@ -61,18 +67,18 @@ def run(args: argparse.Namespace) -> int:
             if first is None
             else f" steps {first}" + (f"-{last}" if last not in (None, first) else "")
         )
-        print(f"incident {i}: {a['kind']}{' on ' + at if at else ''}{steps}, "
+        say(f"incident {i}: {a['kind']}{' on ' + at if at else ''}{steps}, "
               f"lost {a['lost_s']:.1f} s: {a['message']}")  # fmt: skip
-        print(f"  what to do: {a['advice']}")
+        say(f"  what to do: {a['advice']}")
     for line in restore_lines(s):  # which tier each restart came back from, snapshot costs
-        print(line)
+        say(line)
     if s.get("alerts"):
-        print(f"live alerts: {len(s['alerts'])} (in the HTML and --json under 'alerts')")
+        say(f"live alerts: {len(s['alerts'])} (in the HTML and --json under 'alerts')")
     if s["ranks"]:
         lines = node_rows(s["ranks"])
         nodes = {n for r in s["ranks"] for n in (r.get("nodes") or [r["node"]])}
         worst = max(lines, key=lambda r: r["data_wait_share"])
-        print(
+        say(
             f"ranks: {len(s['ranks'])} on {len(nodes)} node(s); "
             f"most data wait: rank {worst['rank']} ({worst['node']}) "
             f"{worst['data_wait_share']:.1%} of its step time"
@@ -80,17 +86,19 @@ def run(args: argparse.Namespace) -> int:
         # One line per (rank, node), most data wait first; every one in the HTML and JSON.
         shown = sorted(lines, key=lambda r: -r["data_wait_share"])[:_RANK_LINES]
         for r in shown:
-            print(
+            say(
                 f"  rank {r['rank']:<4} {str(r['node']):<16} {r['steps']:>7} steps  "
                 f"data wait {r['data_wait_s']:.2f} s ({r['data_wait_share']:.1%})"
             )
         if len(lines) > len(shown):
-            print(f"  ... {len(lines) - len(shown)} more rank line(s) in the HTML and --json")
+            say(f"  ... {len(lines) - len(shown)} more rank line(s) in the HTML and --json")
     for m in s["missing_ranks"]:
-        print(f"missing: rank {m['rank']} of attempt {m['attempt']} ({m['reason']})")
+        say(f"missing: rank {m['rank']} of attempt {m['attempt']} ({m['reason']})")
     if s["torn_lines"]:
-        print(f"rank files: {s['torn_lines']} torn line(s) skipped (a rank killed mid-write)")
+        say(f"rank files: {s['torn_lines']} torn line(s) skipped (a rank killed mid-write)")
     for line in rejected_lines(s):  # records skipped as invalid (monitor/records.py)
-        print(line)
-    print(f"report: {s['html']}")
+        say(line)
+    for name, why in (s.get("plots_missing") or {}).items():
+        say(f"plot not drawn: {name}.png ({why})")
+    say(f"report: {s['html']}")
     return 0

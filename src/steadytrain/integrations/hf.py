@@ -20,8 +20,15 @@ How the Trainer's hooks map onto ``steadytrain.Run`` (``run.py``):
   ``on_save``) is its ``checkpoint_block_s`` and a checkpoint record in the ledger.
 - the step is reported (``Run.step_done``: the ledger record, the watchdog's beat) at
   ``on_step_end``, or, when the Trainer logs or saves at that step, once ``on_log`` brought
-  the loss and ``on_save`` the save's time. A save or an evaluation runs under the
-  watchdog's longer "checkpoint" deadline.
+  the loss and ``on_save`` the save's time.
+- evaluation and saving run under declared watchdog phases, which hold every rank of the
+  job (docs/monitoring.md, "Hang watchdog"): the Trainer evaluates and saves after
+  ``on_step_end`` (``eval_strategy``/``save_strategy="steps"``) or after ``on_epoch_end``
+  (``"epoch"``: ``DefaultFlowCallback`` sets the flags there), in that order, so a
+  ``"eval"`` phase opens in whichever of the two hooks finds ``control.should_evaluate``
+  and ends at ``on_evaluate``; a ``"checkpoint"`` phase then (or at once, with no
+  evaluation) covers the save until ``on_save``. Any phase still open ends at the next
+  step or at the end of training.
 - ``on_train_end`` closes the Run: ``job_end`` "finished".
 - a crash: the Trainer calls no callback when ``train()`` raises, so ``ExitGuard``
   (``hooks.py``) closes the Run from ``sys.excepthook`` (the exception is the reason),
@@ -124,10 +131,25 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
             "wait_save": bool(control.should_save),
             "end": now,
         }
-        if control.should_save or control.should_evaluate:
-            self._phase = self.run.phase("checkpoint")  # the save's / eval's own deadline
-            self._phase.__enter__()
+        self._open_phase(control)
         self._maybe_flush()
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is not None:  # eval/save_strategy="epoch": the flags are set only now
+            self._open_phase(control)
+
+    def _open_phase(self, control: Any) -> None:
+        """The evaluation's or else the save's declared phase, when the Trainer is about
+        to run one (its flags, set by DefaultFlowCallback before this callback's hook)."""
+        if control.should_evaluate:
+            self._enter("eval")
+        elif control.should_save:
+            self._enter("checkpoint")
+
+    def _enter(self, name: str) -> None:
+        self._end_phase()
+        self._phase = self.run.phase(name)
+        self._phase.__enter__()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
         p = self._pending
@@ -140,18 +162,19 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
         self._maybe_flush()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._end_phase()  # the save is over, whichever hook opened its phase
         p = self._pending
         if self.run is None or p is None or p["step"] != state.global_step:
             return
         path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
         self._saves.saved(state.global_step, time.perf_counter() - p["end"], path)
-        self._end_phase()
         p["wait_save"] = False
         self._maybe_flush()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not control.should_save:  # else the phase lasts through the save that follows
-            self._end_phase()
+        self._end_phase()  # the evaluation is over
+        if self.run is not None and control.should_save:  # the save that follows it
+            self._enter("checkpoint")
 
     def _maybe_flush(self) -> None:
         p = self._pending

@@ -21,16 +21,24 @@ incident; they re-arm when the condition clears.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from steadytrain.monitor.diagnosis import Stats, advice, band_text, device_of, diagnose
+from steadytrain.printable import printable
 from steadytrain.settings import check
 
-__all__ = ["AlertConfig", "AlertEngine"]
+__all__ = ["AlertConfig", "AlertEngine", "warn_alert"]
 
 MiB = 1 << 20
+
+
+def warn_alert(alert: dict[str, Any], log: logging.Logger) -> None:
+    """The warning line a live alert prints as it is raised. Its message may quote a node
+    name from another rank's records: control characters are shown, never obeyed."""
+    log.warning("steadytrain alert %s: %s", printable(alert["kind"]), printable(alert["message"]))
 
 
 @dataclass(kw_only=True)

@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from steadytrain.monitor.alerts import AlertConfig, AlertEngine, _band
+from steadytrain.monitor.alerts import AlertConfig, AlertEngine, _band, warn_alert
 from steadytrain.monitor.goodput import Breakdown, GoodputAccumulator
 from steadytrain.monitor.ledger import (
     iter_ledger,
@@ -405,7 +405,7 @@ class GoodputMeter:
                 out.append(alert)
                 self.alerts.append(alert)
                 self.live["last_alert"] = f"{alert['kind']}: {alert['diagnosis']}"
-                log.warning("steadytrain alert %s: %s", alert["kind"], alert["message"])
+                warn_alert(alert, log)
         self._update_live()
         self._ranks.write(out)
         for sink in list(self._sinks):

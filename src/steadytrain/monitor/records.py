@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from steadytrain.printable import printable
 from steadytrain.storage.regular import NotRegularFileError, inside, open_regular_fd
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "MAX_WORLD",
     "LEDGER_FIELDS",
     "RANK_FIELDS",
+    "PHASE_FIELDS",
     "VERDICT_FIELDS",
     "TRACE_FIELDS",
     "iter_trace",
@@ -211,6 +213,20 @@ VERDICT_FIELDS = {
     "frame": "str?",
     "phase": "str?",
     "stack": "list?",
+    "nonce": "str?",
+    "held_by": "dict?",
+}
+# A rank's declared phase (hangs/phases/attempt-A/phase-rank-R.json, monitor/phases.py).
+PHASE_FIELDS = {
+    "rank": "!int",
+    "attempt": "!int",
+    "nonce": "!str",
+    "phase": "!str",
+    "state": "!str",
+    "progress_t": "!time",
+    "deadline_s": "!dur",
+    "entered_t": "time?",
+    "closed_t": "time?",
 }
 
 
@@ -231,8 +247,8 @@ class Rejects:
         if self.warn and entry["count"] <= _WARN_PER_FILE:
             log.warning(
                 "%s: skipped (%s)%s",
-                where or file,
-                reason,
+                printable(where or file),  # a file name in a run directory: anyone's choice
+                printable(reason),
                 "; further ones are only counted" if entry["count"] == _WARN_PER_FILE else "",
             )
 

@@ -22,7 +22,6 @@ no view computes a share of its own.
 from __future__ import annotations
 
 import base64
-import html
 import json
 import os
 from array import array
@@ -50,6 +49,7 @@ from steadytrain.monitor.report_ranks import (
     who,
 )
 from steadytrain.monitor.report_restores import RestoreLog, restores_html
+from steadytrain.printable import html_text
 from steadytrain.redact import redact
 from steadytrain.storage.publish import publish_bytes
 
@@ -294,9 +294,12 @@ def goodput_class(goodput: float) -> str:
 
 
 def _html(summary: dict[str, Any], out: Path) -> Path:
-    e = html.escape
+    e = html_text  # every text from records: control characters shown, then HTML-escaped
 
     def img(key: str) -> str:
+        if key not in summary["plots"]:  # not drawn: the page says which and why
+            why = (summary.get("plots_missing") or {}).get(key)
+            return f'<p class="poor">{e(key)}.png not drawn: {e(why)}</p>' if why else ""
         p = Path(summary["plots"][key])
         b64 = base64.b64encode(p.read_bytes()).decode()
         return (
@@ -331,7 +334,7 @@ def _html(summary: dict[str, Any], out: Path) -> Path:
     )
     alerts = "".join(
         f"<tr><td>{'' if a['minutes'] is None else format(a['minutes'], '.1f')}</td>"
-        f"<td>{a.get('step')}</td><td>{e(who(a))}</td><td>{e(str(a['kind']))}</td>"
+        f"<td>{e(a.get('step'))}</td><td>{e(who(a))}</td><td>{e(str(a['kind']))}</td>"
         f"<td>{e(str(a['diagnosis']))}</td><td>{e(str(a['message']))}</td></tr>"
         for a in summary["alerts"]
     )
@@ -359,7 +362,7 @@ recovery point age at the end {summary["recovery_point_age_s"] or 0:.0f} s.</p>
 {"<p>None.</p>" if not inc else ""}
 {"<table><tr><th>#</th><th>min</th><th>kind</th><th>where</th><th>steps</th><th>lost</th><th>what</th><th>what to do</th></tr>" + inc + "</table>" if inc else ""}
 {"<details><summary>Live alerts (" + str(len(summary["alerts"])) + ")</summary><table><tr><th>min</th><th>step</th><th>where</th><th>alert</th><th>diagnosis</th><th>what</th></tr>" + alerts + "</table></details>" if alerts else ""}
-{"<h2>Timeline per node</h2>" + img("timeline") if "timeline" in summary["plots"] else ""}
+{"<h2>Timeline per node</h2>" + tl if (tl := img("timeline")) else ""}
 {restores_html(summary)}
 {ranks_html(summary, img)}
 <h2>Throughput</h2>{img("throughput")}
@@ -443,7 +446,9 @@ def build_report(
     # What each plot drew (the goodput bar's shares, the heatmap's row labels), so a test or
     # a reader can check a PNG against the table without reading pixels.
     summary["plotted"] = {}
-    summary["plots"] = _plots(data, out, summary["plotted"])
+    # A plot that cannot be drawn is named here with why; the rest of the report still is.
+    summary["plots_missing"] = {}
+    summary["plots"] = _plots(data, out, summary["plotted"], summary["plots_missing"])
     summary["html"] = str(_html(summary, out))
     summary["json"] = str(out / "report.json")
     # Atomic, so a reader never parses half a report; not fsync'd: rerunning

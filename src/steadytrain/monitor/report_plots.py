@@ -6,15 +6,19 @@ one ``Breakdown`` (never recomputed here), and ``drawn`` records what each plot 
 
 from __future__ import annotations
 
+import logging
 from array import array
 from pathlib import Path
 from typing import Any
 
 from steadytrain.extras import require
 from steadytrain.monitor.report_ranks import per_unit, plot_heatmaps
-from steadytrain.monitor.report_timeline import plot_timeline
+from steadytrain.monitor.report_timeline import LITERAL_TEXT, plot_timeline
+from steadytrain.printable import printable
 
 __all__ = ["plots"]
+
+log = logging.getLogger(__name__)
 
 _MAX_POINTS = 4000  # plot points; longer runs are averaged into time bins
 _COLORS = {
@@ -154,56 +158,106 @@ def goodput_bar(b: Any) -> dict[str, Any]:
     }
 
 
-def plots(data: dict[str, Any], out: Path, drawn: dict[str, Any] | None = None) -> dict[str, str]:
+def plots(
+    data: dict[str, Any],
+    out: Path,
+    drawn: dict[str, Any] | None = None,
+    missing: dict[str, str] | None = None,
+) -> dict[str, str]:
     """Every PNG of the report into ``out``; their paths by name. ``drawn`` (when given)
     receives what they drew: ``goodput`` (``goodput_bar``), ``ranks`` (the heatmap's row
-    labels)."""
+    labels). A plot that cannot be drawn is left out, named in ``missing`` (``{name: why}``)
+    and warned about; the others are still drawn: the report never fails for one picture."""
     drawn = drawn if drawn is not None else {}
+    missing = missing if missing is not None else {}
     matplotlib = require("matplotlib", "the report's plots")
 
     matplotlib.use("Agg")  # no display; safe in threads and on servers
     import matplotlib.pyplot as plt
 
-    s, t0 = data["series"], data["t0"]
-    unit, unit_name = _unit(data)
+    unit = _unit(data)
+    marks = {
+        "restarts": [int(st.get("restored_step") or 0) for st in data["starts"][1:]],
+        "crashes": [c["step"] for c in data.get("crashes", [])],
+    }
+    figures = {
+        "throughput": lambda: _throughput(data, out, plt, unit),
+        "waits": lambda: _waits(data, out, plt, unit),
+        "goodput": lambda: _goodput(data, out, plt, drawn),
+        "ranks": lambda: plot_heatmaps(data["ranks"], marks, data["device"], out, plt, drawn),
+        # per node: attempts, crashes, incidents
+        "timeline": lambda: plot_timeline(data, out, plt),
+    }
     paths = {}
+    for name, draw in figures.items():
+        path = _drawn(name, draw, plt, missing)
+        if path is not None:
+            paths[name] = str(path)
+    return paths
 
+
+def _drawn(name: str, draw: Any, plt: Any, missing: dict[str, str]) -> Any:
+    """``draw()`` with every text literal (``LITERAL_TEXT``: a node name ``$\\foo$`` is
+    printed, not parsed as mathtext), or None when it fails, with ``missing[name]`` saying
+    why (the figures it opened are closed; a caller's own figures are left alone)."""
+    before = set(plt.get_fignums())
+    try:
+        with plt.rc_context(LITERAL_TEXT):
+            return draw()
+    except Exception as exc:  # noqa: BLE001 - any failure loses this picture, not the report
+        for num in set(plt.get_fignums()) - before:
+            plt.close(num)
+        text = " ".join(str(exc).split())[:300]  # one line (mathtext errors span several)
+        missing[name] = printable(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+        log.warning("report: %s.png not drawn (%s); the rest of the report is", name, missing[name])
+        return None
+
+
+def _throughput(data: dict[str, Any], out: Path, plt: Any, unit: tuple[float, str]) -> Path:
+    s, t0 = data["series"], data["t0"]
     per = f"tokens/s per {per_unit(data['device'])}"  # "per GPU" only on a CUDA run
     fig, ax = plt.subplots(figsize=(11, 4))
     top = 0.0
-    for i, (xs, ys) in enumerate(_segments(s, s.tps, t0, unit)):
+    for i, (xs, ys) in enumerate(_segments(s, s.tps, t0, unit[0])):
         ax.plot(xs, ys, lw=1.2, color="#1565c0", label=per if i == 0 else None)
         top = max([top, *ys])
-    _shade_bands(ax, data, top, unit)
-    _mark_events(ax, data, label=True, unit=unit)
-    ax.set_xlabel(f"{unit_name} since job start")
+    _shade_bands(ax, data, top, unit[0])
+    _mark_events(ax, data, label=True, unit=unit[0])
+    ax.set_xlabel(f"{unit[1]} since job start")
     ax.set_ylabel(per)
     ax.set_ylim(bottom=0)
     ax.set_title("Throughput (red lines: incidents #n, dashed: restarts, dotted: crashes)")
     # Outside the axes: inside, it covered the incident labels along the bottom.
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)
-    paths["throughput"] = out / "throughput.png"
+    path = out / "throughput.png"
     fig.tight_layout()
-    fig.savefig(paths["throughput"], dpi=100, bbox_inches="tight")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
+    return path
 
+
+def _waits(data: dict[str, Any], out: Path, plt: Any, unit: tuple[float, str]) -> Path:
+    s, t0 = data["series"], data["t0"]
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
-    for xs, ys in _segments(s, s.data, t0, unit):
+    for xs, ys in _segments(s, s.data, t0, unit[0]):
         a1.plot(xs, ys, lw=1.2, color=_COLORS["data_wait"])
     a1.set_ylabel("data wait (s/step)")
-    for xs, ys in _segments(s, s.ckpt, t0, unit):
+    for xs, ys in _segments(s, s.ckpt, t0, unit[0]):
         a2.plot(xs, ys, lw=1.2, color=_COLORS["checkpoint_block"])
     a2.set_ylabel("checkpoint block (s/step)")
-    a2.set_xlabel(f"{unit_name} since job start")
+    a2.set_xlabel(f"{unit[1]} since job start")
     for ax in (a1, a2):
-        _mark_events(ax, data, label=ax is a1, unit=unit)
+        _mark_events(ax, data, label=ax is a1, unit=unit[0])
         ax.set_ylim(bottom=0)
     a1.set_title("Where the loop waited")
-    paths["waits"] = out / "waits.png"
+    path = out / "waits.png"
     fig.tight_layout()
-    fig.savefig(paths["waits"], dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+    return path
 
+
+def _goodput(data: dict[str, Any], out: Path, plt: Any, drawn: dict[str, Any]) -> Path:
     bar = drawn["goodput"] = goodput_bar(data["breakdown"])
     fig, ax = plt.subplots(figsize=(10, 3))
     left = 0.0
@@ -219,17 +273,7 @@ def plots(data: dict[str, Any], out: Path, drawn: dict[str, Any] | None = None) 
     # the thin segments; overlapping the axis it hides the tick labels).
     fig.subplots_adjust(left=0.03, right=0.97, top=0.85, bottom=0.5)
     fig.legend(loc="lower center", ncol=4, fontsize=8, frameon=False)
-    paths["goodput"] = out / "goodput.png"
-    fig.savefig(paths["goodput"], dpi=100, bbox_inches="tight")
+    path = out / "goodput.png"
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
-    marks = {
-        "restarts": [int(st.get("restored_step") or 0) for st in data["starts"][1:]],
-        "crashes": [c["step"] for c in data.get("crashes", [])],
-    }
-    heat = plot_heatmaps(data["ranks"], marks, data["device"], out, plt, drawn)
-    if heat is not None:
-        paths["ranks"] = Path(heat)
-    timeline = plot_timeline(data, out, plt)  # per node: attempts, crashes, incidents
-    if timeline is not None:
-        paths["timeline"] = Path(timeline)
-    return {k: str(v) for k, v in paths.items()}
+    return path

@@ -9,7 +9,6 @@ step heatmaps of data wait and step time, with restarts and crashes marked on th
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from steadytrain.diagnose.stragglers import alert_config
 from steadytrain.monitor.goodput import Breakdown
 from steadytrain.monitor.ranks import RanksView, read_ranks
 from steadytrain.monitor.records import Rejects
+from steadytrain.printable import html_text, printable
 
 __all__ = [
     "INCIDENT_KEYS",
@@ -163,9 +163,11 @@ def attach_ranks(
 
 
 def _label(row: dict[str, Any]) -> str:
-    """ "rank 1 (node-1, node-2)": every node the rank ran on, oldest first."""
+    """ "rank 1 (node-1, node-2)": every node the rank ran on, oldest first (a node name's
+    control characters shown as escapes: it is a plot's label)."""
     nodes = row.get("nodes") or ([row["node"]] if row.get("node") else [])
-    return f"rank {row['rank']} ({', '.join(nodes)})" if nodes else f"rank {row['rank']}"
+    text = f"rank {row['rank']} ({', '.join(nodes)})" if nodes else f"rank {row['rank']}"
+    return printable(text)
 
 
 def node_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -240,7 +242,7 @@ def plot_heatmaps(
 
 def ranks_html(summary: dict[str, Any], img: Any) -> str:
     """The page's "Ranks" section (empty when the run wrote no rank files)."""
-    e = html.escape
+    e = html_text  # node names come from the rank files
     rows = summary.get("ranks") or []
     if not rows and not summary.get("missing_ranks"):
         return ""
@@ -273,8 +275,8 @@ def ranks_html(summary: dict[str, Any], img: Any) -> str:
         "<th>share</th><th>read p99 (ms)</th><th>cache misses</th><th>RSS (MiB)</th>"
         f"<th>/dev/shm (MiB)</th><th>checkpoint block (s)</th></tr>{body}</table>"
     )
-    if summary["plots"].get("ranks"):
-        parts.append(img("ranks"))
+    if figure := img("ranks"):  # the heatmaps, or why they are missing
+        parts.append(figure)
     return "\n".join(parts)
 
 

@@ -30,9 +30,10 @@ what they cost the steps beside them would show as ``slowdown`` only for durable
 
 from __future__ import annotations
 
-import html
 import math
 from typing import Any
+
+from steadytrain.printable import html_text
 
 __all__ = ["TIERS", "RestoreLog", "restore_lines", "restores_html"]
 
@@ -213,12 +214,12 @@ def restore_lines(summary: dict[str, Any]) -> list[str]:
 
 def restores_html(summary: dict[str, Any]) -> str:
     """The HTML page's "Restores" section ("" when nothing was restored or snapshotted)."""
-    e = html.escape
+    e = html_text  # tiers and errors come from the ledger
     rows = summary.get("restores") or []
     part = ""
     if rows:
         body = "".join(
-            f"<tr><td>{e(str(r['attempt']))}</td><td>{r['step']}</td><td>{e(r['tier'])}</td>"
+            f"<tr><td>{e(r['attempt'])}</td><td>{e(r['step'])}</td><td>{e(r['tier'])}</td>"
             f"<td>{r['seconds']:.2f} s</td><td>{r['steps_lost']}</td></tr>"
             for r in rows
         )

@@ -18,7 +18,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["draw_timeline", "node_attempts", "plot_timeline", "timeline"]
+from steadytrain.printable import printable
+
+__all__ = ["LITERAL_TEXT", "draw_timeline", "node_attempts", "plot_timeline", "timeline"]
+
+# matplotlib settings under which every text is drawn as it is: a ``$`` in a node name is a
+# dollar sign, not the start of mathtext (``$\foo$`` would fail the whole figure).
+LITERAL_TEXT = {"text.parse_math": False}
 
 _ATTEMPT_COLORS = ("#90caf9", "#a5d6a7", "#ffe082", "#ce93d8", "#80cbc4", "#ffab91")
 
@@ -150,7 +156,13 @@ def plot_timeline(data: dict[str, Any], out: Path, plt: Any) -> str | None:
 
 def draw_timeline(rows: list[dict[str, Any]], path: Path, plt: Any) -> str:
     """Draw ``timeline`` rows into the PNG ``path`` (an incident replay draws its own
-    incident this way, next to the run's); returns the path."""
+    incident this way, next to the run's); returns the path. Node names and diagnoses come
+    from records: drawn as literal text, control characters shown as escapes."""
+    with plt.rc_context(LITERAL_TEXT):
+        return _draw_timeline(rows, path, plt)
+
+
+def _draw_timeline(rows: list[dict[str, Any]], path: Path, plt: Any) -> str:
     end = max((a["end"] for r in rows for a in r["attempts"]), default=0.0)
     unit, unit_name = (1.0, "seconds") if end < 600 else (60.0, "minutes")
     if end >= 36_000:
@@ -187,7 +199,7 @@ def draw_timeline(rows: list[dict[str, Any]], path: Path, plt: Any) -> str:
             marker = "v" if not inc["everywhere"] else "d"
             ax.plot([x], [y], marker, color="#c62828", ms=8, label=once("incident #n"))
             ax.annotate(
-                f"#{inc['index']} {inc['diagnosis'] or inc['kind']}",
+                printable(f"#{inc['index']} {inc['diagnosis'] or inc['kind']}"),
                 (x, y + 0.28 + 0.14 * (level % 3)),
                 fontsize=7,
                 color="#c62828",
@@ -198,7 +210,9 @@ def draw_timeline(rows: list[dict[str, Any]], path: Path, plt: Any) -> str:
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(
         [
-            f"{r['node']}\nranks {', '.join(map(str, r['ranks']))}" if r["node"] else "all ranks"
+            f"{printable(r['node'])}\nranks {', '.join(map(str, r['ranks']))}"
+            if r["node"]
+            else "all ranks"
             for r in rows
         ],
         fontsize=8,

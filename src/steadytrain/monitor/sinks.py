@@ -166,6 +166,9 @@ class ConsoleSink:
     def _render(self) -> Any:
         from rich.progress_bar import ProgressBar
         from rich.table import Table
+        from rich.text import Text
+
+        from steadytrain.printable import printable
 
         s = self._live_state
         t = Table.grid(padding=(0, 2))
@@ -180,7 +183,9 @@ class ConsoleSink:
         t.add_row("data wait", f"{s.get('data_wait_share', 0):.1%} of step time")
         t.add_row("ETA", "-" if eta is None else f"{eta / 60:.1f} min")
         if s.get("last_alert"):
-            t.add_row("[red]alert[/red]", s["last_alert"])
+            # A Text, not markup: brackets in an alert are shown as they are, and so are the
+            # control characters of a record's text (printable)
+            t.add_row("[red]alert[/red]", Text(printable(s["last_alert"])))
         return t
 
     def write(self, records: list[dict[str, Any]], live: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from collections.abc import MutableSequence
 from pathlib import Path
 from typing import Any
 
-from steadytrain.monitor.alerts import AlertConfig
+from steadytrain.monitor.alerts import AlertConfig, warn_alert
 from steadytrain.monitor.rank_recorder import RankTail
 from steadytrain.monitor.ranks import read_ranks
 from steadytrain.monitor.straggler import (
@@ -121,7 +121,7 @@ class StragglerCheck:
             seen.add(k)
             if k not in self.active:
                 out.append(to_alert(f, window[-1], time.time(), self.device))
-                log.warning("steadytrain alert %s: %s", f["kind"], f["message"])
+                warn_alert(f, log)
         self.active = seen
         if self.raised is not None:
             self.raised.extend(out)

@@ -14,6 +14,8 @@ stamps, a report that ``steadytrain report`` rebuilds); the rename stays atomic.
 
 A whole directory (a new dataset) is published the same way by ``publish_dir``: built under a
 ``temp_name`` sibling, renamed into place once, never over a directory that holds anything.
+``publish_new_dir`` never replaces anything, not even an empty directory (an export's
+destination that someone else created meanwhile).
 
 Checksums are xxh3-64, written ``xxh3_64:<16 hex digits>`` (the dataset manifest's notation);
 COMMIT files store the bare hex digest (``digest_bytes``, ``file_digest``,
@@ -25,9 +27,12 @@ of stored bytes, and stay with their owners.)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import json
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any
@@ -49,6 +54,7 @@ __all__ = [
     "publish_bytes_if_absent",
     "publish_file",
     "publish_dir",
+    "publish_new_dir",
     "temp_name",
 ]
 
@@ -226,6 +232,57 @@ def publish_dir(tmp_dir: str, final_dir: str, *, durable: bool = True) -> None:
         raise
     if durable:
         fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
+
+
+def publish_new_dir(tmp_dir: str, final_dir: str, *, durable: bool = True) -> None:
+    """Rename the finished ``tmp_dir`` onto ``final_dir`` only if nothing has that name.
+
+    ``publish_dir`` replaces an empty directory (atomically: right for a destination its
+    caller made); this one never does: a directory that appeared while the work was being
+    built is someone else's, and ``FileExistsError`` names it. Linux's
+    ``renameat2(RENAME_NOREPLACE)`` checks and renames in one step; where it is missing
+    (another system, a file system without it) the name is checked just before the rename,
+    which leaves an instant in which an empty directory made right then is still replaced.
+    ``tmp_dir`` is left as it is on any error, as ``publish_dir`` leaves it.
+    """
+    if durable:
+        fsync_dir(tmp_dir)
+    if not _rename_noreplace(tmp_dir, final_dir):
+        if os.path.lexists(final_dir):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), final_dir)
+        publish_dir(tmp_dir, final_dir, durable=False)
+    if durable:
+        fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
+
+
+def _rename_noreplace(src: str, dst: str) -> bool:
+    """``renameat2(src, dst, RENAME_NOREPLACE)``: True when renamed, False when this system
+    or file system cannot do it (the caller falls back); ``FileExistsError`` when ``dst``
+    exists, any other ``OSError`` as the kernel gives it."""
+    call = _renameat2()
+    if call is None:
+        return False
+    at_fdcwd, noreplace = -100, 1  # <fcntl.h>, <linux/fs.h>
+    if call(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), noreplace) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):  # no such flag here: fall back
+        return False
+    raise OSError(err, os.strerror(err), dst)  # EEXIST makes it a FileExistsError
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """glibc's ``renameat2`` (2.28 and later) through ctypes, or None off Linux or without it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    call.restype = ctypes.c_int
+    return call
 
 
 def publish_bytes_if_absent(final: str, data: bytes) -> bool:

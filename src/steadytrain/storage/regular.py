@@ -11,15 +11,18 @@ the fix, skip and count, or buffer the records).
 - ``fstat`` of what was opened, not ``stat`` of the name, so a name swapped in between is
   still checked. A device (``/dev/zero`` behind a link) or a directory is refused the same way.
 - ``follow_links=False`` adds ``O_NOFOLLOW``: a writer never appends through a symlink.
+- ``remove_own`` removes a work directory left behind without following it: a symlink in
+  its place goes as a link (what it points at stays whole), another user's is left.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 
-__all__ = ["NotRegularFileError", "file_kind", "open_regular_fd", "inside"]
+__all__ = ["NotRegularFileError", "file_kind", "open_regular_fd", "inside", "remove_own"]
 
 _KINDS = (
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -75,3 +78,23 @@ def inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
     """True when ``path`` (every link on the way resolved) is ``root`` or lies below it."""
     real, top = os.path.realpath(path), os.path.realpath(root)
     return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def remove_own(path: str | os.PathLike[str]) -> bool:
+    """Remove ``path`` without following it; False when it is left because another user
+    owns it. A symlink is unlinked (the link, never its target); a directory or file of
+    this user goes, a directory with ``rmtree`` (which never follows the links inside it).
+    Nothing there is True; any other failure is the ``OSError`` as raised."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    if stat.S_ISLNK(st.st_mode):
+        os.unlink(path)
+    elif st.st_uid != os.geteuid():
+        return False
+    elif stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+    return True
