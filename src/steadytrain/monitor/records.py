@@ -99,6 +99,9 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "step_s": "dur?",
         "data_wait_s": "dur?",
         "checkpoint_block_s": "dur?",
+        # written back at start-up (monitor/recovered.py); a summary stands for ``steps``
+        "recovered": "bool?",
+        "steps": "int?",
         **_STEP_METRICS,
     },
     "checkpoint": {
