@@ -4,6 +4,7 @@ a file this user did not write or cannot trust."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -105,3 +106,19 @@ def test_a_racing_start_uses_the_winners_identity(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ri, "publish_bytes_if_absent", lose)
     assert ri.establish(tmp_path) == ri.RunIdentity(winner, "existing")
+
+
+def test_a_full_run_dir_keeps_the_identity_in_memory(tmp_path, monkeypatch, caplog):
+    """A full run directory never stops training (DESIGN: losing the run directory's disk
+    never stops training): the identity lives in this attempt's memory, and the warning
+    says what that costs. (The real full tmpfs: tests/unit/test_hostile_diskfull_train.py.)"""
+
+    def full(final, data):
+        raise OSError(errno.ENOSPC, "No space left on device", final)
+
+    monkeypatch.setattr(ri, "publish_bytes_if_absent", full)
+    with caplog.at_level(logging.WARNING, logger="steadytrain"):
+        got = ri.establish(tmp_path)
+    assert ri.is_nonce(got.nonce) and got.origin == "new"
+    assert "No space left on device" in caplog.text
+    assert "keeps its identity in memory" in caplog.text
