@@ -212,8 +212,9 @@ def test_a_planted_world_writable_folder_with_symlinks_is_never_written_through(
 
 def test_planted_links_in_the_tiers_own_folder_are_never_written_through(tmp_path):
     """Even inside a folder that passed its checks (planted before it was checked, or by
-    root): a symlink under the temporary name, a symlink under an old snapshot's name and a
-    hard link to a file elsewhere are removed, never opened for writing."""
+    root): a symlink under the temporary name, under an old snapshot's name and under a
+    newer one's, and a hard link to a file elsewhere are removed, never opened for writing;
+    retention still keeps two generations of the job's own copies."""
     events: list[dict] = []
     states = _states()
     mem = str(tmp_path / "mem")
@@ -225,6 +226,9 @@ def test_planted_links_in_the_tiers_own_folder_are_never_written_through(tmp_pat
     os.symlink(victims[0], os.path.join(owner_dir, f"next.tmp-{os.getpid()}"))
     os.symlink(victims[1], os.path.join(owner_dir, "step-000000000.snap"))
     os.link(victims[2], os.path.join(owner_dir, "step-000000000.snap.tmp-77"))
+    # named as the newest copy: kept as such, it would make every generation recycle the
+    # newest copy of ours (one generation instead of two)
+    os.symlink(victims[0], os.path.join(owner_dir, "step-000000099.snap"))
     _train(ck, states, range(2, 5))
     assert [v.read_bytes() for v in victims] == secrets
     assert all(e["ok"] for e in events if e["type"] == "memory_snapshot"), events

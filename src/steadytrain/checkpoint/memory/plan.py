@@ -14,6 +14,7 @@ from typing import Any
 from steadytrain.checkpoint import state as S
 from steadytrain.checkpoint.memory.store import short
 from steadytrain.checkpoint.remote import Root, discover
+from steadytrain.checkpoint.restore import foreign_run
 from steadytrain.errors import CheckpointError
 
 __all__ = ["choose", "check_copy", "newest_durable_step"]
@@ -26,8 +27,6 @@ def newest_durable_step(root: Root, nonce: str | None = None) -> int:
     would not pass over: of this run (``nonce``), or with no run nonce (restore.py). A
     listing that fails is logged and taken as 0: memory may still restore, and the durable
     path will say."""
-    from steadytrain.checkpoint.restore import foreign_run
-
     try:
         return max(
             (i.step for i in discover(root) if i.committed and not foreign_run(i.manifest, nonce)),

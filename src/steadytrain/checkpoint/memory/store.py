@@ -136,8 +136,7 @@ class Store:
             names = os.listdir(directory)
         except FileNotFoundError:
             return
-        steps = sorted(int(m.group(1)) for n in names if (m := _SNAP.match(n)))
-        keep = snap_name(steps[-1]) if steps else None
+        keep = _newest_own(directory, names)
         for name in names:
             if name != keep and (_SNAP.match(name) or ".tmp-" in name):
                 _unlink(os.path.join(directory, name))
@@ -153,8 +152,7 @@ class Store:
         directory = self._ready(owner)
         tmp = os.path.join(directory, f"next.tmp-{os.getpid()}")
         names = os.listdir(directory)
-        steps = sorted(int(m.group(1)) for n in names if (m := _SNAP.match(n)))
-        keep = snap_name(steps[-1]) if steps else None
+        keep = _newest_own(directory, names)
         fd = None
         for name in sorted(names, key=lambda n: (n != os.path.basename(tmp), n)):  # own first
             if name == keep or not (_SNAP.match(name) or ".tmp-" in name):
@@ -238,6 +236,19 @@ class Store:
 
     def remove_all(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)  # rmtree never follows a link
+
+
+def _newest_own(directory: str, names: list[str]) -> str | None:
+    """The newest complete-looking copy in ``names`` that is this user's own file: the one
+    retention keeps. (A name of another user's, or a link, is not a copy of ours: were it
+    kept as "the newest", every generation would recycle the newest copy of ours.)"""
+    for name in sorted((n for n in names if _SNAP.match(n)), reverse=True):
+        try:
+            os.close(open_own(os.path.join(directory, name), os.O_RDONLY))
+            return name
+        except (CheckpointError, OSError):
+            continue
+    return None
 
 
 def _unlink(path: str) -> None:
