@@ -307,3 +307,11 @@ def test_a_tmpfs_full_for_n_generations_turns_the_tier_off_once(tmp_path, caplog
     assert sum("memory snapshot of step" in m for m in said) == 1, said  # not every step
     assert sum("full for the last" in m for m in said) == 1, said
     assert [e["ok"] for e in events if e["type"] == "checkpoint"] == [True] * 3
+
+
+@as_root
+def test_a_given_directory_of_another_user_is_refused(tmp_path):
+    theirs = _mkdir(tmp_path / "theirs", 0o755, ATTACKER)  # its owner can rename anything in it
+    snaps = _snapshots_of(tmp_path, 2, dir=theirs)
+    assert [s["ok"] for s in snaps] == [False] and "owned by uid 65534" in snaps[0]["error"]
+    assert os.listdir(theirs) == []

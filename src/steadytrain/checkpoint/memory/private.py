@@ -12,9 +12,9 @@ state), or a snapshot of their making (which was restored). So:
   symlink, another owner or any group/other permission is refused with a ``PrivateDirError``
   that names it and the fix, and the tier is off for the run (training goes on);
 - a directory the user gives (``checkpoint.memory.dir``, ``$STEADYTRAIN_MEMORY_DIR``) may be
-  shared, like ``/dev/shm`` itself, but not writable by others without the sticky bit
-  (``check_shared_base``): there another user could rename the job's folder away and put one
-  of theirs in its place;
+  shared, like ``/dev/shm`` itself, but must belong to this user or root and not be
+  writable by others without the sticky bit (``check_shared_base``): otherwise another user
+  could rename the job's folder away and put one of theirs in its place;
 - every file is opened with ``O_NOFOLLOW`` and checked on its descriptor (``open_own``): a
   regular file owned by this user, and, to be written, with one link (a hard link to a file
   elsewhere is never written through). Anything else is a ``ForeignFileError`` naming it:
@@ -106,14 +106,20 @@ def ensure_private_dir(path: str) -> None:
 
 
 def check_shared_base(path: str) -> None:
-    """A directory the user gave (it may be shared, like /dev/shm) must exist as a directory
-    and, when other users may write into it, have the sticky bit (then they cannot rename
-    or remove what this user created in it)."""
+    """A directory the user gave (it may be shared, like /dev/shm) must exist as a
+    directory, belong to this user or root, and, when other users may write into it, have
+    the sticky bit (then they cannot rename or remove what this user created in it)."""
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise PrivateDirError(
             f"memory directory {path} is not a directory; give checkpoint.memory.dir a "
             "node-local directory (a tmpfs such as /dev/shm)"
+        )
+    if st.st_uid not in (0, _uid()):
+        raise PrivateDirError(
+            f"memory directory {path} is owned by uid {st.st_uid}, neither this user (uid "
+            f"{_uid()}) nor root: its owner could replace the job's folder in it. Fix: give "
+            "checkpoint.memory.dir a directory of your own (or /dev/shm)"
         )
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
         raise PrivateDirError(
