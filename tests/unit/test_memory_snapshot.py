@@ -259,7 +259,7 @@ def test_a_copy_mapped_for_sending_is_read_only_and_sends_without_a_warning(tmp_
 
 
 def test_a_received_copy_keeps_the_kept_tensors_and_gives_back_the_rest():
-    from steadytrain.checkpoint.memory.tier import give_back
+    from steadytrain.checkpoint.memory.restored import give_back
 
     def resident_mib() -> float:
         with open("/proc/self/statm") as f:

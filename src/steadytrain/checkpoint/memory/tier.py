@@ -33,10 +33,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import mmap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from steadytrain.checkpoint import state as S
@@ -46,6 +45,14 @@ from steadytrain.checkpoint.memory.auto import AutoInterval
 from steadytrain.checkpoint.memory.config import MemoryConfig
 from steadytrain.checkpoint.memory.plan import check_copy, choose
 from steadytrain.checkpoint.memory.private import default_dir
+from steadytrain.checkpoint.memory.restored import (
+    Background,
+    Damaged,
+    bounded,
+    give_back,
+    owned,
+    parse_copy,
+)
 from steadytrain.checkpoint.memory.store import (
     Store,
     budget_error,
@@ -70,7 +77,6 @@ _ATTEMPTS = 4  # memory plans tried at restore before durable checkpoints
 # nothing.
 FULL_GENERATIONS = 3
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-_PASSED_MAX = 64  # entries of a restore's ``skipped`` from memory; the rest are counted
 _OFF = "the memory tier is off for this run; training and durable checkpoints go on"
 
 
@@ -391,7 +397,7 @@ class MemoryTier:
         self.wait()
         if self.off is not None:
             return None, [{"path": self.store.root, "step": 0, "reason": self.off}]
-        listing = _Background(durable_step if callable(durable_step) and self.rank == 0 else None)
+        listing = Background(durable_step if callable(durable_step) and self.rank == 0 else None)
         known = None if callable(durable_step) else int(durable_step)
         nodes = self.pairing.nodes
         mates = [r for r in range(self.world) if nodes[r] == self.node]
@@ -426,9 +432,9 @@ class MemoryTier:
                     tree = snap.place_shards(tree, S.dcp_state_dict(states))
                 check_copy(header, tree, states, self.job, self.world, self.rank, step, self.nonce)
                 if src == self.rank:  # now, while the ranks that receive are still busy
-                    tree = _owned(tree, states)
+                    tree = owned(tree, states)
             except FAILURES as exc:  # noqa: BLE001 - any doubt: another plan, or durable
-                err, damaged = f"rank {self.rank}: {exc}", isinstance(exc, _Damaged)
+                err, damaged = f"rank {self.rank}: {exc}", isinstance(exc, Damaged)
             newest_durable = listing.result() if known is None else None
             sent, self._sent = self._sent, []  # what this rank's sends could not give
             verdicts = self.group.all_gather((err, src != self.rank, damaged, newest_durable, sent))
@@ -461,7 +467,7 @@ class MemoryTier:
                 f"no memory generation{since} is complete and good for all {self.world} "
                 f"ranks (newest copy seen: step {newest})"
             )
-            passed = _bounded(passed, self.store.root)
+            passed = bounded(passed, self.store.root)
             if not newest:  # nothing in memory (a fresh job): nothing to report
                 return None, passed
             return None, passed + [{"path": self.store.root, "step": newest, "reason": why}]
@@ -479,10 +485,10 @@ class MemoryTier:
         if failed:
             self.touched = True  # the live states hold part of this snapshot
             reason = "memory restore failed while loading: " + "; ".join(failed[:4])
-            passed = _bounded(passed, self.store.root)
+            passed = bounded(passed, self.store.root)
             return None, passed + [{"path": self.store.root, "step": step, "reason": reason}]
         self.last_step = step
-        passed = _bounded(passed, self.store.root)
+        passed = bounded(passed, self.store.root)
         return {
             "type": "restore",
             "step": step,
@@ -500,7 +506,7 @@ class MemoryTier:
         """This rank's copy of ``step``, verified and decoded (buffer, header, tree): its node's
         copy, or the holder's; and serve the copies this rank holds for owners without one
         (its own copy is verified while they are sent). Files are mapped, not read: a tmpfs
-        copy is loaded and sent from its pages in place. Raises ``_Damaged`` for a copy
+        copy is loaded and sent from its pages in place. Raises ``Damaged`` for a copy
         that fails its checksum or does not decode."""
         import numpy as np
 
@@ -528,13 +534,13 @@ class MemoryTier:
         self._sent += [f"rank {self.rank}: {p}" for p in transfer.problems]
         try:
             if refused is not None:  # another copy of this step may still do
-                raise _Damaged(str(refused))
+                raise Damaged(str(refused))
             if recv is None:
-                return local, *_parse(local, self.store.path(self.rank, step), where)
+                return local, *parse_copy(local, self.store.path(self.rank, step), where)
         finally:
             transfer.wait()  # the sends read their mappings until they are done
         got = transfer.received
-        return got, *_parse(got, self.store.path(self.rank, step), where)
+        return got, *parse_copy(got, self.store.path(self.rank, step), where)
 
     def forget_after(self, step: int) -> None:
         """After a restore to ``step``: newer copies on this node are a future that will
@@ -551,107 +557,3 @@ class MemoryTier:
         self._spare.clear()
         if remove and self._usable:
             self.store.remove_all()
-
-
-def _bounded(passed: list[dict[str, Any]], root: str) -> list[dict[str, Any]]:
-    """At most ``_PASSED_MAX`` entries (a job of thousands of ranks may pass over as many
-    copies, and a ledger line is bounded), the rest counted in the last one."""
-    if len(passed) <= _PASSED_MAX:
-        return passed
-    kept, rest = passed[: _PASSED_MAX - 1], passed[_PASSED_MAX - 1 :]
-    nodes = sorted({str(p.get("node", "?")) for p in rest})
-    more = {
-        "path": root,
-        "step": 0,
-        "reason": f"{len(rest)} more copies passed over, on {', '.join(nodes[:8])}"
-        + (f" and {len(nodes) - 8} more nodes" if len(nodes) > 8 else ""),
-    }
-    return kept + [more]
-
-
-class _Damaged(CheckpointError):
-    """A copy that fails its checksum or does not decode: that copy is dropped, not the
-    step."""
-
-
-def _parse(buf: Any, path: str, where: str) -> tuple[dict[str, Any], Any]:
-    if buf is None:
-        raise CheckpointError(f"{path} vanished before it was read")
-    try:
-        return snap.parse(buf, where)
-    except CheckpointError as exc:
-        raise _Damaged(str(exc)) from None
-
-
-class _Background:
-    """``fn()`` on a thread of its own (None: nothing to do); ``result()`` waits for it."""
-
-    def __init__(self, fn: Callable[[], int] | None) -> None:
-        self._value: int | None = None
-        self._thread = None
-        if fn is not None:
-            self._thread = threading.Thread(
-                target=lambda: setattr(self, "_value", fn()),
-                name="steadytrain-memory-durable-listing",
-                daemon=True,
-            )
-            self._thread.start()
-
-    def result(self) -> int | None:
-        if self._thread is not None:
-            self._thread.join()
-        return self._value
-
-
-def give_back(buf: Any, kept: Any) -> None:
-    """Release the pages of ``buf`` (an anonymous mapping, ``snap.anonymous``) that no
-    tensor of ``kept`` lies on: they read as zeros afterwards and cost no memory."""
-    view = getattr(buf, "base", None)
-    mapping = view.obj if isinstance(view, memoryview) else view
-    if not isinstance(mapping, mmap.mmap) or len(mapping) != len(buf) or not len(buf):
-        return  # not a whole mapping of its own: nothing to give back
-    base, page = buf.ctypes.data, mmap.PAGESIZE
-    spans = sorted(
-        (t.data_ptr() - base, t.data_ptr() - base + t.nbytes) for t in _tensors(kept) if t.nbytes
-    )
-    start = 0
-    for lo, hi in [*spans, (len(buf), len(buf))]:
-        a, b = -(-start // page) * page, min(lo, len(buf)) // page * page
-        if b > a:
-            mapping.madvise(mmap.MADV_DONTNEED, a, b - a)
-        start = max(start, hi)
-
-
-def _tensors(obj: Any) -> Iterator[Any]:
-    """Every tensor in a nest of dicts, lists and tuples (the shapes a state dict takes)."""
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-    elif hasattr(obj, "to_local"):  # a DTensor: its local part is what lies in the buffer
-        yield obj.to_local()
-    elif hasattr(obj, "data_ptr") and hasattr(obj, "nbytes"):
-        yield obj
-
-
-def _owned(tree: dict[str, Any], states: dict[str, Any]) -> dict[str, Any]:
-    """``tree`` as it is loaded from this node's own file. Modules copy into their
-    parameters; anything else (an optimizer) may keep the tensors it is given, so those get
-    their own copies: the tier rewrites that file later, and a private mapping sees what is
-    written. (A copy received from a peer is this restore's memory alone: its tensors are
-    kept as they are, and the pages no kept tensor lies on are given back.) Done before the
-    ranks agree, as it writes no live state: a rank that loads its own copy has the time
-    while the ranks that receive theirs finish."""
-    modules, _, _ = S.split_states(states)
-    return {k: v if k in modules else _own(v) for k, v in tree.items()}
-
-
-def _own(obj: Any) -> Any:
-    """``obj`` with every tensor copied out of the snapshot buffer."""
-    if isinstance(obj, dict):
-        return {k: _own(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_own(v) for v in obj)
-    return obj.clone() if hasattr(obj, "clone") and hasattr(obj, "dtype") else obj
