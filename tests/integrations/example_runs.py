@@ -27,14 +27,18 @@ STEPS = 12
 CRASH_AT = 10
 
 
-def start_example(script: str, data: str, run_dir: str, crash_at: int = 0) -> subprocess.Popen:
-    """``torchrun --nproc-per-node 2 --max-restarts 1 examples/SCRIPT ...`` in the background."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+def start_example(
+    script: str, data: str, run_dir: str, crash_at: int = 0, nproc: int = 2, *extra: str
+) -> subprocess.Popen:
+    """``torchrun --nproc-per-node NPROC --max-restarts 1 examples/SCRIPT ... EXTRA`` in the
+    background."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     cmd += ["--monitor-interval=0.2", os.path.join(EXAMPLES, script)]
     cmd += ["--data", data, "--run-dir", run_dir, "--steps", str(STEPS)]
     if crash_at:
         cmd += ["--crash-at-step", str(crash_at)]
+    cmd += extra
     return subprocess.Popen(
         cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

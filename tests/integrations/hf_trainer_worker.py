@@ -18,14 +18,10 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-
-import torch  # noqa: E402
-from hf_trainer_callback import Windows  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     Trainer,
@@ -33,8 +29,8 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from steadytrain import TokenDataset  # noqa: E402
-from steadytrain.integrations.hf import SteadytrainCallback  # noqa: E402
+from steadytrain import TokenDataset, TokenWindows
+from steadytrain.integrations.hf import SteadytrainCallback
 
 
 class Fail(TrainerCallback):
@@ -75,7 +71,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     ds = TokenDataset.open(args.data)
-    windows = Windows(ds, 32)
+    windows = TokenWindows(ds, 32)
     evaluating = args.eval != "no"
     targs = TrainingArguments(
         output_dir=os.path.join(args.run_dir, "trainer"),

@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from lightning_callback import TinyLM, Windows  # noqa: E402
+from lightning_callback import TinyLM  # noqa: E402
 
-from steadytrain import TokenDataset  # noqa: E402
+from steadytrain import TokenDataset, TokenWindows  # noqa: E402
 from steadytrain.integrations.lightning import SteadytrainCallback  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def main() -> None:
     ds = TokenDataset.open(args.data)
     f = args.floor
     watchdog = {"floor_s": f, "init_s": f, "checkpoint_s": f, "poll_s": 0.2, "grace_s": 1.0}
-    windows = Windows(ds, 32)
+    windows = TokenWindows(ds, 32, labels="next")
     val: dict = {"limit_val_batches": 0}
     if args.val_s:  # every 4 steps; its own deadline, longer than the step's and the save's
         watchdog["phases"] = {"eval_s": 5 * f}

@@ -104,6 +104,11 @@ assert step == 0
         covered_by="tests/integrations/test_readme_plain_pytorch.py",
     ),
     Sample(
+        "docs/training.md",
+        r'TokenWindows\(TokenDataset\.open\("my-dataset"\), seq_len=64\)',
+        covered_by="tests/integrations/test_hf_recipe.py",
+    ),
+    Sample(
         "docs/checkpoint.md",
         r'Checkpointer\("ckpts/", every_steps=100, keep_last=3, keep_every=1000',
         prelude=_LOCAL_DS

@@ -1,12 +1,28 @@
 """``SteadytrainCallback``: steadytrain's ledger, hang watchdog and report inside Hugging Face
-``Trainer``, whose own checkpointing and ``resume_from_checkpoint`` stay as they are.
+``Trainer``, whose own checkpointing and ``resume_from_checkpoint`` stay as they are. Given
+a causal LM ``model`` (this recipe runs as written in tests/integrations/test_hf_recipe.py,
+and is the one in docs/training.md)::
 
-    trainer = Trainer(model, args, train_dataset=ds,
-                      callbacks=[SteadytrainCallback(tokens_per_step=8 * 64)])
+    import os
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_utils import get_last_checkpoint
+    from steadytrain import TokenDataset, TokenWindows
+    from steadytrain.integrations.hf import SteadytrainCallback
+
+    args = TrainingArguments(output_dir="out", max_steps=20, save_steps=10,
+                             per_device_train_batch_size=8, logging_steps=1)
+    # Samples, not the TokenLoader's micro-batches: the Trainer batches, shuffles, shards
+    # and resumes them with its own sampler (labels = input_ids: the model shifts).
+    data = TokenWindows(TokenDataset.open("my-dataset"), seq_len=64)
+    steady = SteadytrainCallback(tokens_per_step=8 * 64 * args.world_size)
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[steady])
+    os.makedirs(args.output_dir, exist_ok=True)  # every rank looks for its newest checkpoint
     trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
 
 Then ``steadytrain report OUTPUT_DIR/steadytrain`` (or the ``run_dir`` given) shows the
-goodput breakdown, crashes, restart gaps and the steps of every attempt.
+goodput breakdown, crashes, restart gaps and the steps of every attempt. A ``TokenLoader``'s
+``as_dataset()`` is refused at ``on_train_begin`` with that fix: its items are micro-batches,
+which the Trainer would batch again.
 
 How the Trainer's hooks map onto ``steadytrain.Run`` (``run.py``):
 
@@ -44,6 +60,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from steadytrain.data.read.faces import TokenIterableDataset
+from steadytrain.errors import ConfigError
 from steadytrain.integrations.hooks import CallbackState, ExitGuard, TrainerSaves
 from steadytrain.run import Run
 
@@ -70,6 +88,7 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
 
     # -- open / close ----------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        _check_train_data(kwargs.get("train_dataloader"))
         if self.run is not None:  # a second train() in this process: the first one ended
             self._close(None)
         step = int(state.global_step)
@@ -206,3 +225,17 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
         seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         tokens, self._tokens_seen = max(0, seen - self._tokens_seen), seen
         return tokens
+
+
+def _check_train_data(dataloader: Any) -> None:
+    """Refuse a ``TokenLoader``'s ``as_dataset()`` as the Trainer's data, naming the fix: the
+    Trainer would batch its micro-batches again and fail deep in the model."""
+    dataset = getattr(dataloader, "dataset", None)
+    inner = getattr(dataset, "dataset", None)  # accelerate's IterableDatasetShard wraps it
+    if isinstance(dataset, TokenIterableDataset) or isinstance(inner, TokenIterableDataset):
+        raise ConfigError(
+            "the Trainer's train_dataset is a TokenLoader's as_dataset(), whose items are "
+            "micro-batches: the Trainer would batch them again (input_ids of shape [batch, "
+            "micro_batch, seq_len]). Give it the samples: train_dataset=TokenWindows("
+            "TokenDataset.open(path), seq_len=...) (docs/training.md, HF Trainer)"
+        )

@@ -40,10 +40,11 @@ from typing import Any
 from lightning.pytorch import Callback
 
 from steadytrain.integrations.hooks import CallbackState, ExitGuard, TrainerSaves
+from steadytrain.integrations.lightning_exact import ExactResume
 from steadytrain.run import Run
 from steadytrain.run_support import Terminated
 
-__all__ = ["SteadytrainCallback"]
+__all__ = ["ExactResume", "SteadytrainCallback"]
 
 
 class SteadytrainCallback(CallbackState, Callback):
