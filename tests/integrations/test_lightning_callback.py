@@ -16,6 +16,7 @@ exception, SIGTERM and a hang.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -34,7 +35,10 @@ from harness import assert_same_run
 
 from steadytrain.testing.incidents.common import report as _report
 
-pytest.importorskip("lightning.pytorch")
+# Looked up, not imported: importing Lightning costs every test worker seconds at collection,
+# and only the worker processes this file starts use it.
+if importlib.util.find_spec("lightning") is None:
+    pytest.skip("lightning is not installed", allow_module_level=True)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

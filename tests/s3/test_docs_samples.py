@@ -81,6 +81,7 @@ class Sample:
     check: str = ""
     replace: dict[str, str] = field(default_factory=dict)
     covered_by: str = ""  # another test extracts and runs this very block
+    marks: tuple = ()  # e.g. the node harness: it runs in the suite's machine group
 
 
 SAMPLES = [
@@ -246,6 +247,7 @@ tmp_dir, dataset_dir = "harness", os.environ["SAMPLE_DATASET"]
         check="""
 assert h.leftovers() == [], h.leftovers()
 """,
+        marks=(pytest.mark.nodes,),
     ),
     Sample(
         "docs/storage.md",
@@ -272,7 +274,11 @@ def find_sample(file: str, code: str) -> Sample | None:
 
 
 BLOCKS = python_blocks()
-IDS = [f"{f}:{line}" for f, line, _ in BLOCKS]
+
+
+def _param(file: str, line: int, code: str):  # noqa: ANN202 - pytest's ParameterSet
+    sample = find_sample(file, code)
+    return pytest.param(file, line, code, id=f"{file}:{line}", marks=sample.marks if sample else ())
 
 
 def test_every_python_block_has_a_fixture() -> None:
@@ -320,7 +326,7 @@ def remote_dataset(sample_dataset, s3_server) -> str:
     return url
 
 
-@pytest.mark.parametrize("file,line,code", BLOCKS, ids=IDS)
+@pytest.mark.parametrize("file,line,code", [_param(*b) for b in BLOCKS])
 def test_docs_sample_runs(file, line, code, sample_dataset, remote_dataset, s3_server, tmp_path):
     sample = find_sample(file, code)
     if sample is None:
