@@ -8,7 +8,10 @@ it read locally and from a peer. ``RestoreLog`` reads them in ledger order, besi
 goodput accumulator, and gives the report:
 
 * ``restores``: one row per attempt that restored a step > 0: ``{"attempt", "step", "tier",
-  "seconds", "steps_lost", "bytes_local", "bytes_peer"}``. ``steps_lost`` is the ledger's
+  "seconds", "steps_lost", "bytes_local", "bytes_peer", "skipped"}``; ``skipped`` lists the
+  newer recovery points the restore passed over, ``{"path", "reason"}`` each (a partial
+  save, a checkpoint that failed verification, a memory snapshot that did not load): the
+  checkpoint a damaged newest one fell back from is named here. ``steps_lost`` is the ledger's
   last step before that attempt minus the restored step (>= 0). The "last step" is the
   timeline's position: the newest ``step`` record, or, when an attempt recorded no step, the
   step that attempt restored -- so a failure in a warm-up is not charged the same lost steps
@@ -33,11 +36,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from steadytrain.printable import html_text
+from steadytrain.printable import html_text, printable
 
 __all__ = ["TIERS", "RestoreLog", "restore_lines", "restores_html"]
 
 TIERS = ("local-memory", "peer-memory", "durable")
+# A restore record is untrusted input: at most this many skipped entries, reasons cut short.
+MAX_SKIPPED, MAX_REASON = 20, 300
 
 
 def _int(v: Any) -> int:
@@ -45,6 +50,18 @@ def _int(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return 0
     return int(v) if math.isfinite(v) and v >= 0 else 0
+
+
+def _skipped(v: Any) -> list[dict[str, str]]:
+    """The restore record's ``skipped`` entries that are well formed, bounded."""
+    if not isinstance(v, list):
+        return []
+    out = []
+    for e in v[:MAX_SKIPPED]:
+        if isinstance(e, dict) and isinstance(e.get("path"), str):
+            reason = e.get("reason") if isinstance(e.get("reason"), str) else ""
+            out.append({"path": e["path"], "reason": reason[:MAX_REASON]})
+    return out
 
 
 def _num(v: Any) -> float | None:
@@ -150,6 +167,7 @@ class RestoreLog:
             "steps_lost": max(0, o["before"] - step),
             "bytes_local": _num(rest.get("bytes_local")),
             "bytes_peer": _num(rest.get("bytes_peer")),
+            "skipped": _skipped(rest.get("skipped")),
         }
 
     def rows(self) -> list[dict[str, Any]]:
@@ -197,6 +215,8 @@ def restore_lines(summary: dict[str, Any]) -> list[str]:
                 f"  {r['attempt']!s:>7}  {r['step']:>8}  {r['tier']:<13} "
                 f"{r['seconds']:>8.2f}  {r['steps_lost']:>10}"
             )
+            for k in r.get("skipped") or []:
+                out.append(f"           skipped {printable(k['path'])}: {printable(k['reason'])}")
     snap = summary.get("memory_snapshots") or {}
     if snap.get("count"):
         share = snap.get("share_of_checkpoint_block")
@@ -220,12 +240,18 @@ def restores_html(summary: dict[str, Any]) -> str:
     if rows:
         body = "".join(
             f"<tr><td>{e(r['attempt'])}</td><td>{e(r['step'])}</td><td>{e(r['tier'])}</td>"
-            f"<td>{r['seconds']:.2f} s</td><td>{r['steps_lost']}</td></tr>"
+            f"<td>{r['seconds']:.2f} s</td><td>{r['steps_lost']}</td>"
+            f"<td>{'<br>'.join(_skip_html(k) for k in r.get('skipped') or [])}</td></tr>"
             for r in rows
         )
         part = (
             '<h2>Restores</h2><table class="restores"><tr><th>attempt</th><th>step</th>'
-            f"<th>tier</th><th>seconds</th><th>steps lost</th></tr>{body}</table>"
+            "<th>tier</th><th>seconds</th><th>steps lost</th><th>skipped (newer, not "
+            f"restored)</th></tr>{body}</table>"
         )
     lines = restore_lines({"memory_snapshots": summary.get("memory_snapshots")})
     return part + "".join(f"<p>{e(ln)}</p>" for ln in lines)
+
+
+def _skip_html(k: dict[str, str]) -> str:
+    return f"{html_text(k['path'])}: {html_text(k['reason'])}"
