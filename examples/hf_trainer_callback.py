@@ -85,6 +85,19 @@ class Trace(TrainerCallback):
             f.write(json.dumps(rec) + "\n")
 
 
+def tiny_config(vocab: int, seq_len: int) -> LlamaConfig:
+    """The tiny random-init Llama's config (``from_pretrained`` of an export needs it)."""
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq_len,
+    )
+
+
 def weights_sha256(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
@@ -122,16 +135,7 @@ def main() -> None:
         seed=0,
     )
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=ds.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=args.seq_len,
-    )
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(tiny_config(ds.vocab_size, args.seq_len))
     # One optimizer step's tokens over all ranks: batch x accumulation x ranks x length.
     tokens = 2 * 2 * targs.world_size * args.seq_len
     crash = args.crash_at_step or args.crash_in_save
