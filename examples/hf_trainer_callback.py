@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import signal
 
 import torch
@@ -77,9 +78,12 @@ class Trace(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:  # noqa: ANN001
         if "loss" not in (logs or {}):
             return
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        rec = {"step": state.global_step, "attempt": attempt, "attempt_id": attempt}
-        rec |= {"rank": args.process_index, "world": args.world_size, "loss": logs["loss"]}
+        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        node = os.environ.get("STEADYTRAIN_NODE") or platform.node()
+        # the Run's attempt id: the same on every rank, a spare's (restart count 0) too
+        rec = {"step": state.global_step, "attempt": count, "node": node}
+        rec |= {"attempt_id": self.steady.run.attempt_id, "rank": args.process_index}
+        rec |= {"world": args.world_size, "loss": logs["loss"]}
         rec["sample_ids"] = list(self.steady.sample_ids)
         with open(os.path.join(self.run_dir, f"trace-rank{args.process_index}.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")

@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import signal
 from typing import Any
 
@@ -78,13 +79,22 @@ class Trace(Callback):
         if step == self.step:
             return  # a micro-batch of gradient accumulation: the step goes on
         self.step = step
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         rank = trainer.global_rank
-        rec = {"step": step, "attempt": attempt, "attempt_id": attempt, "rank": rank}
-        rec |= {"world": self.world, "loss": float(outputs["loss"]), "sample_ids": self.ids}
+        rec = {"step": step, "rank": rank, "world": self.world, **attempt(trainer.strategy)}
+        rec |= {"loss": float(outputs["loss"]), "sample_ids": self.ids}
         with open(os.path.join(self.run_dir, f"trace-rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
         self.ids = []
+
+
+def attempt(strategy: Any) -> dict[str, Any]:
+    """Which attempt and node a trace record is from: the steadytrain Run's attempt id (the
+    same on every rank, also when a spare joins with its own restart count), else
+    torchrun's restart count."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    run = getattr(getattr(strategy, "steady", None), "run", None)
+    node = os.environ.get("STEADYTRAIN_NODE") or platform.node()
+    return {"attempt": count, "attempt_id": run.attempt_id if run else count, "node": node}
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
