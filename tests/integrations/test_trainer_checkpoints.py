@@ -88,14 +88,15 @@ def _damaged_newest_falls_back(script: str, data: str, tmp) -> str:
     rep = report(run_dir)
     [row] = rep["restores"]
     assert (row["step"], row["tier"]) == (4, "durable"), row
-    skipped = {k["path"]: k["reason"] for k in row["skipped"]}
-    assert sorted(skipped) == ["step-00000008", "step-00000012"], row
+    skipped = {k["path"]: k["reason"] for k in rep["restores_passed_over"]}
+    assert sorted(skipped) == ["step-00000008", "step-00000012"], rep["restores_passed_over"]
     assert "no COMMIT" in skipped["step-00000012"]
     assert "checksum" in skipped["step-00000008"], skipped
     text = subprocess.run(
         [*CLI, "report", run_dir], capture_output=True, text=True, timeout=180
     ).stdout
-    assert "skipped step-00000008: " in text and "skipped step-00000012: " in text, text
+    assert "passed over at restore" in text, text
+    assert "step 8, step-00000008: " in text and "step 12, step-00000012: " in text, text
     return run_dir
 
 

@@ -99,6 +99,9 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "step_s": "dur?",
         "data_wait_s": "dur?",
         "checkpoint_block_s": "dur?",
+        # written back at start-up (monitor/recovered.py); a summary stands for ``steps``
+        "recovered": "bool?",
+        "steps": "int?",
         **_STEP_METRICS,
     },
     "checkpoint": {
@@ -121,6 +124,7 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "bytes_local": "nonneg?",
         "bytes_peer": "nonneg?",
         "bytes_remote": "nonneg?",
+        "skipped": "list?",  # what the restore passed over: [{"path", "step", "reason"}]
     },
     # One generation of the memory tier (checkpoint/memory/): the loop's blocking (staging,
     # and waiting for the previous generation), the background write and peer transfer.
