@@ -44,7 +44,10 @@ def test_a_trainer_job_comes_back_from_a_node_loss_through_its_peers_memory(
     harness: NodeHarness, dataset: str, tmp_path, script: str
 ) -> None:
     node0, node1 = harness.nodes[:2]
-    run_dir, ref_dir = str(tmp_path / "job"), str(tmp_path / "ref")
+    # The rendezvous run id is the run dir's name: one per job (the harness's rendezvous
+    # store outlives a test, and a finished job's run id is closed there).
+    name = script.split("_")[0]
+    run_dir, ref_dir = str(tmp_path / f"job-{name}"), str(tmp_path / f"ref-{name}")
     reference = start_example(script, dataset, ref_dir, 0, 2, *FLAGS)  # 2 ranks, one node
     argv = [os.path.join(EXAMPLES, script), "--data", dataset, "--run-dir", run_dir, *FLAGS]
     job = start_job(harness, [node0, node1], run_dir, [], faults="", argv=argv)
