@@ -1,5 +1,6 @@
-"""examples/lightning_callback.py: ``steadytrain.integrations.lightning.SteadytrainCallback``
-and ``ExactResume`` in a Lightning ``Trainer`` (tiny model, DDP on 2 and on 3 CPU ranks under
+"""examples/lightning_callback.py ``--checkpoints lightning``:
+``steadytrain.integrations.lightning.SteadytrainCallback`` and ``ExactResume`` in a Lightning
+``Trainer`` (tiny model, DDP on 2 and on 3 CPU ranks under
 the real torchrun, a ``TokenLoader`` through a plain ``DataLoader``) that keeps its own
 ``ModelCheckpoint`` and ``fit(ckpt_path=...)``.
 
@@ -62,7 +63,7 @@ def test_lightning_crash_resume_is_exact_and_recorded(dataset: str, tmp_path, ra
 
     batch = 4 * ranks  # 2 micro-batches of 2 per rank and step
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "pl")
-    extra = ("--global-batch", str(batch))
+    extra = ("--global-batch", str(batch), "--checkpoints", "lightning")
     script = "lightning_callback.py"
     procs = [  # side by side: most of a run is start-up
         start_example(script, dataset, ref_dir, 0, ranks, *extra),
