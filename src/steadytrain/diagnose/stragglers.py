@@ -2,7 +2,7 @@
 
 Over the aligned step series of every rank (``RanksView.aligned()``: by step index, never
 by the nodes' clocks), windows of ``WINDOW_STEPS`` steps are judged with the shared code of
-``diagnose.windows``: a rank is slow when its data wait (or forward time) exceeds the
+``monitor.windows``: a rank is slow when its data wait (or forward time) exceeds the
 **healthy** ranks' level (``healthy_ref``: the fastest quarter, so two slow nodes of three
 are both named) by more than a floor: ``straggler_min_s``, ``straggler_share`` of the step
 time, and ``NOISE_K`` times the run's own noise (the healthy level's window-to-window
@@ -28,9 +28,9 @@ from typing import Any
 
 from steadytrain.diagnose.incident import Incident
 from steadytrain.diagnose.inputs import RunRecords
-from steadytrain.diagnose.windows import Window, compute_kind, data_cause, fold, healthy_ref
 from steadytrain.monitor.alerts import AlertConfig
 from steadytrain.monitor.records import finite_tree
+from steadytrain.monitor.windows import Window, compute_kind, data_cause, fold, healthy_ref
 
 __all__ = ["alert_config", "detect", "windows_of", "MIN_WINDOWS", "NOISE_K", "WINDOW_STEPS"]
 

@@ -6,7 +6,7 @@ batch makes every other rank wait inside the collective, so wall time alone cann
 spends on its *own* work before the sync point: its data wait (time inside ``next()``) and
 its forward pass (``forward_s``, before DDP's collectives). So, over a window of steps
 aligned by step index (never by the ranks' wall clocks), each rank is compared with the
-*healthy* ranks (``diagnose.windows.healthy_ref``: the fastest quarter of the ranks, so two
+*healthy* ranks (``monitor.windows.healthy_ref``: the fastest quarter of the ranks, so two
 slow nodes of three are both named; the median of the others would itself be slow):
 
 * **data straggler**: its data wait per step exceeds the others' by at least
@@ -20,12 +20,12 @@ slow nodes of three are both named; the median of the others would itself be slo
   its host's run queue exceeded its cores or the host was stolen from / throttled, more
   than the healthy ranks' hosts; nothing when every rank's host was as contended (one
   shared machine), nor on a CPU rank without host signals under twice that factor
-  (``diagnose.windows.compute_kind``).
+  (``monitor.windows.compute_kind``).
 * **shared slowdown**: no rank stands out, but every rank's step time is up by
   ``shared_slowdown`` over its own baseline: the cause is one they share (storage every
   node reads, data loading, compute on every rank, or the collectives / host work between).
 
-The window judgment and the causes are ``steadytrain.diagnose.windows``'s, the code the
+The window judgment and the causes are ``steadytrain.monitor.windows``'s, the code the
 diagnosis engine (diagnose/stragglers.py) runs over whole episodes for the report. The same
 ``classify`` runs live (``straggler_live.StragglerCheck``: rank 0's background
 thread reads every rank's new records through ``RankTail``); ``analyze`` runs it over the
@@ -39,7 +39,10 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from steadytrain.diagnose.windows import (
+from steadytrain.monitor.alerts import AlertConfig
+from steadytrain.monitor.diagnosis import advice
+from steadytrain.monitor.ranks import RanksView
+from steadytrain.monitor.windows import (
     LEGACY_DIAGNOSIS,
     Window,
     compute_kind,
@@ -48,9 +51,6 @@ from steadytrain.diagnose.windows import (
     healthy_ref,
     median,
 )
-from steadytrain.monitor.alerts import AlertConfig
-from steadytrain.monitor.diagnosis import advice
-from steadytrain.monitor.ranks import RanksView
 
 __all__ = ["Window", "fold", "classify", "analyze", "to_alert", "finding_key", "device_of_ranks"]
 

@@ -6,8 +6,8 @@
 * ``throughput.png``: tokens/s per GPU over time, the expected band, restarts, incidents;
 * ``waits.png``: data wait and checkpoint blocking per step over time;
 * ``goodput.png``: one bar, goodput and every badput bucket as a share of wall time;
-* ``ranks.png``: rank x step heatmaps of data wait and step time (``report_ranks.py``);
-* ``timeline.png``: one row per node: attempts, crashes, incidents (``report_timeline.py``);
+* ``ranks.png``: rank x step heatmaps of data wait and step time (``report/ranks.py``);
+* ``timeline.png``: one row per node: attempts, crashes, incidents (``report/timeline.py``);
 * ``report.html``: one self-contained page (plots embedded, and linked to the PNG files);
 * ``report.json``: the summary returned by ``build_report``.
 
@@ -15,7 +15,7 @@ One set of numbers: the goodput breakdown is computed once (``breakdown``: rank 
 through ``GoodputAccumulator``, then what only the report sees charged into buckets of its
 own: ``straggler_wait`` from the rank files, ``records_lost`` from the ledger's lost spans).
 That one ``Breakdown`` is the heading, the bucket table (``bucket_rows``, text and HTML), the
-goodput bar (``report_plots``, which records what it drew under ``plotted``) and the JSON;
+goodput bar (``report.plots``, which records what it drew under ``plotted``) and the JSON;
 no view computes a share of its own.
 """
 
@@ -25,6 +25,7 @@ import base64
 import json
 import os
 from array import array
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,13 @@ from steadytrain.diagnose.incident import Incident
 from steadytrain.diagnose.inputs import load
 from steadytrain.errors import SteadyError
 from steadytrain.monitor.goodput import Breakdown, GoodputAccumulator
-from steadytrain.monitor.ledger import iter_ledger, ledger_path
+from steadytrain.monitor.ledger import ledger_path
 from steadytrain.monitor.records import Rejects, check_record
 from steadytrain.monitor.records_lost import LostSpans, lost_warning
-from steadytrain.monitor.report_plots import plots as _plots
-from steadytrain.monitor.report_ranks import (
+from steadytrain.printable import html_text
+from steadytrain.redact import redact
+from steadytrain.report.plots import plots as _plots
+from steadytrain.report.ranks import (
     INCIDENT_KEYS,
     attach_ranks,
     charge_straggler_wait,
@@ -48,9 +51,7 @@ from steadytrain.monitor.report_ranks import (
     where,
     who,
 )
-from steadytrain.monitor.report_restores import RestoreLog, restores_html
-from steadytrain.printable import html_text
-from steadytrain.redact import redact
+from steadytrain.report.restores import RestoreLog, restores_html
 from steadytrain.storage.publish import publish_bytes
 
 __all__ = [
@@ -94,7 +95,12 @@ class _Series:
         self.step = array("q")
 
 
-def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
+def _read(
+    run_dir: Path, rejects: Rejects | None = None
+) -> Generator[None, dict[str, Any] | None, dict[str, Any]]:
+    """The report's fold of rank 0's ledger, fed the records ``diagnose.inputs.load`` reads
+    (``send`` each, then None; the data comes back in ``StopIteration.value``): a push
+    consumer, so the ledger is read once, for the engine and the report alike."""
     path = ledger_path(run_dir)
     if not path.exists():
         raise SteadyError(
@@ -104,7 +110,7 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
     rejects = rejects if rejects is not None else Rejects()
     acc = GoodputAccumulator()
     lost = LostSpans()  # records_lost: what a failing disk took (monitor/records_lost.py)
-    restores = RestoreLog()  # restores by tier, memory snapshots (monitor/report_restores.py)
+    restores = RestoreLog()  # restores by tier, memory snapshots (report/restores.py)
     s = _Series()
     starts: list[dict[str, Any]] = []
     alerts: list[dict[str, Any]] = []
@@ -118,7 +124,7 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
     world = 1
     band = None
     band_learned = None
-    for rec in iter_ledger(path, rejects=rejects):  # invalid records skipped and counted
+    while (rec := (yield)) is not None:  # invalid records were skipped and counted by load
         acc.add(rec)
         lost.add(rec)
         restores.add(rec)
@@ -385,18 +391,24 @@ def build_report(
     out = Path(out_dir) if out_dir is not None else run / "report"
     out.mkdir(parents=True, exist_ok=True)
     rejects = Rejects()
-    data = _read(run, rejects)
+    fold = _read(run, rejects)
+    next(fold)  # a missing ledger fails here, before anything is read
+    records = load(run, rejects, visit=fold.send)  # every record, read and warned about once
+    try:
+        fold.send(None)
+        raise AssertionError("the ledger fold did not end")  # pragma: no cover
+    except StopIteration as done:
+        data = done.value
     t0 = data["t0"]
-    section = data["ranks"] = rank_section(run, data["starts"], rejects)
+    section = data["ranks"] = rank_section(records.view)
     # The one computation every view prints (heading, table, plots, JSON).
     b = data["breakdown"] = breakdown(data, section)
     s = data["series"]
     step_t = dict(zip(s.step, s.t, strict=True))  # a redone step: its newest attempt's time
     data["alerts"] = attach_ranks(data["alerts"], section["stragglers"], section["ranks"], step_t)
-    # The incidents: the diagnosis engine's, from the run's own records (diagnose/); the
-    # plots mark these, numbered as in the table. The engine reads the records again: its
-    # skipped lines were already warned about and counted above, so it only counts.
-    data["incidents"] = incident_rows(diagnose(load(run, Rejects(warn=False))), t0)
+    # The incidents: the diagnosis engine's, from the same records (diagnose/); the plots
+    # mark these, numbered as in the table.
+    data["incidents"] = incident_rows(diagnose(records), t0)
     summary = b.to_dict()
     summary.pop("attempt_summaries")
     summary.update(
@@ -423,7 +435,7 @@ def build_report(
             "records_lost": data["records_lost"],
             # one row per attempt that restored a step > 0: attempt, step, tier
             # (local-memory, peer-memory, durable), seconds, steps_lost; and the memory
-            # tier's snapshots, whose blocking is inside checkpoint_block (report_restores.py)
+            # tier's snapshots, whose blocking is inside checkpoint_block (report/restores.py)
             "restores": data["restores"].rows(),
             "restores_by_tier": data["restores"].by_tier(),
             # what each restore passed over and why: another run's or another user's
