@@ -125,6 +125,7 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "bytes_local": "nonneg?",
         "bytes_peer": "nonneg?",
         "bytes_remote": "nonneg?",
+        "skipped": "list?",  # what the restore passed over: [{"path", "step", "reason"}]
     },
     # One generation of the memory tier (checkpoint/memory/): the loop's blocking (staging,
     # and waiting for the previous generation), the background write and peer transfer.
