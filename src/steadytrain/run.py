@@ -285,10 +285,11 @@ class Run:
         timed. ``compute_s``: else the time since the previous ``step_done`` less the data
         wait and the evaluation (time an own ``data_wait_s``/``compute_s`` across an
         evaluation on ``clock()``). The seconds inside ``phase("eval")`` since the previous
-        ``step_done`` are the record's ``eval_s``. ``loader``: its ``metrics()`` go into the step record (names the meter owns
-        prefixed). ``tokens_seen``: the run's tokens so far, if you count them (else Run adds
-        up ``tokens``; both go into the checkpoint's COMMIT). ``extra``: more fields for the
-        step record. Returns the seconds the save blocked the loop.
+        ``step_done`` are the record's ``eval_s``. ``loader``: its ``metrics()`` go into the
+        step record (names the meter owns prefixed). ``tokens_seen``: the run's tokens so
+        far, if you count them (else Run adds up ``tokens``; both go into the checkpoint's
+        COMMIT). ``extra``: more fields for the step record. Returns the seconds the save
+        blocked the loop.
 
         ``step``: an integer above the previous step (the first above ``start_step``) and
         below 2**53, else ``TypeError``/``ValueError`` here, before anything is saved or

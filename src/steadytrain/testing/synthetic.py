@@ -36,8 +36,8 @@ class Timeline:
 
     Each record's ``t`` is the moment it would be written: ``job_start`` after start-up and
     restore, a step at its end (``step_s`` = data wait + compute + checkpoint block +
-    evaluation + ``other_s``), a synchronous save's ``checkpoint`` record when the save returns, before
-    the step record, as the reference loop writes them.
+    evaluation + ``other_s``), a synchronous save's ``checkpoint`` record when the save
+    returns, before the step record, as the reference loop writes them.
     """
 
     def __init__(self, t0: float = 0.0) -> None:
