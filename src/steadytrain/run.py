@@ -201,6 +201,7 @@ class Run:
             config=self._config,
             device=self._device,
             run_nonce=self.nonce,
+            restored_from=next((e for e in held if e.get("type") == "restore"), None),
         )
         for event in held:
             self.meter.event(event)
