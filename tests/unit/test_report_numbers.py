@@ -5,12 +5,15 @@
 - a commit the ledger missed (an attempt killed right after COMMIT) is proven by its
   restores: the steps up to it stay kept however often it is restored, the report counts
   it and dates the recovery point by its COMMIT, and the next start writes it back;
+- the report's first line, in text, JSON and HTML, is the job's state, and its restart
+  loop is one incident in the culprit's own words.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -18,12 +21,14 @@ import pytest
 import torch
 
 from steadytrain import Run
+from steadytrain.cli import main
 from steadytrain.monitor.goodput import compute_goodput
 from steadytrain.monitor.ledger import read_ledger
 from steadytrain.monitor.meter import GoodputMeter
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from test_diagnose_failures import LOOP_TOTAL, restart_loop_run  # noqa: E402
 from test_monitor_goodput import end, start, step  # noqa: E402
 
 
@@ -119,6 +124,44 @@ def test_the_meter_writes_no_commit_for_a_memory_restore_or_a_known_one(tmp_path
             m.job_start(restored_step=restored["step"], restored_from=restored)
     assert not [r for r in read_ledger(run_dir / "ledger.jsonl") if r.get("recovered")
                 and r["type"] == "checkpoint"]  # fmt: skip
+
+
+def _report(tmp_path: Path, capsys, *args: str) -> str:
+    capsys.readouterr()
+    assert main(["report", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_the_restart_loop_report_agrees_with_itself_and_says_the_job_stopped(
+    tmp_path: Path, capsys
+) -> None:
+    """The issue's run: step 4 committed (no ledger record) and was restored three times,
+    then torchrun gave up at step 5 of 20. Before: "0 checkpoints committed", "1 steps
+    kept, 7 redone", a recovery point dated from the job's start, "4 attempt(s)" and
+    "stop the job"."""
+    run = restart_loop_run(tmp_path / "loop").write()
+    s = json.loads(_report(tmp_path, capsys, str(run), "--out", str(tmp_path / "r"), "--json"))
+    assert s["job_state"]["state"] == "stopped" and s["job_state"]["cause"] == "failures"
+    assert (s["job_state"]["step"], s["job_state"]["total_steps"]) == (5, LOOP_TOTAL)
+    assert (s["checkpoints"], s["checkpoints_reconciled"]) == (1, 1)
+    assert (s["steps_kept"], s["steps_lost"]) == (5, 3)
+    assert [r["steps_lost"] for r in s["restores"]] == [1, 1, 1]  # the Restores table
+    assert sum(r["steps_lost"] for r in s["restores"]) == s["steps_lost"]
+    recs = read_ledger(run / "ledger.jsonl")
+    commit_t = next(r["commit_t"] for r in recs if r["type"] == "restore")
+    assert s["recovery_point_age_s"] == pytest.approx(max(r["t"] for r in recs) - commit_t)
+    [loop] = s["incidents"]
+    assert loop["kind"] == "restart-loop" and "is stopped" in loop["advice"]
+
+    text = _report(tmp_path, capsys, str(run), "--out", str(tmp_path / "r"))
+    first = text.splitlines()[0]
+    assert first.startswith(f"job stopped by failures at step 5 of {LOOP_TOTAL}"), text
+    assert "5 steps kept, 3 redone, 1 checkpoint committed (1 known from a restore" in text
+    page = Path(s["html"]).read_text()
+    body = page.split("<body>", 1)[1]
+    assert re.match(r"\s*<p class=\"job-state poor\"><b>job stopped by failures at step 5 of 20",
+                    body), body[:300]  # fmt: skip
+    assert "1 checkpoint committed" in page and "0 checkpoints committed" not in page
 
 
 def test_the_planner_averages_measured_saves_only(tmp_path: Path) -> None:
