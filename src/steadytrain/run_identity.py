@@ -125,8 +125,16 @@ def establish(
     if adopt is not None and problem is None:
         try:
             adopted = adopt()
-        except Exception as e:  # a listing that fails is the restore's to report
-            log.debug("run identity: no nonce adopted from the checkpoints (%s)", e)
+        except Exception as e:
+            # The checkpoints could not be listed: a nonce made now and published would
+            # disown them for good (their nonce never matches again). Keep it in memory;
+            # the next attempt asks again. The restore reports the listing's failure.
+            log.warning(
+                "run identity: the checkpoints' run could not be read (%s); this attempt "
+                "uses an identity of its own and does not publish it",
+                e,
+            )
+            return RunIdentity(new_nonce(), "new")
         adopted = adopted if is_nonce(adopted) else None
     made = RunIdentity(adopted or new_nonce(), "adopted" if adopted else "new")
     try:

@@ -82,12 +82,19 @@ def _start_holding(data: str, run_dir: str, hold: str, *args: str) -> subprocess
             proc.kill()
             raise AssertionError(f"the first job never held:\n{proc.communicate()[0][-3000:]}")
         time.sleep(0.05)
+    # Its watchdog publishes the "hold" phase a poll into it: wait, so the tree is still.
+    phase = os.path.join(run_dir, "hangs", "phases", "attempt-0", "phase-rank-0.json")
+    while not os.path.exists(phase) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return proc
 
 
+# Files the holder's own live machinery rewrites: its leases' heartbeats, its watchdog.
+LIVE = (".run-lease", "checkpoints/.writer-lease", "hangs/phases")
+
+
 def _tree(run_dir: str) -> dict[str, str]:
-    """Every file under ``run_dir`` with a digest of its bytes; the run lease's files by name
-    only (the holder's heartbeat rewrites its own)."""
+    """Every file under ``run_dir`` with a digest of its bytes; ``LIVE`` files by name only."""
     out = {}
     for top, _dirs, files in os.walk(run_dir):
         for name in files:
@@ -95,7 +102,9 @@ def _tree(run_dir: str) -> dict[str, str]:
             rel = os.path.relpath(path, run_dir)
             with open(path, "rb") as f:
                 out[rel] = (
-                    "" if rel.startswith(".run-lease") else hashlib.sha1(f.read()).hexdigest()
+                    ""
+                    if rel.startswith((".run-lease", "hangs/phases"))
+                    else hashlib.sha1(f.read()).hexdigest()
                 )
     return out
 

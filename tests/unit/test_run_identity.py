@@ -47,11 +47,17 @@ def test_a_malformed_adopted_nonce_is_not_taken(tmp_path, bad):
     assert got.origin == "new" and got.nonce != bad
 
 
-def test_an_adopt_that_raises_makes_a_new_identity(tmp_path):
+def test_an_adopt_that_raises_publishes_nothing_so_the_next_attempt_asks_again(tmp_path):
+    """A failed listing of the checkpoints must not disown them for good: the identity of
+    this attempt stays in memory, and the next attempt adopts once the listing works."""
+
     def adopt():
         raise OSError("listing failed")
 
     assert ri.establish(tmp_path, adopt).origin == "new"
+    assert not (tmp_path / ri.IDENTITY_FILE).exists()
+    theirs = ri.new_nonce()
+    assert ri.establish(tmp_path, lambda: theirs) == ri.RunIdentity(theirs, "adopted")
 
 
 @pytest.mark.parametrize(

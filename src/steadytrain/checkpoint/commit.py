@@ -34,6 +34,7 @@ from typing import Any
 
 from steadytrain.checkpoint.regular import inside, open_regular, stat_regular
 from steadytrain.errors import CheckpointError
+from steadytrain.run_identity import is_nonce
 from steadytrain.storage.publish import Hasher, canonical_digest, file_digest, publish_bytes
 
 __all__ = [
@@ -304,6 +305,8 @@ def commit_schema(doc: dict[str, Any]) -> str | None:
         return f"states={states!r} is not a list of names"
     if not isinstance(doc.get("remote"), (str, type(None))):
         return f"remote={doc.get('remote')!r} is neither a URL nor null"
+    if "run_nonce" in doc and not is_nonce(doc["run_nonce"]):
+        return f"run_nonce={str(doc['run_nonce'])[:80]!r} is not a run nonce (32 hex digits)"
     files = doc.get("files")
     if not isinstance(files, list) or not files:
         return "has no file list"

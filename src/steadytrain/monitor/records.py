@@ -126,6 +126,7 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "bytes_local": "nonneg?",
         "bytes_peer": "nonneg?",
         "bytes_remote": "nonneg?",
+        "skipped": "list?",  # what the restore passed over: [{"path", "step", "reason"}]
         "commit_t": "time?",  # the restored checkpoint's COMMIT wall_time
     },
     # One generation of the memory tier (checkpoint/memory/): the loop's blocking (staging,
