@@ -28,7 +28,16 @@ from typing import Any
 
 from steadytrain.diagnose.incident import Incident
 from steadytrain.diagnose.inputs import RunRecords
-from steadytrain.diagnose.windows import Window, compute_kind, data_cause, fold, healthy_ref
+from steadytrain.diagnose.windows import (
+    Window,
+    compute_factor,
+    compute_kind,
+    compute_wait_s,
+    data_cause,
+    fold,
+    healthy_ref,
+    host_evidence,
+)
 from steadytrain.monitor.alerts import AlertConfig
 from steadytrain.monitor.records import finite_tree
 
@@ -36,6 +45,9 @@ __all__ = ["alert_config", "detect", "windows_of", "MIN_WINDOWS", "NOISE_K", "WI
 
 WINDOW_STEPS = 5  # steps per judged window
 MIN_WINDOWS = 3  # slow windows an episode needs (persistence: 15 steps)
+# ... and a slow forward pass that only its lead sets apart (every host as loaded, or no
+# host signals, on CPU: ``windows.compute_factor``'s unspecific factor in every window)
+MIN_WINDOWS_UNSPECIFIC = 4
 NOISE_K = 3.0  # a window's excess must exceed this many times the run's own jitter
 MIN_LOST_SHARE = 0.02  # an episode must cost this share of the job's step time
 
@@ -129,11 +141,11 @@ def detect(rec: RunRecords, cfg: AlertConfig | None = None) -> list[Incident]:
     for signal in ("data", "compute"):
         episodes += _signal_episodes(signal, wins, cfg, device, total_step_s)
     for ep in episodes:
-        _cause(ep, wins, cfg, device)
-    episodes = [e for e in episodes if e.kind]
+        _cause(ep, wins, cfg)
     for ep in episodes:  # the episode's first and last slow step, not its windows' edges
         ep.evidence["_steps"] = _edges(ep, chunks, grid, width, wins)
-    return _incidents(rec, episodes, wins)
+    spans = [(c[0] * width + 1, (c[-1] + 1) * width) for c in chunks]  # each window's steps
+    return _incidents(rec, episodes, wins, spans)
 
 
 def _edges(ep: _Episode, chunks: list[list[int]], grid: dict[int, dict[int, dict[str, float]]],
@@ -189,22 +201,35 @@ def _signal_episodes(
             else v - ref
             for row, ref in zip(wins, refs, strict=True)
         ])  # fmt: skip
-        flags = []
+        flags, strong = [], []
         for row, ref in zip(wins, refs, strict=True):
             w = row.get(r)
             v = None if w is None else _value(w, signal)
-            if v is None or ref is None:
+            if v is None or ref is None or w is None:
                 flags.append(False)
+                strong.append(False)
                 continue
             step = statistics.median(x.per(x.step_s) or 0.0 for x in row.values())
-            floor = max(cfg.straggler_min_s, cfg.straggler_share * step, NOISE_K * max(noise, own))
-            slow = v - ref >= floor
-            if signal == "compute":
-                slow &= v >= cfg.straggler_compute_factor * ref
+            share = cfg.straggler_share * step
+            factor = cfg.straggler_compute_factor
+            if signal == "data":
+                slow = v - ref >= max(cfg.straggler_min_s, share, NOISE_K * noise)
+            else:
+                # A slow forward pass costs the others its whole step's slowdown, not only
+                # the forward's excess (``compute_wait_s``): the share of the step is
+                # judged on that; its ratio and its excess over the noise on the forward.
+                factor, use_own = _compute_rule(w, row, r, ref, device, cfg)
+                floor = max(cfg.straggler_min_s, NOISE_K * noise, NOISE_K * own * use_own)
+                slow = v >= factor * ref and v - ref >= floor
+                slow &= compute_wait_s(w, ref) >= share
             flags.append(slow)
+            strong.append(factor > cfg.straggler_compute_factor)
         for idx in _episodes(flags):
-            if sum(flags[i] for i in idx) < MIN_WINDOWS:
+            n_slow = sum(flags[i] for i in idx)
+            if n_slow < MIN_WINDOWS:
                 continue  # not persistent: one slow window is a hiccup, not a fault
+            if all(strong[i] for i in idx if flags[i]) and n_slow < MIN_WINDOWS_UNSPECIFIC:
+                continue  # nothing but its lead sets it apart: the scheduler's, this long
             span = range(idx[0], idx[-1] + 1)
             lost = sum(_excess(wins[i], r, refs[i], signal) for i in span)
             if lost < MIN_LOST_SHARE * total_step_s:
@@ -215,18 +240,40 @@ def _signal_episodes(
     return out
 
 
+def _compute_rule(w: Window, row: dict[int, Window], r: int, ref: float, device: str | None,
+                  cfg: AlertConfig) -> tuple[float, bool]:  # fmt: skip
+    """(factor, use_own) for rank ``r``'s forward pass in one window: the ratio over the
+    healthy level it needs (``compute_factor`` of its host's evidence against the healthy
+    ranks' hosts of the window), and whether its own jitter raises the floor. Its own jitter counts where nothing on its host explains a slowdown (a quiet host,
+    a GPU): there a healthy rank's noise is the likelier reading. Not where its cgroup
+    throttled it or its host was more loaded (bursts are what a CPU quota makes: a fifth
+    of a core ran the forward pass in 5 ms one step and 185 ms the next), nor where the
+    factor is already the unspecific one."""
+    mine = _value(w, "compute") or 0.0
+    cut = ref + 0.5 * (mine - ref)
+    peers = [x for o, x in row.items() if o != r and (_value(x, "compute") or 0.0) <= cut]
+    peers = peers or [x for o, x in row.items() if o != r]
+    evidence, _ = host_evidence(w, peers)
+    factor = compute_factor(evidence, device, cfg)
+    quiet = factor <= cfg.straggler_compute_factor and evidence not in ("throttled", "loaded")
+    return factor, quiet
+
+
 def _excess(row: dict[int, Window], r: int, ref: float | None, signal: str) -> float:
-    """Seconds rank ``r`` cost the job in this window: its excess per step x the steps."""
+    """Seconds rank ``r`` cost the job in this window: its excess data wait per step x the
+    steps; for a slow forward pass, the others' wait its ratio implies
+    (``windows.compute_wait_s``) x the steps."""
     w = row.get(r)
     v = None if w is None else _value(w, signal)
     if v is None or ref is None or w is None:
         return 0.0
+    if signal == "compute":
+        return compute_wait_s(w, ref) * w.n
     return max(0.0, v - ref) * w.n
 
 
-def _cause(ep: _Episode, wins: list[dict[int, Window]], cfg: AlertConfig, device: str | None
-           ) -> None:  # fmt: skip
-    """Sets ``ep.kind`` (empty: dropped) and its evidence, judged over the whole episode."""
+def _cause(ep: _Episode, wins: list[dict[int, Window]], cfg: AlertConfig) -> None:
+    """Sets ``ep.kind`` and its evidence, judged over the whole episode."""
     r, signal = ep.rank, ep.signal
     parts = [(i, wins[i]) for i in ep.windows]
     me = _fold_windows([row[r] for _, row in parts if r in row])
@@ -261,16 +308,22 @@ def _cause(ep: _Episode, wins: list[dict[int, Window]], cfg: AlertConfig, device
         base = _fold_windows([wins[i][r] for i in range(0, ep.windows[0]) if r in wins[i]])
         kind, cause_ev = data_cause(me, healthy, base if base.n else None, cfg)
         ev.update(data_wait_s_per_step=mine, healthy_data_wait_s_per_step=ref, **cause_ev)
+        # A rank its own cgroup throttled (more than the healthy ranks') waits in next()
+        # for that reason: its reads and its loader run on the CPU the quota withholds.
+        # Cache misses and memory growth are signatures a quota cannot make; slow reads
+        # and a slow loader are not.
+        evidence, host = host_evidence(me, healthy)
+        if evidence == "throttled" and kind in ("storage", "dataloader"):
+            if not cause_ev["cache_misses_up"]:
+                kind = "host-contention"
+                ev.update(host={**host, "evidence": evidence})
     else:
         ratio = mine / ref if ref > 0 else float("inf")
         healthy = peers or [_fold_windows([row[o] for _, row in parts if o in row])
                             for o in others]  # fmt: skip
-        found, host = compute_kind(me, healthy, ratio, device, cfg)
+        kind, host = compute_kind(me, healthy)
         ev.update(forward_s_per_step=mine, healthy_forward_s_per_step=ref, forward_ratio=ratio)
         ev.update(host=host or None)
-        if found is None:
-            return  # a loaded host is likelier than a fault of the rank: no incident
-        kind = found
     ev["step_s_per_step"] = me.per(me.step_s)
     ep.kind, ep.evidence = kind, ev
 
@@ -323,12 +376,15 @@ def _device(view: Any) -> str | None:
     return None
 
 
-def _incidents(rec: RunRecords, episodes: list[_Episode], wins: list[dict[int, Window]]
-               ) -> list[Incident]:  # fmt: skip
+def _incidents(rec: RunRecords, episodes: list[_Episode], wins: list[dict[int, Window]],
+               spans: list[tuple[int, int]]) -> list[Incident]:  # fmt: skip
     """Overlapping episodes of one kind as one incident (every node and rank named)."""
     groups: list[list[_Episode]] = []
-    for ep in sorted(episodes, key=lambda e: (e.kind, e.windows[0])):
-        g = groups[-1] if groups and groups[-1][0].kind == ep.kind else None
+    # by kind and signal: a throttled rank can be slow in next() and in its forward pass at
+    # once, two measures of one fault (the engine merges their incidents, costs added)
+    for ep in sorted(episodes, key=lambda e: (e.kind, e.signal, e.windows[0])):
+        same = groups and (groups[-1][0].kind, groups[-1][0].signal) == (ep.kind, ep.signal)
+        g = groups[-1] if same else None
         if g is not None and ep.windows[0] <= max(e.windows[-1] for e in g) + 1:
             g.append(ep)
         else:
@@ -339,10 +395,15 @@ def _incidents(rec: RunRecords, episodes: list[_Episode], wins: list[dict[int, W
         first_w, last_w = min(e.windows[0] for e in g), max(e.windows[-1] for e in g)
         signal = g[0].signal
         lost = 0.0
+        waits = []  # compute: [first step, last step, s/step] per window, for the charge
         for i in range(first_w, last_w + 1):
             row = wins[i]
             ref = healthy_ref(_value(w, signal) for w in row.values())
-            lost += max((_excess(row, e.rank, ref, signal) for e in g), default=0.0)
+            here = max((_excess(row, e.rank, ref, signal) for e in g), default=0.0)
+            lost += here
+            n = max((row[e.rank].n for e in g if e.rank in row), default=0)
+            if signal == "compute" and here > 0 and n:
+                waits.append([*spans[i], here / n])
         first = min(e.evidence["_steps"][0] for e in g)
         last = max(e.evidence["_steps"][1] for e in g)
         ranks = sorted({e.rank for e in g})
@@ -353,6 +414,8 @@ def _incidents(rec: RunRecords, episodes: list[_Episode], wins: list[dict[int, W
         ev.pop("_steps", None)
         if len(g) > 1:
             ev["per_rank"] = {str(e.rank): _brief(e.evidence) for e in g}
+        if waits:  # what the report charges as straggler_wait (monitor/report_ranks.py)
+            ev["wait_s_per_step"] = waits
         inc = Incident(kind=kind, nodes=nodes, ranks=ranks, first_step=first, last_step=last,
                        lost_s=lost, evidence=ev, t=_t_of(rec, first),
                        attempt=_attempt_of(rec, first))  # fmt: skip
@@ -395,7 +458,7 @@ def _message(inc: Incident) -> str:
     where = f"{who} on {', '.join(inc.nodes)}" if inc.nodes else who
     span = f"steps {inc.first_step}-{inc.last_step}"
     cost = f"cost {inc.lost_s:.1f} s of job time"
-    if inc.kind in ("compute", "host-contention"):
+    if inc.kind in ("compute", "host-contention") and "forward_ratio" in ev:
         msg = (f"{where}: forward pass {ev['forward_ratio']:.1f}x the healthy ranks' "
                f"({ev['forward_s_per_step']:.3f} vs {ev['healthy_forward_s_per_step']:.3f} "
                f"s/step) over {span}")  # fmt: skip
@@ -405,7 +468,10 @@ def _message(inc: Incident) -> str:
             if h.get("steal_share"):
                 msg += f", steal {h['steal_share']:.0%}"
             if h.get("throttled_share"):
-                msg += f", throttled {h['throttled_share']:.0%}"
+                msg += f", its cgroup throttled {h['throttled_share']:.0%} of the time"
+        elif h and h.get("healthy_run_queue") is not None:  # compute: the host no busier
+            msg += (f"; its host no more loaded than the healthy ranks' (run queue "
+                    f"{h['run_queue']:.1f} vs {h['healthy_run_queue']:.1f})")  # fmt: skip
         return f"{msg}; {cost}"
     msg = (f"{where} waited {ev['data_wait_s_per_step']:.3f} s/step for data vs "
            f"{ev['healthy_data_wait_s_per_step']:.3f} s on the healthy ranks over {span}")  # fmt: skip
@@ -413,6 +479,9 @@ def _message(inc: Incident) -> str:
         msg += f"; read p99 {_ms(ev.get('read_p99_s'))} vs {_ms(ev.get('healthy_read_p99_s'))}"
         if ev.get("cache_misses_per_step"):
             msg += f", {ev['cache_misses_per_step']:.1f} cache misses/step"
+    elif inc.kind == "host-contention" and ev.get("host"):
+        h = ev["host"]
+        msg += f"; its cgroup throttled it {h.get('throttled_share') or 0:.0%} of the time"
     elif inc.kind == "loader-memory" and ev.get("memory_growth_bytes") is not None:
         msg += f"; loader memory grew {ev['memory_growth_bytes'] / (1 << 20):.0f} MiB"
         if ev.get("healthy_memory_growth_bytes") is not None:

@@ -9,9 +9,12 @@ step heatmaps of data wait and step time, with restarts and crashes marked on th
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from steadytrain.diagnose.incident import Incident
 from steadytrain.diagnose.stragglers import alert_config
 from steadytrain.monitor.goodput import Breakdown
 from steadytrain.monitor.ranks import RanksView, read_ranks
@@ -21,12 +24,16 @@ from steadytrain.printable import html_text, printable
 __all__ = [
     "INCIDENT_KEYS",
     "attach_ranks",
+    "charge_straggler_wait",
+    "compute_waits",
     "crashes",
     "per_unit",
     "node_rows",
     "plot_heatmaps",
     "rank_section",
     "ranks_html",
+    "straggler_wait_s",
+    "straggler_waits",
     "where",
     "who",
 ]
@@ -280,17 +287,44 @@ def ranks_html(summary: dict[str, Any], img: Any) -> str:
     return "\n".join(parts)
 
 
-def straggler_wait_s(view: RanksView) -> float:
-    """Time rank 0 booked as compute while it waited, inside a collective, for a rank that
-    waited on data longer than it did (synchronous data parallelism: a step goes at the
-    pace of its slowest rank's ``next()``). Per step bin: rank 0's steps times the excess
-    of the worst rank's mean data wait per step over rank 0's; a lower bound of the
-    per-step sum (bins average within themselves). 0 without rank files or rank 0's."""
+def compute_waits(incidents: Iterable[Incident | dict[str, Any]]) -> list[tuple[int, int, float]]:
+    """What the diagnosis engine found the other ranks waited for a slow forward pass:
+    ``(first step, last step, seconds per step)`` of each window of every ``compute`` and
+    ``host-contention`` incident (its ``wait_s_per_step``, diagnose/stragglers.py)."""
+    out = []
+    for inc in incidents:
+        kind = inc.kind if isinstance(inc, Incident) else inc.get("kind")
+        ev = inc.evidence if isinstance(inc, Incident) else inc.get("evidence")
+        if kind not in ("compute", "host-contention") or not isinstance(ev, dict):
+            continue
+        for w in ev.get("wait_s_per_step") or []:
+            if (
+                isinstance(w, (list, tuple))
+                and len(w) == 3
+                and all(isinstance(x, (int, float)) and math.isfinite(x) for x in w)
+            ):
+                out.append((int(w[0]), int(w[1]), max(0.0, float(w[2]))))
+    return out
+
+
+def straggler_waits(
+    view: RanksView, waits: Iterable[tuple[int, int, float]] = ()
+) -> tuple[float, float]:
+    """``(data, compute)``: time rank 0 booked as compute while the job waited for a
+    slower rank (synchronous data parallelism: a step goes at the pace of its slowest
+    rank). Per step bin, rank 0's steps times: for ``data``, the excess of the worst rank's
+    mean data wait per step over rank 0's (a rank slow in ``next()``; a lower bound of the
+    per-step sum, bins average within themselves); for ``compute``, what the wait per step
+    the engine found for a rank slow in its own compute (``waits``: ``compute_waits`` of
+    the incidents; rank 0 itself included, its slow compute being booked as work) adds
+    beyond that data wait (one wait, not two, where both fall in a step). (0, 0) without
+    rank files or rank 0's."""
+    waits = list(waits)
     width, bins = view.aligned()
     own = bins.get(0)
     if not own or len(bins) < 2:
-        return 0.0
-    total = 0.0
+        return 0.0, 0.0
+    data = compute = 0.0
     for idx, b0 in own.items():
         n0 = b0.get("n") or 0
         if not n0:
@@ -301,12 +335,27 @@ def straggler_wait_s(view: RanksView) -> float:
              if idx in b and b[idx].get("n")),
             default=mine,
         )  # fmt: skip
-        total += n0 * max(0.0, worst - mine)
-    return total
+        first, last = idx * width + 1, (idx + 1) * width
+        slow = max((s for a, z, s in waits if a <= last and first <= z), default=0.0)
+        excess = max(0.0, worst - mine)
+        data += n0 * excess
+        compute += n0 * max(0.0, slow - excess)
+    return data, compute
 
 
-def charge_straggler_wait(b: Breakdown, view: RanksView) -> Breakdown:
-    """``b`` with ``straggler_wait_s(view)`` (capped at the productive time) moved from
-    goodput into its own badput bucket ``straggler_wait``: rank 0's ledger alone cannot
-    see it. The report calls this once; every view prints the breakdown it returns."""
-    return b.charged("straggler_wait", straggler_wait_s(view))
+def straggler_wait_s(view: RanksView) -> float:
+    """The data part of ``straggler_waits`` (rank 0 waiting for a slower rank's
+    ``next()``)."""
+    return straggler_waits(view)[0]
+
+
+def charge_straggler_wait(
+    b: Breakdown, view: RanksView, incidents: Iterable[Incident | dict[str, Any]] = ()
+) -> Breakdown:
+    """``b`` with ``straggler_waits`` moved from goodput into badput buckets of their own:
+    ``straggler_wait`` (a rank slow in ``next()``) and ``straggler_compute`` (a rank slow
+    in its own compute, as the engine's incidents measured it). Rank 0's ledger alone sees
+    neither. Each is capped at the productive time left (``b.capped`` says when and by how
+    much). The report calls this once; every view prints the breakdown it returns."""
+    data, compute = straggler_waits(view, compute_waits(incidents))
+    return b.charged("straggler_wait", data).charged("straggler_compute", compute)
