@@ -34,9 +34,10 @@ STEP_S, SLOW_STEP_S, WAIT, FWD, RATIO = 0.1, 0.3, 0.002, 0.03, 5.0
 HOST = {"host_run_queue": 7.0, "host_cpus": 2.0, "host_steal": 0.0}
 
 
-def _run(run: Path, *, compute_s: float | None = None) -> Path:
+def _run(run: Path, *, compute_s: float | None = None, slow_wait: float = WAIT) -> Path:
     """The run (module docstring); ``compute_s``: rank 0's booked compute per step (its
-    ledger's productive time), by default the step less its data wait."""
+    ledger's productive time), by default the step less its data wait; ``slow_wait``: rank
+    1's data wait while throttled (its reads run on the CPU the quota withholds too)."""
     tl = Timeline()
     tl.job_start(world_size=3)
     for step in range(1, STEPS + 1):
@@ -57,7 +58,8 @@ def _run(run: Path, *, compute_s: float | None = None) -> Path:
             slow = rank == 1 and step >= FROM
             recs.append(
                 {"type": "rank_step", "step": step, "attempt": 0, "t": time.time(),
-                 "step_s": SLOW_STEP_S if step >= FROM else STEP_S, "data_wait_s": WAIT,
+                 "step_s": SLOW_STEP_S if step >= FROM else STEP_S,
+                 "data_wait_s": slow_wait if slow else WAIT,
                  "forward_s": FWD * (RATIO if slow else 1.0), "read_p99_s": 0.001,
                  "cache_misses": 0, "rss_bytes": 300 << 20, "shm_bytes": 0,
                  **HOST, "host_throttled": 0.6 if slow else 0.0}
@@ -109,6 +111,26 @@ def test_a_compute_stragglers_wait_leaves_goodput_in_every_figure(
     assert m.goodput == pytest.approx(s["goodput"])
     assert m.badput["straggler"] == pytest.approx(s["badput"]["straggler_compute"])
     assert m.data_stall_frac > 0.5  # most of each slow step waited
+
+
+def test_a_throttled_ranks_data_wait_and_compute_are_one_hold_up_charged_once_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The throttled rank also waits 50 ms a step in next(): it reaches the all-reduce
+    after its data wait and then its slow compute, so the others wait for both. One
+    incident (its data and forward episodes merged), whose cost the two straggler buckets
+    hold between them: the data part in ``straggler_wait``, the rest in
+    ``straggler_compute``, nothing twice."""
+    slow_wait = 0.05
+    s, _ = _report(capsys, _run(tmp_path / "run", slow_wait=slow_wait), tmp_path / "rep")
+    [inc] = s["incidents"]
+    assert (inc["kind"], inc["nodes"]) == ("host-contention", ["node-1"])
+    bad = s["badput_s"]
+    slow_steps = STEPS - FROM + 1
+    assert bad["straggler_wait"] == pytest.approx((slow_wait - WAIT) * slow_steps)
+    assert bad["straggler_wait"] + bad["straggler_compute"] == pytest.approx(
+        inc["lost_s"], rel=0.02
+    )
 
 
 def test_a_capped_charge_says_it_was_capped_and_by_how_much(

@@ -4,18 +4,26 @@ Over the aligned step series of every rank (``RanksView.aligned()``: by step ind
 by the nodes' clocks), windows of ``WINDOW_STEPS`` steps are judged with the shared code of
 ``diagnose.windows``: a rank is slow when its data wait (or forward time) exceeds the
 **healthy** ranks' level (``healthy_ref``: the fastest quarter, so two slow nodes of three
-are both named) by more than a floor: ``straggler_min_s``, ``straggler_share`` of the step
-time, and ``NOISE_K`` times the run's own noise (the healthy level's window-to-window
-jitter: a shared 2-core host's jitter is not an incident).
+are both named) by more than a floor: ``straggler_min_s`` and ``NOISE_K`` times the run's
+own noise (the healthy level's window-to-window jitter: a shared 2-core host's jitter is
+not an incident), at a cost of at least ``straggler_share`` of the step time. A slow
+forward pass must also be ``windows.compute_factor`` x the healthy level: the base factor
+where its host names a cause (its own cgroup throttled it, its host more loaded) or could
+explain nothing (a quiet host, a GPU), twice that where a loaded host could (every host as
+loaded, or no host signals, on CPU), where the episode also needs
+``MIN_WINDOWS_UNSPECIFIC`` windows: the scheduler's noise here lasted at most two.
 
 A rank's slow windows form an **episode** (gaps of one window are bridged); an episode
 needs ``MIN_WINDOWS`` slow windows and must cost at least ``MIN_LOST_SHARE`` of the job's
 step time. Its cause is judged over the whole episode (``data_cause``: read p99 and cache
-misses against the healthy ranks', memory growth since the start; ``host_state`` for a
-slow forward pass: a contended host is ``host-contention``, never ``compute``). Episodes of
-one kind that overlap are one incident naming every node and rank, spanning them all;
-``lost_s`` is the job time it cost: per window, the slowest of its ranks' excess per step
-times the window's steps (every other rank waited that long inside the all-reduce).
+misses against the healthy ranks', memory growth since the start, and a quota of its own
+cgroup; ``compute_kind`` for a slow forward pass: ``host-contention`` when its own cgroup
+throttled it or its host was more loaded, else ``compute``, never nothing). Episodes of one
+kind that overlap are one incident naming every node and rank, spanning them all;
+``lost_s`` is the job time it cost: per window, the slowest of its ranks' cost per step
+times the window's steps (every other rank waited that long inside the all-reduce): the
+excess data wait, or for a slow forward pass ``windows.compute_wait_s`` (listed per window
+in ``wait_s_per_step``, which the report charges as ``straggler_compute``).
 """
 
 from __future__ import annotations
@@ -244,19 +252,20 @@ def _compute_rule(w: Window, row: dict[int, Window], r: int, ref: float, device:
                   cfg: AlertConfig) -> tuple[float, bool]:  # fmt: skip
     """(factor, use_own) for rank ``r``'s forward pass in one window: the ratio over the
     healthy level it needs (``compute_factor`` of its host's evidence against the healthy
-    ranks' hosts of the window), and whether its own jitter raises the floor. Its own jitter counts where nothing on its host explains a slowdown (a quiet host,
-    a GPU): there a healthy rank's noise is the likelier reading. Not where its cgroup
-    throttled it or its host was more loaded (bursts are what a CPU quota makes: a fifth
-    of a core ran the forward pass in 5 ms one step and 185 ms the next), nor where the
-    factor is already the unspecific one."""
+    ranks' hosts of the window), and whether its own jitter raises the floor. Its own
+    jitter counts at the base factor -- a healthy rank on a noisy host jumps from window to
+    window -- except where its own cgroup throttled it: bursts are what a CPU quota makes
+    (a fifth of a core ran the forward pass in 5 ms one step and 185 ms the next), and the
+    throttled time is the kernel's own count, not a sample. A more loaded host keeps the
+    jitter rule: its run queue is a sample once a second, and on one machine two ranks'
+    samples differed 7 to 1 for a whole run of 24 steps."""
     mine = _value(w, "compute") or 0.0
     cut = ref + 0.5 * (mine - ref)
     peers = [x for o, x in row.items() if o != r and (_value(x, "compute") or 0.0) <= cut]
     peers = peers or [x for o, x in row.items() if o != r]
     evidence, _ = host_evidence(w, peers)
     factor = compute_factor(evidence, device, cfg)
-    quiet = factor <= cfg.straggler_compute_factor and evidence not in ("throttled", "loaded")
-    return factor, quiet
+    return factor, factor <= cfg.straggler_compute_factor and evidence != "throttled"
 
 
 def _excess(row: dict[int, Window], r: int, ref: float | None, signal: str) -> float:
@@ -395,15 +404,16 @@ def _incidents(rec: RunRecords, episodes: list[_Episode], wins: list[dict[int, W
         first_w, last_w = min(e.windows[0] for e in g), max(e.windows[-1] for e in g)
         signal = g[0].signal
         lost = 0.0
-        waits = []  # compute: [first step, last step, s/step] per window, for the charge
+        # compute: [first step, last step, s/step, rank] per window, for the charge
+        waits: list[list[Any]] = []
         for i in range(first_w, last_w + 1):
             row = wins[i]
             ref = healthy_ref(_value(w, signal) for w in row.values())
-            here = max((_excess(row, e.rank, ref, signal) for e in g), default=0.0)
+            cost = {e.rank: _excess(row, e.rank, ref, signal) for e in g}
+            who, here = max(cost.items(), key=lambda kv: kv[1], default=(None, 0.0))
             lost += here
-            n = max((row[e.rank].n for e in g if e.rank in row), default=0)
-            if signal == "compute" and here > 0 and n:
-                waits.append([*spans[i], here / n])
+            if signal == "compute" and here > 0 and who in row and row[who].n:
+                waits.append([*spans[i], here / row[who].n, who])
         first = min(e.evidence["_steps"][0] for e in g)
         last = max(e.evidence["_steps"][1] for e in g)
         ranks = sorted({e.rank for e in g})
@@ -414,7 +424,7 @@ def _incidents(rec: RunRecords, episodes: list[_Episode], wins: list[dict[int, W
         ev.pop("_steps", None)
         if len(g) > 1:
             ev["per_rank"] = {str(e.rank): _brief(e.evidence) for e in g}
-        if waits:  # what the report charges as straggler_wait (monitor/report_ranks.py)
+        if waits:  # what the report charges, straggler_compute (monitor/report_ranks.py)
             ev["wait_s_per_step"] = waits
         inc = Incident(kind=kind, nodes=nodes, ranks=ranks, first_step=first, last_step=last,
                        lost_s=lost, evidence=ev, t=_t_of(rec, first),
@@ -465,7 +475,7 @@ def _message(inc: Incident) -> str:
         h = ev.get("host")
         if inc.kind == "host-contention" and h:
             msg += f"; host run queue {h['run_queue']:.1f} on {h['cores']:.0f} cores"
-            if h.get("steal_share"):
+            if (h.get("steal_share") or 0.0) >= 0.005:  # shown as at least 1 %
                 msg += f", steal {h['steal_share']:.0%}"
             if h.get("throttled_share"):
                 msg += f", its cgroup throttled {h['throttled_share']:.0%} of the time"

@@ -2,7 +2,9 @@
 
 DDP's all-reduce equalises every rank's step *wall* time, so what tells a slow rank apart
 is the time it spends on its *own* work before the sync point: its data wait (time inside
-``next()``) and its forward pass. Over a window of steps aligned by step index, each rank is
+``next()``) and its forward pass. Its whole step less its data wait cannot tell: every rank
+leaves the all-reduce together, so that is the same on every rank (the healthy ones wait
+inside it); it measures what a slow rank cost instead (``compute_wait_s``). Over a window of steps aligned by step index, each rank is
 compared with the **healthy** ranks, not with the median of the others: when two of three
 nodes are slow, the median of the others is itself slow. The healthy reference is a low
 quantile of the ranks' values (``healthy_ref``: the fastest quarter), so any minority up

@@ -32,7 +32,6 @@ __all__ = [
     "plot_heatmaps",
     "rank_section",
     "ranks_html",
-    "straggler_wait_s",
     "straggler_waits",
     "where",
     "who",
@@ -287,10 +286,13 @@ def ranks_html(summary: dict[str, Any], img: Any) -> str:
     return "\n".join(parts)
 
 
-def compute_waits(incidents: Iterable[Incident | dict[str, Any]]) -> list[tuple[int, int, float]]:
+def compute_waits(
+    incidents: Iterable[Incident | dict[str, Any]],
+) -> list[tuple[int, int, float, int]]:
     """What the diagnosis engine found the other ranks waited for a slow forward pass:
-    ``(first step, last step, seconds per step)`` of each window of every ``compute`` and
-    ``host-contention`` incident (its ``wait_s_per_step``, diagnose/stragglers.py)."""
+    ``(first step, last step, seconds per step, rank)`` of each window of every ``compute``
+    and ``host-contention`` incident (its ``wait_s_per_step``, diagnose/stragglers.py;
+    an entry without a rank counts as a rank of its own, -1)."""
     out = []
     for inc in incidents:
         kind = inc.kind if isinstance(inc, Incident) else inc.get("kind")
@@ -298,27 +300,27 @@ def compute_waits(incidents: Iterable[Incident | dict[str, Any]]) -> list[tuple[
         if kind not in ("compute", "host-contention") or not isinstance(ev, dict):
             continue
         for w in ev.get("wait_s_per_step") or []:
-            if (
-                isinstance(w, (list, tuple))
-                and len(w) == 3
-                and all(isinstance(x, (int, float)) and math.isfinite(x) for x in w)
-            ):
-                out.append((int(w[0]), int(w[1]), max(0.0, float(w[2]))))
+            if not isinstance(w, (list, tuple)) or len(w) not in (3, 4):
+                continue
+            if all(isinstance(x, (int, float)) and math.isfinite(x) for x in w):
+                rank = int(w[3]) if len(w) == 4 else -1
+                out.append((int(w[0]), int(w[1]), max(0.0, float(w[2])), rank))
     return out
 
 
 def straggler_waits(
-    view: RanksView, waits: Iterable[tuple[int, int, float]] = ()
+    view: RanksView, waits: Iterable[tuple[int, int, float, int]] = ()
 ) -> tuple[float, float]:
     """``(data, compute)``: time rank 0 booked as compute while the job waited for a
     slower rank (synchronous data parallelism: a step goes at the pace of its slowest
-    rank). Per step bin, rank 0's steps times: for ``data``, the excess of the worst rank's
-    mean data wait per step over rank 0's (a rank slow in ``next()``; a lower bound of the
-    per-step sum, bins average within themselves); for ``compute``, what the wait per step
-    the engine found for a rank slow in its own compute (``waits``: ``compute_waits`` of
-    the incidents; rank 0 itself included, its slow compute being booked as work) adds
-    beyond that data wait (one wait, not two, where both fall in a step). (0, 0) without
-    rank files or rank 0's."""
+    rank). Per step bin, each rank held the others up by its data wait beyond rank 0's (a
+    rank slow in ``next()``) plus the wait per step the engine found for its slow compute
+    (``waits``: ``compute_waits`` of the incidents; its data wait and its compute come one
+    after the other); the step waited for the rank that held it up most. ``data`` is rank
+    0's steps times the worst data excess (a lower bound of the per-step sum: bins average
+    within themselves), ``compute`` what the worst rank's hold-up adds beyond that; rank 0
+    itself counts, its slowed compute being booked as work. (0, 0) without rank files or
+    rank 0's."""
     waits = list(waits)
     width, bins = view.aligned()
     own = bins.get(0)
@@ -330,23 +332,20 @@ def straggler_waits(
         if not n0:
             continue
         mine = b0.get("data_wait_s", 0.0) / n0
-        worst = max(
-            (b[idx].get("data_wait_s", 0.0) / b[idx]["n"] for b in bins.values()
-             if idx in b and b[idx].get("n")),
-            default=mine,
-        )  # fmt: skip
         first, last = idx * width + 1, (idx + 1) * width
-        slow = max((s for a, z, s in waits if a <= last and first <= z), default=0.0)
-        excess = max(0.0, worst - mine)
-        data += n0 * excess
-        compute += n0 * max(0.0, slow - excess)
+        held: dict[int, float] = {}  # rank -> its hold-up per step in this bin
+        data_worst = 0.0
+        for r, b in bins.items():
+            if idx in b and b[idx].get("n"):
+                excess = max(0.0, b[idx].get("data_wait_s", 0.0) / b[idx]["n"] - mine)
+                held[r] = excess
+                data_worst = max(data_worst, excess)
+        for a, z, s, r in waits:
+            if a <= last and first <= z:
+                held[r] = held.get(r, 0.0) + s
+        data += n0 * data_worst
+        compute += n0 * max(0.0, max(held.values(), default=0.0) - data_worst)
     return data, compute
-
-
-def straggler_wait_s(view: RanksView) -> float:
-    """The data part of ``straggler_waits`` (rank 0 waiting for a slower rank's
-    ``next()``)."""
-    return straggler_waits(view)[0]
 
 
 def charge_straggler_wait(
