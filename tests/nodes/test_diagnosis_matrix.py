@@ -97,6 +97,21 @@ def test_the_ci_cases_inject_two_kinds_on_two_nodes_and_one_kind_on_two_of_three
     assert CASES["eval-heavy"].clean and CASES["eval-heavy"].eval_every > 0
 
 
+def test_every_case_builds_its_job_settings() -> None:
+    """Each case's ``--set`` settings and job keywords build without a harness (the
+    node-loss case once named two constants its replay module no longer had, and only a
+    benchmark run found out: every fault it injected counted as missed)."""
+    from steadytrain.testing.incidents.matrix import EVAL_BATCHES, _settings
+
+    for name, case in CASES.items():
+        settings, kw = _settings(case, "s3://bucket/ds", "/ordered" if case.data_order else None)
+        assert f"train.max_steps={case.steps}" in settings, name
+        if case.kill:
+            assert kw["nnodes"] == f"1:{case.nodes}" and "last_call_timeout" in kw["rdzv_conf"]
+        if case.eval_every:
+            assert f"train.eval_batches={EVAL_BATCHES}" in settings, settings
+
+
 @pytest.fixture(scope="module")
 def matrix(replays) -> dict:
     if find_weed() is None:

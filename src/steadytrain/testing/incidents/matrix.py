@@ -44,6 +44,7 @@ from typing import Any
 
 from steadytrain.testing.incidents import (
     cpu_quota,
+    elastic,
     loader_memory,
     node_loss,
     noisy_loss,
@@ -190,9 +191,9 @@ def _settings(case: Case, url: str, ordered: str | None) -> tuple[list[str], dic
     if case.kill:
         settings += [
             f"train.elastic_nnodes=1:{case.nodes}",
-            f"checkpoint.every_steps={node_loss.EVERY}",
+            f"checkpoint.every_steps={elastic.EVERY}",
         ]
-        kw = {"nnodes": f"1:{case.nodes}", "max_restarts": 3, "rdzv_conf": node_loss.RDZV}
+        kw = {"nnodes": f"1:{case.nodes}", "max_restarts": 3, "rdzv_conf": elastic.RDZV}
     elif case.stop:
         settings += [
             f"checkpoint.every_steps={hang_replay.EVERY}",
