@@ -4,11 +4,11 @@ DDP's all-reduce equalises every rank's step *wall* time, so what tells a slow r
 is the time it spends on its *own* work before the sync point: its data wait (time inside
 ``next()``) and its forward pass. Its whole step less its data wait cannot tell: every rank
 leaves the all-reduce together, so that is the same on every rank (the healthy ones wait
-inside it); it measures what a slow rank cost instead (``compute_wait_s``). Over a window of steps aligned by step index, each rank is
-compared with the **healthy** ranks, not with the median of the others: when two of three
-nodes are slow, the median of the others is itself slow. The healthy reference is a low
-quantile of the ranks' values (``healthy_ref``: the fastest quarter), so any minority up
-to three quarters of the ranks can be named.
+inside it); it measures what a slow rank cost instead (``compute_wait_s``). Over a window
+of steps aligned by step index, each rank is compared with the **healthy** ranks, not with
+the median of the others: when two of three nodes are slow, the median of the others is
+itself slow. The healthy reference is a low quantile of the ranks' values (``healthy_ref``:
+the fastest quarter), so any minority up to three quarters of the ranks can be named.
 
 The live check (monitor/straggler_live.py, through monitor/straggler.py ``classify``) and
 the engine (diagnose/stragglers.py, over whole episodes) call these same functions, so live
@@ -262,9 +262,9 @@ def compute_factor(evidence: str, device: str | None, cfg: AlertConfig) -> float
     host names a cause of the rank's own (``throttled``, ``loaded``), where nothing on the
     host could explain it (``quiet``) and on a GPU; ``UNSPECIFIC_FACTOR`` x that where a
     loaded host could (``shared``, ``unknown``, on CPU). Measured on one loaded 2-core
-    machine: healthy ranks of clean runs ran their forward pass 2-6x slower than the
-    fastest rank for 5-15 steps, steadily 2.1-2.5x for 20 steps; a rank throttled to a fifth
-    of a core ran 3.7-15x slower in every 5-step window."""
+    machine: healthy ranks of clean runs ran their forward pass 2.1-2.5x the fastest
+    rank's steadily for 20 steps and 3.6-5.8x for at most two 5-step windows; a rank held to
+    a fifth or a tenth of a core by a cgroup quota ran 3.7-15x in every window."""
     if device == "cuda" or evidence in ("throttled", "loaded", "quiet"):
         return cfg.straggler_compute_factor
     return UNSPECIFIC_FACTOR * cfg.straggler_compute_factor
