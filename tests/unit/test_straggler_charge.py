@@ -125,6 +125,10 @@ def test_a_throttled_ranks_data_wait_and_compute_are_one_hold_up_charged_once_ea
     s, _ = _report(capsys, _run(tmp_path / "run", slow_wait=slow_wait), tmp_path / "rep")
     [inc] = s["incidents"]
     assert (inc["kind"], inc["nodes"]) == ("host-contention", ["node-1"])
+    # one message for the one fault: both waits, and the whole cost
+    assert re.search(r"forward pass \d\.\dx .* and it waited 0\.050 s/step for data",
+                     inc["message"]), inc["message"]  # fmt: skip
+    assert inc["message"].endswith(f"cost {inc['lost_s']:.1f} s of job time")
     bad = s["badput_s"]
     slow_steps = STEPS - FROM + 1
     assert bad["straggler_wait"] == pytest.approx((slow_wait - WAIT) * slow_steps)

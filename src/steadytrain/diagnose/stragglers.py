@@ -153,7 +153,7 @@ def detect(rec: RunRecords, cfg: AlertConfig | None = None) -> list[Incident]:
     for ep in episodes:  # the episode's first and last slow step, not its windows' edges
         ep.evidence["_steps"] = _edges(ep, chunks, grid, width, wins)
     spans = [(c[0] * width + 1, (c[-1] + 1) * width) for c in chunks]  # each window's steps
-    return _incidents(rec, episodes, wins, spans)
+    return _one_hold_up(_incidents(rec, episodes, wins, spans))
 
 
 def _edges(ep: _Episode, chunks: list[list[int]], grid: dict[int, dict[int, dict[str, float]]],
@@ -434,6 +434,40 @@ def _incidents(rec: RunRecords, episodes: list[_Episode], wins: list[dict[int, W
     return out
 
 
+def _one_hold_up(incidents: list[Incident]) -> list[Incident]:
+    """A throttled rank slow in ``next()`` and in its forward pass over the same steps is
+    one fault: its two ``host-contention`` incidents (one per signal) become one, whose
+    cost is both (it reaches the all-reduce after its data wait and then its compute) and
+    whose message says both."""
+    out: list[Incident] = []
+    for inc in incidents:
+        ev = inc.evidence
+        mate = next(
+            (o for o in out if o.kind == inc.kind == "host-contention" and o.ranks == inc.ranks
+             and ("forward_ratio" in o.evidence) != ("forward_ratio" in ev)
+             and o.first_step is not None and inc.first_step is not None
+             and inc.first_step <= (o.last_step or o.first_step) + 1
+             and o.first_step <= (inc.last_step or inc.first_step) + 1),
+            None,
+        )  # fmt: skip
+        if mate is None:
+            out.append(inc)
+            continue
+        fwd, data = (mate, inc) if "forward_ratio" in mate.evidence else (inc, mate)
+        keep = ("data_wait_s_per_step", "healthy_data_wait_s_per_step", "read_p99_s",
+                "healthy_read_p99_s", "cache_misses_per_step")  # fmt: skip
+        fwd.evidence.update({k: data.evidence[k] for k in keep if k in data.evidence})
+        fwd.evidence["data_lost_s"] = data.lost_s
+        fwd.lost_s += data.lost_s
+        fwd.first_step = min(fwd.first_step or 0, data.first_step or 0)
+        fwd.last_step = max(fwd.last_step or 0, data.last_step or 0)
+        if data.t is not None and (fwd.t is None or data.first_step == fwd.first_step):
+            fwd.t, fwd.attempt = data.t, data.attempt
+        fwd.message = _message(fwd)
+        out[out.index(mate)] = fwd
+    return out
+
+
 def _brief(ev: dict[str, Any]) -> dict[str, Any]:
     keep = ("data_wait_s_per_step", "forward_s_per_step", "read_p99_s",
             "cache_misses_per_step", "memory_growth_bytes", "forward_ratio")  # fmt: skip
@@ -472,6 +506,9 @@ def _message(inc: Incident) -> str:
         msg = (f"{where}: forward pass {ev['forward_ratio']:.1f}x the healthy ranks' "
                f"({ev['forward_s_per_step']:.3f} vs {ev['healthy_forward_s_per_step']:.3f} "
                f"s/step) over {span}")  # fmt: skip
+        if "data_wait_s_per_step" in ev:  # slow in next() too (one host-contention)
+            msg += (f", and it waited {ev['data_wait_s_per_step']:.3f} s/step for data vs "
+                    f"{ev['healthy_data_wait_s_per_step']:.3f} s")  # fmt: skip
         h = ev.get("host")
         if inc.kind == "host-contention" and h:
             msg += f"; host run queue {h['run_queue']:.1f} on {h['cores']:.0f} cores"
