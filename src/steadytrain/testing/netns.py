@@ -41,7 +41,9 @@ __all__ = [
 
 SUBNET_PREFIX = "10.213"  # the harness owns 10.213.N.0/24; N is chosen free per harness
 ETC_NETNS = "/etc/netns"  # ip-netns(8): files mounted over /etc in a namespace
-_LOCK = os.path.join(tempfile.gettempdir(), "steadytrain-nodes.lock")
+# Not "steadytrain-nodes.lock": that name is the one developers wrap whole harness runs
+# in (`flock /tmp/steadytrain-nodes.lock pytest tests/nodes`), which then deadlocked here.
+_LOCK = os.path.join(tempfile.gettempdir(), "steadytrain-netns-subnet.lock")
 
 
 class NetnsUnavailable(RuntimeError):
