@@ -228,6 +228,8 @@ def _signal_episodes(
                 # judged on that; its ratio and its excess over the noise on the forward.
                 factor, use_own = _compute_rule(w, row, r, ref, device, cfg)
                 floor = max(cfg.straggler_min_s, NOISE_K * noise, NOISE_K * own * use_own)
+                if factor <= cfg.straggler_compute_factor and not use_own:
+                    floor = cfg.straggler_min_s  # its own cgroup throttled it: the cause
                 slow = v >= factor * ref and v - ref >= floor
                 slow &= compute_wait_s(w, ref) >= share
             flags.append(slow)
@@ -254,11 +256,14 @@ def _compute_rule(w: Window, row: dict[int, Window], r: int, ref: float, device:
     healthy level it needs (``compute_factor`` of its host's evidence against the healthy
     ranks' hosts of the window), and whether its own jitter raises the floor. Its own
     jitter counts at the base factor -- a healthy rank on a noisy host jumps from window to
-    window -- except where its own cgroup throttled it: bursts are what a CPU quota makes
-    (a fifth of a core ran the forward pass in 5 ms one step and 185 ms the next), and the
-    throttled time is the kernel's own count, not a sample. A more loaded host keeps the
-    jitter rule: its run queue is a sample once a second, and on one machine two ranks'
-    samples differed 7 to 1 for a whole run of 24 steps."""
+    window -- except where its own cgroup throttled it (``use_own`` False at the base
+    factor): there neither jitter floor does. Bursts are what a CPU quota makes (a fifth of
+    a core ran the forward pass in 5 ms one step and 185 ms the next), the throttled time
+    is the kernel's own count, not a sample, and on a machine with 11-26 runnable tasks on
+    2 cores the healthy level jumped 5-31 ms from window to window: 3 x that jitter hid a
+    rank held to a tenth of a core (its forward pass 2.2-5.5 x theirs, throttled 44-73 %).
+    A more loaded host keeps the jitter rule: its run queue is a sample once a second, and
+    on one machine two ranks' samples differed 7 to 1 for a whole run of 24 steps."""
     mine = _value(w, "compute") or 0.0
     cut = ref + 0.5 * (mine - ref)
     peers = [x for o, x in row.items() if o != r and (_value(x, "compute") or 0.0) <= cut]
