@@ -148,6 +148,14 @@ def classify(
         # its cause against the healthy ranks (those not waiting), when there are any
         peers = {o: w for o, w in recent.items() if o not in data} or dict(recent)
         diagnosis, ev = _data_cause(r, {**peers, r: recent[r]}, base, cfg)
+        if diagnosis == "data loading":
+            # no signature of its own: as for a slow forward pass, on a host no busier than
+            # the others' the scheduler could explain a lead below the unspecific factor
+            evidence, _ = host_evidence(recent[r], [w for o, w in peers.items() if o != r])
+            need = compute_factor(evidence, device, cfg)
+            h = data[r]["healthy_data_wait_s_per_step"] or 0.0
+            if need > cfg.straggler_compute_factor and data[r]["data_wait_s_per_step"] < need * h:
+                continue
         node = nodes.get(r)
         cause = {
             "storage": f"storage on node {node}" if node else f"storage of rank {r}",
