@@ -233,6 +233,7 @@ def check_memory_snapshot(size_mib: int, reps: int) -> dict[str, Any]:
     from steadytrain.checkpoint.memory import snapshot as snap
     from steadytrain.checkpoint.memory.config import MemoryConfig
     from steadytrain.checkpoint.memory.tier import MemoryTier
+    from steadytrain.run_identity import new_nonce
 
     n = 16
     per = size_mib * (1 << 20) // n // 4
@@ -248,6 +249,7 @@ def check_memory_snapshot(size_mib: int, reps: int) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as mem:
         tier = MemoryTier(MemoryConfig(every_steps=1, dir=mem), None, mem, "gpu-check")
+        tier.nonce = new_nonce()  # a snapshot names its run (the Checkpointer sets it)
         states = {"model": model}
         step = 0
 

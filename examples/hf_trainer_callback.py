@@ -15,9 +15,10 @@ all-reduce (the callback records that exception as the crash), torchrun restarts
 Trainer resumes from its newest checkpoint and finishes; the report shows the crash, the
 restart gap and the steps of both attempts.
 
-The data: windows of ``--seq-len`` tokens of a steadytrain dataset as a map-style torch
-``Dataset``, so the Trainer's own sampler shards and resumes it (labels are the inputs: HF
-causal-LM models shift them inside their loss).
+The data: ``TokenWindows``, the samples of a steadytrain dataset (``--seq-len`` tokens of a
+shard each) as a map-style torch ``Dataset``, so the Trainer's own sampler batches, shards
+and resumes them (labels are the inputs: HF causal-LM models shift them inside their loss).
+A ``TokenLoader``'s micro-batches are not for the Trainer: it would batch them again.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import json
 import os
 import signal
 
-import numpy as np
 import torch
 from transformers import (
     LlamaConfig,
@@ -38,23 +38,8 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint
 
-from steadytrain import TokenDataset
+from steadytrain import TokenDataset, TokenWindows
 from steadytrain.integrations.hf import SteadytrainCallback
-
-
-class Windows(torch.utils.data.Dataset):
-    """Sample ``i``: tokens ``[i*L, (i+1)*L)`` of the dataset's shards, end to end."""
-
-    def __init__(self, ds: TokenDataset, seq_len: int) -> None:
-        tokens = np.concatenate([ds.tokens(s) for s in range(ds.num_shards)])
-        n = len(tokens) // seq_len
-        self.windows = torch.from_numpy(tokens[: n * seq_len].astype(np.int64)).view(n, -1)
-
-    def __len__(self) -> int:
-        return len(self.windows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.windows[i], "labels": self.windows[i]}
 
 
 class CrashAt(TrainerCallback):
@@ -80,7 +65,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     ds = TokenDataset.open(args.data)
-    train_set = Windows(ds, args.seq_len)
+    train_set = TokenWindows(ds, args.seq_len)  # labels = input_ids: the model shifts
     targs = TrainingArguments(
         output_dir=os.path.join(args.run_dir, "trainer"),
         max_steps=args.steps,

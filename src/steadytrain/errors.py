@@ -15,6 +15,7 @@ __all__ = [
     "ConfigError",
     "LoaderStateError",
     "ReadDeadlineError",
+    "RunDirInUseError",
 ]
 
 
@@ -37,6 +38,10 @@ class StorageError(SteadyError):
 
 class CheckpointError(SteadyError):
     """A checkpoint could not be written, verified or restored."""
+
+
+class RunDirInUseError(SteadyError):
+    """Another live job holds the run directory (``steadytrain.Run`` refuses at entry)."""
 
 
 class ConfigError(SteadyError, ValueError):

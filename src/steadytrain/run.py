@@ -24,6 +24,12 @@ What it owns, and why each is here rather than in the loop (issue 27):
   ``error: ...`` / ``signal: SIGTERM``, which the report lists as a crash, never the clean
   ``interpreter_exit`` of the meter's exit hook;
 - the rendezvous-store check (``run_support.agent_store_warning``: a warning, see there);
+- one live job per run directory: rank 0 takes the run lease (``run_lease.py``) before any
+  restore or record, and a start while another live job holds it raises
+  ``RunDirInUseError`` on every rank, naming the holder (host, pid, lease file) and the fix;
+- step numbers that lose no work (``run_support.check_step``): an integer, above the
+  previous step (the first one above ``start_step``), below 2**53; a call on a closed Run
+  is a clear error;
 - the final save: on a clean exit the last step is committed even when it is not a
   multiple of ``every_steps``;
 - the closing order: the final save and the in-flight save finish (the meter records
@@ -49,14 +55,17 @@ from steadytrain.monitor.meter_config import MeterConfig
 from steadytrain.monitor.watchdog import HangWatchdog, backend_timeout_s, recover_hang_records
 from steadytrain.run_birth import process_start
 from steadytrain.run_identity import establish as establish_identity
+from steadytrain.run_lease import lease_settings, take_run_lease
 from steadytrain.run_support import (
     DataWait,
     SignalGuard,
     Terminated,
     agent_store_warning,
+    check_step,
     checkpointer_config,
     crash_reason,
     meter_config,
+    not_open,
     say,
 )
 
@@ -125,12 +134,17 @@ class Run:
         self.attempt_id = 0.0  # one id shared by the ranks of this attempt
         self.nonce = ""  # the run's identity (run_identity.py), the same on every rank
         self._signals = SignalGuard()
+        self._lease: Any = None  # rank 0's run lease (run_lease.py)
+        self._state = "new"  # "open" between entry and close, then "closed"
         self._made_group = False
         self._wait_s = 0.0
         self._mark = time.perf_counter()
 
     # -- entry -----------------------------------------------------------------------------
     def __enter__(self) -> Run:
+        if self._state != "new":
+            raise RuntimeError("a Run is entered once: open a new Run for another attempt")
+        self._state = "open"
         try:
             self._start()
         except BaseException as exc:
@@ -147,6 +161,11 @@ class Run:
         if not dist.is_initialized() and "MASTER_ADDR" in os.environ and self.world_size > 1:
             dist.init_process_group()  # torchrun's env; destroyed at exit (ours, not yours)
             self._made_group = True
+        # Before any rank writes a record or restores: another live job may hold RUN_DIR.
+        job, lease_timeout_s = lease_settings(self._checkpoint)
+        self._lease = take_run_lease(
+            self.run_dir, self.rank, job=job, timeout_s=lease_timeout_s, say=self._say
+        )
         self.meter = GoodputMeter(
             self.run_dir,
             rank=self.rank,
@@ -192,7 +211,8 @@ class Run:
                 ckpt.before_commit = self.meter.record_through
         self.meter.flush()  # the attempt's start is on disk even if it dies in step 1
         if self.rank == 0:
-            recover_hang_records(self.run_dir, self.meter)  # an earlier rank 0 was stuck
+            # An earlier rank 0 was stuck: its verdicts, this run's own (the nonce) only.
+            recover_hang_records(self.run_dir, self.meter, nonce=self.nonce or None)
         timeout = self._backend_timeout_s
         if timeout is None and dist.is_initialized():
             timeout = backend_timeout_s(dist.get_backend())
@@ -204,6 +224,7 @@ class Run:
             meter=self.meter,
             config=self.monitor.watchdog,
             backend_timeout_s=timeout,
+            nonce=self.nonce,  # its reaper acts only on decisions that carry it
         )
         self._mark = time.perf_counter()
 
@@ -223,6 +244,7 @@ class Run:
     def data_wait(self) -> DataWait:
         """``with run.data_wait(): batch = next(loader)`` -- counted as this step's data
         wait (or pass ``data_wait_s=`` to ``step_done``)."""
+        self._check_open("data_wait")
         return DataWait(self._add_wait)
 
     def _add_wait(self, seconds: float) -> None:
@@ -248,7 +270,13 @@ class Run:
         wait. ``loader``: its ``metrics()`` go into the step record (names the meter owns
         prefixed). ``tokens_seen``: the run's tokens so far, if you count them (else Run adds
         up ``tokens``; both go into the checkpoint's COMMIT). ``extra``: more fields for the
-        step record. Returns the seconds the save blocked the loop."""
+        step record. Returns the seconds the save blocked the loop.
+
+        ``step``: an integer above the previous step (the first above ``start_step``) and
+        below 2**53, else ``TypeError``/``ValueError`` here, before anything is saved or
+        recorded (``run_support.check_step``)."""
+        self._check_open("step_done")
+        step = check_step(step, self.step, self.start_step)
         now = time.perf_counter()
         wait = self._wait_s if data_wait_s is None else float(data_wait_s)
         self._wait_s = 0.0
@@ -278,9 +306,16 @@ class Run:
         return block
 
     def phase(self, name: str) -> Any:
-        """A legitimately long part of the loop (an evaluation: ``"checkpoint"`` gives it
-        the checkpoint deadline) under the watchdog: ``with run.phase("checkpoint"): ...``."""
+        """A legitimately long part of the loop under its own watchdog deadline, for every
+        rank of the job while this rank is inside it: ``with run.phase("eval"): ...``
+        (``monitor.watchdog.phases.eval_s``; any identifier, default ``checkpoint_s``).
+        Phases nest; leaving one is progress. Call it on the ranks that do the work."""
+        self._check_open("phase")
         return self.watchdog.phase(name)
+
+    def _check_open(self, call: str) -> None:
+        if self._state != "open" or self.meter is None:
+            raise not_open(call, self._state)
 
     # -- exit ------------------------------------------------------------------------------
     def __exit__(self, exc_type: Any, exc: BaseException | None, _tb: Any) -> None:
@@ -290,6 +325,7 @@ class Run:
         """The closing order (module docstring). Never swallows ``exc``; an error while
         closing after a clean loop is recorded as a crash and raised."""
         self._signals.hold()  # a SIGTERM now is remembered, not allowed to cut this short
+        self._state = "closed"
         error = exc
         try:
             if error is None:
@@ -306,6 +342,9 @@ class Run:
                 self.watchdog.close()
             if self.meter is not None:
                 self.meter.close(crash_reason(error, self._signals.pending))
+            if self._lease is not None:  # after job_end: the next job may start now
+                self._lease.release()
+                self._lease = None
             if self._made_group and dist.is_initialized():
                 dist.destroy_process_group()
             self._signals.restore()
@@ -317,6 +356,7 @@ class Run:
     def finish(self) -> None:
         """Commit the last step now (the clean exit does it otherwise), e.g. before writing
         something that must come after the final checkpoint. Call it on every rank."""
+        self._check_open("finish")
         self._final_save()
 
     def _final_save(self) -> None:

@@ -125,10 +125,31 @@ def establish(
     if adopt is not None and problem is None:
         try:
             adopted = adopt()
-        except Exception as e:  # a listing that fails is the restore's to report
-            log.debug("run identity: no nonce adopted from the checkpoints (%s)", e)
+        except Exception as e:
+            # The checkpoints could not be listed: a nonce made now and published would
+            # disown them for good (their nonce never matches again). Keep it in memory;
+            # the next attempt asks again. The restore reports the listing's failure.
+            log.warning(
+                "run identity: the checkpoints' run could not be read (%s); this attempt "
+                "uses an identity of its own and does not publish it",
+                e,
+            )
+            return RunIdentity(new_nonce(), "new")
         adopted = adopted if is_nonce(adopted) else None
     made = RunIdentity(adopted or new_nonce(), "adopted" if adopted else "new")
+    try:
+        return _publish(run_dir, path, made, problem)
+    except OSError as e:  # a full or read-only run directory never stops training
+        log.warning(
+            "%s could not be written (%s): this attempt keeps its identity in memory; a "
+            "later attempt makes a new one and will not restore this one's memory snapshots",
+            path,
+            e.strerror or e,
+        )
+        return made
+
+
+def _publish(run_dir: str, path: str, made: RunIdentity, problem: str | None) -> RunIdentity:
     os.makedirs(run_dir, exist_ok=True)
     if problem is not None:
         log.warning(
@@ -141,9 +162,6 @@ def establish(
             os.unlink(path)  # never written through: the name itself is replaced
         except FileNotFoundError:
             pass
-        except OSError as e:
-            log.warning("%s could not be removed (%s); the identity is kept in memory", path, e)
-            return made
         publish_bytes(path, _doc(made.nonce))
         return made
     if publish_bytes_if_absent(path, _doc(made.nonce)):

@@ -1,10 +1,12 @@
 """Helpers of ``steadytrain.Run`` (run.py), kept out of its way so it reads top to bottom:
 the rendezvous-store check, fatal signals as exceptions, crash reasons, configs given as
-dicts, and the data-wait stopwatch."""
+dicts, the data-wait stopwatch, and the checks of the loop's calls (the step number, a call
+on a Run that is not open)."""
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import signal
 import sys
@@ -12,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from steadytrain.checkpoint.commit import MAX_STEP
 from steadytrain.checkpoint.config import CheckpointerConfig
 from steadytrain.monitor.alerts import AlertConfig
 from steadytrain.monitor.meter_config import MeterConfig
@@ -24,7 +27,9 @@ __all__ = [
     "SignalGuard",
     "Terminated",
     "agent_store_warning",
+    "check_step",
     "checkpointer_config",
+    "not_open",
     "crash_reason",
     "meter_config",
     "say",
@@ -169,3 +174,54 @@ class DataWait:
 
     def __exit__(self, *_exc: Any) -> None:
         self._add(time.perf_counter() - self._t)
+
+
+def check_step(value: Any, previous: int, start_step: int) -> int:
+    """``value`` as the step ``Run.step_done`` records, or the error that says why not,
+    naming the value, the previous step and ``start_step``; raised in the caller's thread,
+    before anything is saved or recorded.
+
+    A step is an integer (a numpy or torch integer too; a bool, a float -- ``5.0`` included,
+    which the checkpoint's directory name refuses anyway -- or NaN is not), above the
+    previous one (so the first step after a restore is above ``start_step``: a loop that
+    counts from 1 again would commit newer weights under an older step, and the next start
+    would restore the older one), and below 2**53 (``MAX_STEP``: the ledger's and COMMIT's
+    readers refuse larger steps; a float no longer counts by one there)."""
+    where = f"previous step {previous}, start_step {start_step} (the step restored at entry)"
+    dtype = str(getattr(value, "dtype", ""))
+    try:
+        if isinstance(value, bool) or dtype in ("bool", "torch.bool"):
+            raise TypeError
+        step = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"Run.step_done(step={value!r}): a step is an integer, not a "
+            f"{type(value).__name__} ({where}). Count steps as integers: "
+            "step = run.start_step, then step += 1 before each step_done"
+        ) from None
+    if not step < MAX_STEP:
+        raise ValueError(
+            f"Run.step_done(step={step}): a step must be below 2**53 = {MAX_STEP} ({where}); "
+            "pass the number of the optimizer step just finished"
+        )
+    if step <= previous:
+        raise ValueError(
+            f"Run.step_done(step={step}): a step must be above the previous one ({where}). "
+            "A loop that counts from 1 again after a restore would commit newer weights "
+            "under an older step, and the next start would restore the older one. Start "
+            "counting at run.start_step: step = run.start_step, then step += 1 before each "
+            "step_done"
+        )
+    return step
+
+
+def not_open(call: str, state: str) -> RuntimeError:
+    """The error for a call on a Run that is not open (``state``: "new" or "closed")."""
+    if state == "new":
+        why = "before the Run was entered"
+    else:
+        why = "after the Run closed (after its `with` block, or after the trainer ended)"
+    return RuntimeError(
+        f"Run.{call}() {why}: call it inside `with Run(...) as run:`; to record another "
+        "training, open a new Run on its run directory"
+    )

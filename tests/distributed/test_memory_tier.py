@@ -284,3 +284,40 @@ def test_sigkill_during_snapshots_never_loads_a_torn_generation(tmp_path):
         assert r["diff"] == [], f"torn or wrong restore: {r}"
     assert any(r["tier"] != "durable" and r["step"] > 0 for r in results), results
     print([(r["step"], r["tier"]) for r in results if r["rank"] == 0])
+
+
+def test_a_transfer_of_another_size_than_agreed_is_refused_never_an_aborted_receiver(tmp_path):
+    """Gloo aborts a process that receives more bytes than it posted a buffer for, so the
+    bytes on the wire are always the agreed size, decided on both ends: a copy whose size
+    changed after the all-gather is announced and refused (nothing allocated, nothing sent),
+    and a holder whose file changed since the scan sends zeros of the planned size (which
+    the owner's checksum refuses). The group still works afterwards."""
+    from launch import launch
+
+    launch(os.path.join(HERE, "peer_sizes_worker.py"), [str(tmp_path)], 2)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["exchange"]["got"] == {"1": [64, 64 * 2]}  # rank 1's good copy arrived
+    assert r1["exchange"]["got"] == {}  # rank 0's was refused: nothing allocated
+    assert "200 bytes, 100 were agreed: not sent" in " ".join(r0["exchange"]["problems"])
+    assert "announced a copy of 200 bytes, 100 were agreed: refused" in " ".join(
+        r1["exchange"]["problems"]
+    )
+    assert r0["transfer"]["received"] == [100, 0]  # zeros: the checksum refuses them
+    assert "300 bytes, 100 were planned" in " ".join(r1["transfer"]["problems"])
+    assert r0["after"] == r1["after"] == 3
+
+
+@pytest.mark.timeout(300)
+def test_a_holders_copy_that_grew_since_the_scan_is_refused_and_an_older_step_restores(
+    two, monkeypatch
+):
+    """Node a is lost, so rank 0 fetches its copy from rank 2 (node b); right after the scan
+    agreed its size, that copy grows by a page. Rank 2 sends zeros of the planned size (the
+    whole file would abort rank 0), rank 0's checksum refuses them, that copy is dropped,
+    and every rank restores the older generation, bit for bit; the restore record says
+    why step 6 was passed over."""
+    monkeypatch.setenv("MEMTEST_GROW_AFTER_SCAN", "2:0")
+    results = two.restore(damage=lambda keys: shutil.rmtree(keys["a"]))
+    assert {(r["step"], r["tier"]) for r in results} == {(5, "peer-memory")}
+    why = " ".join(results[0]["skipped"])
+    assert "were planned (it changed since the scan)" in why, why

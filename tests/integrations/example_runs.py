@@ -27,14 +27,18 @@ STEPS = 12
 CRASH_AT = 10
 
 
-def start_example(script: str, data: str, run_dir: str, crash_at: int = 0) -> subprocess.Popen:
-    """``torchrun --nproc-per-node 2 --max-restarts 1 examples/SCRIPT ...`` in the background."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+def start_example(
+    script: str, data: str, run_dir: str, crash_at: int = 0, nproc: int = 2, *extra: str
+) -> subprocess.Popen:
+    """``torchrun --nproc-per-node NPROC --max-restarts 1 examples/SCRIPT ... EXTRA`` in the
+    background."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     cmd += ["--monitor-interval=0.2", os.path.join(EXAMPLES, script)]
     cmd += ["--data", data, "--run-dir", run_dir, "--steps", str(STEPS)]
     if crash_at:
         cmd += ["--crash-at-step", str(crash_at)]
+    cmd += extra
     return subprocess.Popen(
         cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -114,3 +118,15 @@ def assert_crash_reported(crashed: str) -> None:
     assert badput["restart_gap"] > 0, badput
     assert badput["startup"] > 0, badput
     assert badput["other"] < 0.10, badput
+
+
+def assert_finished_without_hang(run_dir: str, steps: int, stderr: str) -> None:
+    """A trainer-callback run's ledger: every step 1..steps, no hang, one clean end, and no
+    watchdog line on stderr (nothing fired, nothing was killed)."""
+    from steadytrain.monitor.ledger import read_ledger
+
+    records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
+    assert [r["step"] for r in records if r["type"] == "step"] == list(range(1, steps + 1))
+    assert not [r for r in records if r["type"] == "hang"], stderr[-4000:]
+    assert [r["reason"] for r in records if r["type"] == "job_end"] == ["finished"]
+    assert "[watchdog]" not in stderr and "[reaper]" not in stderr, stderr[-4000:]

@@ -3,24 +3,25 @@
 
 - ``raise``: an exception out of ``Trainer.train`` (which calls no callback for it);
 - ``sigterm``: SIGTERM to itself (torchrun stopping survivors, preemption);
-- ``hang``: the step never ends (the watchdog's deadlines are shortened by ``--floor``).
+- ``hang``: the step never ends (the watchdog's deadlines are shortened by ``--floor``);
+- ``none``: nothing fails; with ``--eval steps|epoch`` the Trainer evaluates every 4 steps
+  (on an 8-sample training set, i.e. at each epoch's end, for ``epoch``), each evaluation
+  taking ``--eval-s`` seconds, and writes its ``log_history`` to RUN_DIR/log_history.json.
 
-Usage: python hf_trainer_worker.py DATASET RUN_DIR --fail raise|sigterm|hang [--at 3]
+Usage: python hf_trainer_worker.py DATASET RUN_DIR --fail raise|sigterm|hang|none [--at 3]
+           [--eval steps|epoch --eval-s S]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-
-import torch  # noqa: E402
-from hf_trainer_callback import Windows  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     Trainer,
@@ -28,8 +29,8 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from steadytrain import TokenDataset  # noqa: E402
-from steadytrain.integrations.hf import SteadytrainCallback  # noqa: E402
+from steadytrain import TokenDataset, TokenWindows
+from steadytrain.integrations.hf import SteadytrainCallback
 
 
 class Fail(TrainerCallback):
@@ -48,22 +49,39 @@ class Fail(TrainerCallback):
             time.sleep(600)  # the watchdog ends the process long before
 
 
+class SlowEval(TrainerCallback):
+    """An evaluation of ``seconds`` in all: each of its ``batches`` takes its share."""
+
+    def __init__(self, seconds: float, batches: int) -> None:
+        self.each = seconds / batches
+
+    def on_prediction_step(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
+        time.sleep(self.each)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("data")
     p.add_argument("run_dir")
-    p.add_argument("--fail", choices=["raise", "sigterm", "hang"], required=True)
+    p.add_argument("--fail", choices=["raise", "sigterm", "hang", "none"], required=True)
     p.add_argument("--at", type=int, default=3)
     p.add_argument("--floor", type=float, default=2.0, help="watchdog deadlines (s)")
+    p.add_argument("--eval", choices=["no", "steps", "epoch"], default="no")
+    p.add_argument("--eval-s", type=float, default=0.0, help="seconds per evaluation")
     args = p.parse_args()
     torch.set_num_threads(1)
     ds = TokenDataset.open(args.data)
+    windows = TokenWindows(ds, 32)
+    evaluating = args.eval != "no"
     targs = TrainingArguments(
         output_dir=os.path.join(args.run_dir, "trainer"),
         max_steps=8,
         per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
         logging_steps=1,
         save_steps=100,
+        eval_strategy=args.eval,
+        eval_steps=4,
         use_cpu=True,
         report_to=[],
         disable_tqdm=True,
@@ -80,14 +98,22 @@ def main() -> None:
     )
     f = args.floor
     watchdog = {"floor_s": f, "init_s": f, "checkpoint_s": f, "poll_s": 0.2, "grace_s": 1.0}
+    callbacks = [Fail(args.fail, args.at)]
+    if evaluating:  # its own deadline, longer than the step's and the checkpoint's
+        watchdog["phases"] = {"eval_s": 5 * f}
+        callbacks.append(SlowEval(args.eval_s, batches=2))
     cb = SteadytrainCallback(args.run_dir, tokens_per_step=64, monitor={"watchdog": watchdog})
     trainer = Trainer(
         model=LlamaForCausalLM(config),
         args=targs,
-        train_dataset=Windows(ds, 32),
-        callbacks=[cb, Fail(args.fail, args.at)],
+        # 8 samples: 4 steps an epoch, so "epoch" evaluates at steps 4 and 8 like "steps"
+        train_dataset=torch.utils.data.Subset(windows, range(8)) if evaluating else windows,
+        eval_dataset=torch.utils.data.Subset(windows, range(4)) if evaluating else None,
+        callbacks=[cb, *callbacks],
     )
     trainer.train()
+    with open(os.path.join(args.run_dir, "log_history.json"), "w") as out:
+        json.dump(trainer.state.log_history, out)
 
 
 if __name__ == "__main__":

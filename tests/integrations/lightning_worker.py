@@ -3,14 +3,18 @@
 
 - ``raise``: an exception in ``training_step`` (Lightning calls ``on_exception``);
 - ``sigterm``: SIGTERM to itself (Lightning's handler, then its ``SIGTERMException``);
-- ``hang``: the step never ends (the watchdog's deadlines are shortened by ``--floor``).
+- ``hang``: the step never ends (the watchdog's deadlines are shortened by ``--floor``);
+- ``none``: nothing fails; with ``--val-s S`` Lightning validates every 4 steps, each
+  validation taking S seconds, and their times go to RUN_DIR/validations.json.
 
-Usage: python lightning_worker.py DATASET RUN_DIR --fail raise|sigterm|hang [--at 3]
+Usage: python lightning_worker.py DATASET RUN_DIR --fail raise|sigterm|hang|none [--at 3]
+           [--val-s S]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -20,16 +24,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from lightning_callback import TinyLM, Windows  # noqa: E402
+from lightning_callback import TinyLM  # noqa: E402
 
-from steadytrain import TokenDataset  # noqa: E402
+from steadytrain import TokenDataset, TokenWindows  # noqa: E402
 from steadytrain.integrations.lightning import SteadytrainCallback  # noqa: E402
 
 
 class Failing(TinyLM):
-    def __init__(self, vocab: int, how: str, at: int) -> None:
+    def __init__(self, vocab: int, how: str, at: int, val_s: float = 0.0) -> None:
         super().__init__(vocab)
-        self.how, self.at = how, at
+        self.how, self.at, self.val_s = how, at, val_s
+        self.validations: list[dict[str, float]] = []
+
+    def validation_step(self, batch: dict[str, torch.Tensor], idx: int) -> None:
+        time.sleep(self.val_s / VAL_BATCHES)  # a validation of val_s seconds in all
+
+    def on_validation_start(self) -> None:
+        self.validations.append({"step": self.trainer.global_step, "t0": time.monotonic()})
+
+    def on_validation_end(self) -> None:
+        self.validations[-1]["s"] = time.monotonic() - self.validations[-1].pop("t0")
 
     def training_step(self, batch: dict[str, torch.Tensor], idx: int) -> torch.Tensor:
         if self.trainer.global_step + 1 == self.at:
@@ -42,18 +56,28 @@ class Failing(TinyLM):
         return super().training_step(batch, idx)
 
 
+VAL_BATCHES = 2
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("data")
     p.add_argument("run_dir")
-    p.add_argument("--fail", choices=["raise", "sigterm", "hang"], required=True)
+    p.add_argument("--fail", choices=["raise", "sigterm", "hang", "none"], required=True)
     p.add_argument("--at", type=int, default=3)
     p.add_argument("--floor", type=float, default=2.0, help="watchdog deadlines (s)")
+    p.add_argument("--val-s", type=float, default=0.0, help="seconds per validation")
     args = p.parse_args()
     torch.set_num_threads(1)
     ds = TokenDataset.open(args.data)
     f = args.floor
     watchdog = {"floor_s": f, "init_s": f, "checkpoint_s": f, "poll_s": 0.2, "grace_s": 1.0}
+    windows = TokenWindows(ds, 32, labels="next")
+    val: dict = {"limit_val_batches": 0}
+    if args.val_s:  # every 4 steps; its own deadline, longer than the step's and the save's
+        watchdog["phases"] = {"eval_s": 5 * f}
+        val = {"val_check_interval": 4, "limit_val_batches": VAL_BATCHES,
+               "num_sanity_val_steps": 0}  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -64,9 +88,17 @@ def main() -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **val,
     )
-    data = torch.utils.data.DataLoader(Windows(ds, 32), batch_size=2)
-    trainer.fit(Failing(ds.vocab_size, args.fail, args.at), data)
+    data = torch.utils.data.DataLoader(windows, batch_size=2)
+    model = Failing(ds.vocab_size, args.fail, args.at, args.val_s)
+    if args.val_s:
+        held_out = torch.utils.data.Subset(windows, range(2 * VAL_BATCHES))
+        trainer.fit(model, data, torch.utils.data.DataLoader(held_out, batch_size=2))
+    else:
+        trainer.fit(model, data)
+    with open(os.path.join(args.run_dir, "validations.json"), "w") as out:
+        json.dump(model.validations, out)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from example_runs import CRASH_AT, STEPS, finish, start_example
+from example_runs import CRASH_AT, STEPS, assert_finished_without_hang, finish, start_example
 
 from steadytrain.testing.incidents.common import report as _report
 
@@ -127,3 +127,32 @@ def test_hf_trainer_callback_hang_is_detected(dataset, tmp_path) -> None:
     records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
     hangs = [r for r in records if r["type"] == "hang"]
     assert hangs and hangs[0]["step"] == 2, records[-3:]
+
+
+FLOOR_S = 2.0  # the worker's step and checkpoint deadlines
+
+
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_hf_trainer_evaluation_longer_than_the_step_deadline_is_no_hang(
+    dataset, tmp_path, strategy
+) -> None:
+    """Issue 40: an evaluation of 2x the step deadline (and of the checkpoint deadline,
+    both FLOOR_S) every 4 steps used to end the job with exit 124 inside the evaluation:
+    ``"epoch"`` evaluates after ``on_epoch_end``, where no phase was declared, ``"steps"``
+    under the checkpoint's deadline. Each now runs in the declared ``"eval"`` phase under
+    its own deadline (``phases.eval_s``, 5 x FLOOR_S) and the job finishes."""
+    run_dir = str(tmp_path / strategy)
+    cmd = [sys.executable, WORKER, dataset, run_dir, "--fail", "none", "--eval", strategy]
+    proc = subprocess.run(
+        [*cmd, "--eval-s", str(2 * FLOOR_S), "--floor", str(FLOOR_S)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(run_dir, "log_history.json")) as f:
+        evals = [h for h in json.load(f) if "eval_runtime" in h]
+    assert [h["step"] for h in evals] == [4, 8]
+    assert all(h["eval_runtime"] >= 2 * FLOOR_S for h in evals), evals
+    assert_finished_without_hang(run_dir, 8, proc.stderr)

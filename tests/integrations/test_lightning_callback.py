@@ -1,12 +1,17 @@
 """examples/lightning_callback.py: ``steadytrain.integrations.lightning.SteadytrainCallback``
-in a Lightning ``Trainer`` (tiny model, DDP on 2 CPU ranks under the real torchrun) that
-keeps its own ``ModelCheckpoint`` and ``fit(ckpt_path=...)``.
+and ``ExactResume`` in a Lightning ``Trainer`` (tiny model, DDP on 2 and on 3 CPU ranks under
+the real torchrun, a ``TokenLoader`` through a plain ``DataLoader``) that keeps its own
+``ModelCheckpoint`` and ``fit(ckpt_path=...)``.
 
 Rank 1 is SIGKILLed at the start of step 10 of the first attempt; rank 0 dies of the
 broken all-reduce (Lightning calls ``on_exception``: the callback records the crash),
-torchrun restarts both ranks, Lightning resumes from ``last.ckpt`` (step 8) and finishes.
-The ledger and ``steadytrain report`` show the crash, the restart gap, Lightning's saves
-and the steps of both attempts. Single-process runs check an exception, SIGTERM and a hang.
+torchrun restarts the ranks, Lightning resumes from ``last.ckpt`` (step 8) and finishes.
+Every step's sample ids and loss, and the final weights, equal an uninterrupted run's (run
+beside it): Lightning fetched a batch ahead when it saved, and ``ExactResume`` saved the
+loader's position as of the last batch trained on; at 3 ranks DDP's gradient layout is the
+uninterrupted run's too. The ledger and ``steadytrain report`` show the crash, the restart
+gap, Lightning's saves and the steps of both attempts. Single-process runs check an
+exception, SIGTERM and a hang.
 """
 
 from __future__ import annotations
@@ -17,7 +22,15 @@ import subprocess
 import sys
 
 import pytest
-from example_runs import CRASH_AT, STEPS, finish, start_example
+from example_runs import (
+    CRASH_AT,
+    EXAMPLES,
+    STEPS,
+    assert_finished_without_hang,
+    finish,
+    start_example,
+)
+from harness import assert_same_run
 
 from steadytrain.testing.incidents.common import report as _report
 
@@ -39,14 +52,22 @@ def _steps_by_attempt(records: list[dict]) -> dict[int, list[int]]:
     return steps
 
 
-def test_lightning_callback_records_crash_and_resume(dataset: str, tmp_path) -> None:
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_lightning_crash_resume_is_exact_and_recorded(dataset: str, tmp_path, ranks) -> None:
     from steadytrain.monitor.ledger import read_ledger
 
-    run_dir = str(tmp_path / "pl")
-    out = finish(start_example("lightning_callback.py", dataset, run_dir, CRASH_AT))
+    batch = 4 * ranks  # 2 micro-batches of 2 per rank and step
+    ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "pl")
+    extra = ("--global-batch", str(batch))
+    script = "lightning_callback.py"
+    procs = [  # side by side: most of a run is start-up
+        start_example(script, dataset, ref_dir, 0, ranks, *extra),
+        start_example(script, dataset, run_dir, CRASH_AT, ranks, *extra),
+    ]
+    finish(procs[0])
+    out = finish(procs[1])
     assert "exitcode: -9" in out, out[-4000:]  # rank 1's SIGKILL, seen by torchrun
-    with open(os.path.join(run_dir, "final.json")) as f:
-        assert json.load(f) == {"step": STEPS}
+    assert_same_run(run_dir, ref_dir, STEPS, global_batch=batch)
 
     records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
     starts = [r for r in records if r["type"] == "job_start"]
@@ -58,7 +79,7 @@ def test_lightning_callback_records_crash_and_resume(dataset: str, tmp_path) -> 
         1: list(range(9, STEPS + 1)),
     }
     steps = [r for r in records if r["type"] == "step"]
-    assert all(isinstance(r["loss"], float) and r["tokens"] == 2 * 2 * 2 * 64 for r in steps)
+    assert all(isinstance(r["loss"], float) and r["tokens"] == batch * 64 for r in steps)
     ckpts = [r for r in records if r["type"] == "checkpoint"]
     assert [r["step"] for r in ckpts] == [4, 8, 12]
     assert all(r["path"].endswith(f"step={r['step']}.ckpt") for r in ckpts), ckpts
@@ -111,3 +132,76 @@ def test_lightning_callback_hang_is_detected(dataset, tmp_path) -> None:
     assert proc.returncode == 124, proc.stderr[-4000:]
     hangs = [r for r in read_ledger(os.path.join(run_dir, "ledger.jsonl")) if r["type"] == "hang"]
     assert hangs and hangs[0]["step"] == 2, hangs
+
+
+FLOOR_S = 2.0
+
+
+def test_lightning_validation_longer_than_the_step_deadline_is_no_hang(dataset, tmp_path) -> None:
+    """Issue 40: a validation of 2x the step deadline (and of the checkpoint deadline, both
+    FLOOR_S) every 4 steps used to end the job with exit 124 inside ``validation_step``. It
+    now runs in the declared ``"eval"`` phase under its own deadline (``phases.eval_s``,
+    5 x FLOOR_S) and the job finishes."""
+    run_dir = str(tmp_path / "val")
+    proc = subprocess.run(
+        [sys.executable, WORKER, dataset, run_dir, "--fail", "none",
+         "--val-s", str(2 * FLOOR_S), "--floor", str(FLOOR_S)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(run_dir, "validations.json")) as f:
+        vals = json.load(f)
+    assert [v["step"] for v in vals] == [4, 8]
+    assert all(v["s"] >= 2 * FLOOR_S for v in vals), vals
+    assert_finished_without_hang(run_dir, 8, proc.stderr)
+
+
+def test_exact_resume_says_when_the_recipe_is_not_followed(dataset, tmp_path) -> None:
+    """Batches that do not come from ``loader.as_dataset()``, a DataLoader with a state of
+    its own, Lightning steps that are not the loader's and a resume from a checkpoint that
+    holds no loader position each get a warning; the run goes on."""
+    import lightning as L
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    sys.path.insert(0, EXAMPLES)
+    from lightning_callback import TinyLM
+
+    from steadytrain import TokenDataset, TokenLoader, TokenWindows
+    from steadytrain.integrations.lightning import ExactResume
+
+    ds = TokenDataset.open(dataset)
+
+    def trainer(steps: int, *callbacks: object) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            accumulate_grad_batches=1,
+            callbacks=list(callbacks),
+            default_root_dir=str(tmp_path),
+            enable_checkpointing=False,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+
+    def data() -> StatefulDataLoader:
+        return StatefulDataLoader(TokenWindows(ds, 32, labels="next"), batch_size=2)
+
+    first = trainer(2)  # saved without ExactResume
+    first.fit(TinyLM(ds.vocab_size), data())
+    first.save_checkpoint(str(tmp_path / "plain.ckpt"))
+    loader = TokenLoader(ds, seq_len=32, global_batch=4, micro_batch=2)  # 2 per step
+    second = trainer(4, ExactResume(loader))
+    with pytest.warns(RuntimeWarning) as caught:
+        second.fit(TinyLM(ds.vocab_size), data(), ckpt_path=str(tmp_path / "plain.ckpt"))
+    said = " | ".join(str(w.message) for w in caught)
+    assert "accumulate_grad_batches=1 but the loader makes a step of 2" in said, said
+    assert "saves a state of its own" in said, said
+    assert "did not come from loader.as_dataset()" in said, said
+    assert "resumed at step 2 from a checkpoint that holds no loader position" in said, said
+    assert second.global_step == 4
+    loader.close()

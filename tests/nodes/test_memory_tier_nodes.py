@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import sys
 from typing import Any
@@ -33,7 +34,15 @@ import psutil
 import pytest
 
 from steadytrain.checkpoint.commit import COMMIT_NAME, parse_dirname
-from steadytrain.testing.incidents.common import TINY_SETTINGS, read_trace, small_shards, train_args
+from steadytrain.checkpoint.memory.store import store_key
+from steadytrain.testing import netns
+from steadytrain.testing.incidents.common import (
+    TINY_SETTINGS,
+    read_trace,
+    report,
+    small_shards,
+    train_args,
+)
 from steadytrain.testing.incidents.continuation import compare
 from steadytrain.testing.incidents.elastic import (
     FAULTS,
@@ -236,3 +245,83 @@ def test_a_node_and_its_peer_lost_fall_back_to_durable(
     assert r["tier"] == "durable" and r["step"] == max(durable), (r, durable)
     assert 0 <= r["steps_lost"] <= DURABLE_EVERY + 1, r
     _bit_exact(reference, run_dir)
+
+
+ATTACKER = 65534  # another local user (nobody), played by the test's root
+
+
+def _kill_processes(harness: NodeHarness, node: Node) -> None:
+    """Every process of ``node`` SIGKILLed (a job killed for good), its memory kept: unlike
+    ``harness.kill``, the machine lives on, with the dead job's snapshots in its tmpfs."""
+    killed: set[int] = set()
+    while found := harness.pids(node) - killed:
+        netns.kill_pids(found)
+        killed |= found
+
+
+def _plant(node: Node, key: str, victim: str) -> tuple[str, str]:
+    """What another user leaves in ``node``'s memory (as root plays them): a valid snapshot
+    of theirs, named as a newer step of rank 0 than any; and a folder of theirs named as
+    the copies of a rank, holding a link to ``victim``. Returns (the file, the folder)."""
+    owner0 = os.path.join(node.memory_dir, key, "rank00000")
+    newest = max(glob.glob(os.path.join(owner0, "step-*.snap")))
+    planted = os.path.join(owner0, "step-000000099.snap")
+    shutil.copyfile(newest, planted)
+    os.chown(planted, ATTACKER, ATTACKER)
+    folder = os.path.join(node.memory_dir, key, "rank00002")
+    os.mkdir(folder)
+    os.symlink(victim, os.path.join(folder, "step-000000099.snap"))
+    os.chmod(folder, 0o777)
+    os.chown(folder, ATTACKER, ATTACKER)
+    return planted, folder
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play another user")
+def test_a_reused_run_dir_and_another_users_files_are_never_restored(
+    harness: NodeHarness, url: str, reference: str, tmp_path
+) -> None:
+    """Issue 40's shared-node attack and reused run dir, on two nodes: a run snapshots every
+    step and is killed for good (every process of both nodes; their memory stays), its run
+    directory is removed, and another user leaves a snapshot file and a folder of theirs in
+    the job's memory folder (the folder with a link to an unrelated 0600 file). A new run
+    under the same run directory and job id must start from step 0 and train exactly as the
+    uninterrupted reference; every stale or foreign entry is passed over by name, on both
+    nodes, and `steadytrain report`'s restores say why each was."""
+    node0, node1 = harness.nodes[:2]
+    run_dir = str(tmp_path / "reused")
+    job = start_job(harness, [node0, node1], run_dir, _settings(url), faults="")
+    job.wait_for_step(KILL_AT, timeout=300)
+    for node in (node0, node1):
+        _kill_processes(harness, node)
+    job.wait(timeout=60, expect={node0.name: None, node1.name: None})
+    held = {n.name: _snapshots(n) for n in (node0, node1)}
+    assert all(sorted(h) == [0, 1] for h in held.values()), held  # own copies and the peer's
+    key = store_key(JOB_ID, os.path.join(run_dir, "checkpoints"))  # as predictable to all
+    shutil.rmtree(run_dir)  # rm -rf RUN: the identity and the durable checkpoints go
+    victim = str(tmp_path / "victim")
+    with open(victim, "wb") as f:
+        f.write(b"an unrelated file")
+    os.chmod(victim, 0o600)
+    planted, folder = _plant(node0, key, victim)
+    _log(f"[memtier] reused {run_dir}; planted {planted} and {folder}; stale copies {held}")
+
+    start_job(harness, [node0, node1], run_dir, _settings(url), faults="").wait(timeout=300)
+    assert restores(run_dir) == []  # no attempt restored anything
+    _bit_exact(reference, run_dir)  # a fresh start: nothing of the old run leaked in
+    with open(victim, "rb") as f:
+        assert f.read() == b"an unrelated file"  # never written through
+
+    rep = report(run_dir)
+    why = [(p["node"], _last2(p["path"]), p["reason"]) for p in rep["restores_passed_over"]]
+    stale = {(n, f) for n, f, r in why if "written by another run (nonce" in r}
+    want = {(n, f"rank{o:05d}/step-{s:09d}.snap") for n, h in held.items() for o in h for s in h[o]}
+    assert stale == want, why  # every old copy, on both nodes
+    foreign = {(n, f) for n, f, r in why if "not owned by this user (owner uid 65534" in r}
+    assert foreign == {(node0.name, "rank00000/step-000000099.snap")}, why  # never read
+    assert (node0.name, f"{key}/rank00002") in {
+        (n, f) for n, f, r in why if "owned by uid 65534, not by this user" in r
+    }, why  # never listed
+
+
+def _last2(path: str) -> str:
+    return "/".join(path.split("/")[-2:])

@@ -103,6 +103,11 @@ assert step == 0
         covered_by="tests/integrations/test_readme_plain_pytorch.py",
     ),
     Sample(
+        "docs/training.md",
+        r'TokenWindows\(TokenDataset\.open\("my-dataset"\), seq_len=64\)',
+        covered_by="tests/integrations/test_hf_recipe.py",
+    ),
+    Sample(
         "docs/checkpoint.md",
         r'Checkpointer\("ckpts/", every_steps=100, keep_last=3, keep_every=1000',
         prelude=_LOCAL_DS
@@ -221,6 +226,15 @@ assert steps == [1, 2, 3], steps
 assert "SECRET" not in open("run/ledger.jsonl").read()
 """,
         replace={'sinks=("jsonl", "mlflow", "console")': 'sinks=("jsonl",)'},
+    ),
+    Sample(
+        "docs/monitoring.md",
+        r'with run\.phase\("eval"\)',
+        check="""
+recs = [json.loads(l) for l in open("runs/eval/ledger.jsonl")]
+assert [r["step"] for r in recs if r["type"] == "step"] == [1, 2, 3], recs
+assert recs[-1]["type"] == "job_end" and recs[-1]["reason"] == "finished", recs[-1]
+""",
     ),
     Sample(
         "docs/testing.md",

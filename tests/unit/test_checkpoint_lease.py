@@ -1,5 +1,6 @@
 """Checkpoint writer safety in one process: the writer lease's rules, directory claims, and
-the "No space left on device" label (issue 12 items 1 and 4).
+the "No space left on device" label (issue 12 items 1 and 4); the same lease rules for a run
+directory, which ``steadytrain.Run`` takes at entry (issue 40, 3).
 
 Lease records of other jobs are written here by hand, exactly as another process would
 write them (docs/format.md), with real pids: a live child process, then the same pid once it
@@ -38,10 +39,10 @@ def _states(value: float) -> dict:
     return {"model": model}
 
 
-def _holder(root, generation: int = 1, **fields) -> dict:
-    """Write generation ``generation`` of ROOT's lease as another job would."""
+def _holder(root, generation: int = 1, kind: L.LeaseKind = L.WRITER, **fields) -> dict:
+    """Write generation ``generation`` of ROOT's ``kind`` lease as another job would."""
     rec = {
-        "format": L.FORMAT,
+        "format": kind.format,
         "version": L.VERSION,
         **host_identity(),
         "pid": 0,
@@ -54,14 +55,14 @@ def _holder(root, generation: int = 1, **fields) -> dict:
         "heartbeat": time.time(),
         "released": False,
     } | fields
-    d = root / L.LEASE_DIR
+    d = root / kind.dirname
     d.mkdir(parents=True, exist_ok=True)
     (d / f"{generation:08d}.json").write_text(json.dumps(rec))
     return rec
 
 
-def _newest(root) -> dict:
-    gens = sorted((root / L.LEASE_DIR).glob("*.json"))
+def _newest(root, kind: L.LeaseKind = L.WRITER) -> dict:
+    gens = sorted((root / kind.dirname).glob("*.json"))
     return json.loads(gens[-1].read_text())
 
 
@@ -240,3 +241,73 @@ def test_a_short_write_on_a_disk_with_room_is_not_called_a_full_disk(tmp_path):
     msg = _explain(exc, str(tmp_path / "step-00000001"), 4096)
     assert "No space" not in msg and "not a full disk" in msg
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".space-probe")]
+
+
+# -- the run directory's lease (steadytrain.Run, run_lease.py) -----------------------------
+def _run_dir_files(run_dir) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
+
+
+def test_run_refuses_a_run_dir_held_by_another_hosts_live_job_until_its_lease_expires(tmp_path):
+    from steadytrain import Run
+    from steadytrain.errors import RunDirInUseError
+
+    run_dir = tmp_path / "run"
+    old = time.time() - 100
+    _holder(run_dir, kind=L.RUN_LEASE, host="node-17", pid=4242, heartbeat=old, timeout_s=30.0)
+    with pytest.raises(RunDirInUseError) as err:
+        Run(run_dir, {}, checkpoint=False).__enter__()
+    msg = str(err.value)
+    assert "is the run directory of another live job: host node-17 pid 4242" in msg
+    assert str(run_dir / ".run-lease" / "00000001.json") in msg and "heartbeat 10" in msg
+    assert "expires when its heartbeat is 300 s old (in about 20" in msg, msg
+    assert _run_dir_files(run_dir) == [".run-lease/00000001.json"]  # nothing written
+    # The checkpoint's lease_timeout_s is the run lease's too: 100 s is past a 60 s limit.
+    checkpoint = {"lease_timeout_s": 60.0, "async_mode": "sync"}
+    with Run(run_dir, {"m": nn.Linear(2, 2)}, checkpoint=checkpoint) as run:
+        run.step_done(1)
+    rec = _newest(run_dir, L.RUN_LEASE)
+    assert rec["took_over"] == "its heartbeat is 100 s old (limit 60 s)", rec
+    assert rec["format"] == "steadytrain-run-lease" and rec["released"] is True
+
+
+def test_run_takes_over_from_its_own_job_and_from_a_gone_process(tmp_path, sleeper, monkeypatch):
+    from steadytrain import Run
+
+    live = proc_start(sleeper.pid)[1]
+    _holder(tmp_path, kind=L.RUN_LEASE, pid=sleeper.pid, pid_start=live, job="torchelastic:j1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "j1")  # torchrun's restart of that job
+    with Run(tmp_path, {}, checkpoint=False):
+        pass
+    assert _newest(tmp_path, L.RUN_LEASE)["took_over"] == "same job (torchelastic:j1): a restart"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    gen = _newest(tmp_path, L.RUN_LEASE)["generation"] + 1
+    _holder(tmp_path, gen, kind=L.RUN_LEASE, pid=sleeper.pid, pid_start=live)
+    sleeper.kill()
+    sleeper.wait()
+    with Run(tmp_path, {}, checkpoint=False):
+        pass
+    assert "is gone" in _newest(tmp_path, L.RUN_LEASE)["took_over"]
+
+
+def test_run_lease_heartbeats_while_the_run_is_open(tmp_path):
+    from steadytrain import Run
+
+    with Run(tmp_path, {}, checkpoint={"lease_timeout_s": 1.0}):  # a beat every 0.1 s
+        first = _newest(tmp_path, L.RUN_LEASE)
+        deadline = time.monotonic() + 30
+        while _newest(tmp_path, L.RUN_LEASE)["heartbeat"] == first["heartbeat"]:
+            assert time.monotonic() < deadline, "the run lease's heartbeat never moved"
+            time.sleep(0.05)
+    assert _newest(tmp_path, L.RUN_LEASE)["released"] is True
+
+
+def test_run_goes_on_with_a_warning_when_it_cannot_write_its_lease(tmp_path):
+    from steadytrain import Run
+
+    (tmp_path / ".run-lease").write_text("not a directory")  # the lease cannot be written
+    said: list[str] = []
+    with Run(tmp_path, {}, checkpoint=False, say=said.append) as run:
+        run.step_done(1)
+    assert any("could not take the run directory lease" in m for m in said), said
+    assert (tmp_path / "ledger.jsonl").exists()

@@ -308,9 +308,9 @@ def test_hang_of_a_rank_that_never_answered_is_placed_by_its_rank_file(
     _no_ip([inc])
 
 
-def test_hang_from_verdicts_alone_blames_the_silent_rank_0(tmp_path: Path) -> None:
-    """Rank 0 itself is stuck (no ledger hang record: it could not write one, and no later
-    rank 0 recovered it): rank 1's verdict waits in the all-reduce; rank 0 never answered."""
+def _rank_0_silent(tmp_path: Path) -> tuple[RunBuilder, Path, dict[str, Any]]:
+    """Rank 0 stuck after step 7 with no ledger hang record; rank 1's verdict waits in the
+    all-reduce. (builder, the hang directory, rank 1's verdict)."""
     b = RunBuilder(tmp_path)
     b.attempt({0: "node-0", 1: "node-1"}, 7, ends={}, job_end=None)
     d = hang_dir(tmp_path, 0)
@@ -320,10 +320,31 @@ def test_hang_from_verdicts_alone_blames_the_silent_rank_0(tmp_path: Path) -> No
                "progress_t": b.t, "frame": "/opt/lib/site-packages/torch/x.py:1 all_reduce",
                "state": "waiting", "waiting_in": "all_reduce"}  # fmt: skip
     (d / "rank-1.json").write_text(json.dumps(verdict))
+    return b, d, verdict
+
+
+def test_hang_from_verdicts_alone_blames_the_silent_rank_0(tmp_path: Path) -> None:
+    """Rank 0 itself is stuck (no ledger hang record: it could not write one, and no later
+    rank 0 recovered it): rank 1's verdict waits in the all-reduce; rank 0 never answered."""
+    b, _, _ = _rank_0_silent(tmp_path)
     b.attempt({0: "node-0", 1: "node-1"}, 20, restored=4)
     [inc] = detect(load(b.write()))
     assert inc.kind == "hang" and inc.ranks == [0] and inc.nodes == ["node-0"]
     assert inc.evidence["state"] == "no response" and inc.evidence["cause"] == "no response"
+
+
+def test_hang_verdicts_of_ranks_the_job_never_had_name_nobody(tmp_path: Path) -> None:
+    """Files dropped into hangs/attempt-0/ for ranks 5 and 6 of a 2-rank attempt (a verdict
+    that claims a world of 8, a reaper's record): the attempt's job_start says 2 ranks, so
+    the culprit is still the silent rank 0 alone, never 5, 6 or the ranks 2..7 'missing'."""
+    b, d, verdict = _rank_0_silent(tmp_path)
+    forged = {**verdict, "rank": 5, "world_size": 8, "node": "node-9", "state": "stuck"}
+    (d / "rank-5.json").write_text(json.dumps(forged))
+    (d / "reaped-rank-6.json").write_text(json.dumps({"rank": 6, "node": "node-9"}))
+    b.attempt({0: "node-0", 1: "node-1"}, 20, restored=4)
+    [inc] = detect(load(b.write()))
+    assert inc.kind == "hang" and inc.ranks == [0] and inc.nodes == ["node-0"], inc.message
+    assert "node-9" not in inc.message
 
 
 def test_hang_record_with_fields_of_the_wrong_type_is_still_diagnosed(tmp_path: Path) -> None:

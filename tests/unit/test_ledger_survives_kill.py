@@ -1,17 +1,22 @@
 """Records survive SIGKILL (issue 13): COMMIT waits for rank 0's ledger
 (``GoodputMeter.record_through``), and what a kill still took is recovered at the next
-start-up (``monitor.recovered``). The torchrun version: tests/e2e/train/test_ledger_kills.py."""
+start-up (``monitor.recovered``), bounded: a large gap is one summary record, accounted as
+its steps (issue 40, 3). The torchrun version: tests/e2e/train/test_ledger_kills.py."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
 
-from steadytrain.monitor.goodput import compute_goodput
-from steadytrain.monitor.ledger import read_ledger
+from steadytrain.monitor import recovered
+from steadytrain.monitor.goodput import GoodputAccumulator, compute_goodput
+from steadytrain.monitor.ledger import read_ledger, step_record
 from steadytrain.monitor.meter import GoodputMeter
+from steadytrain.monitor.recovered import recovered_steps
+from steadytrain.testing.incidents.common import report
 
 
 def steps_in_file(run_dir) -> list[int]:
@@ -81,3 +86,81 @@ def test_steps_a_checkpoint_covers_are_recovered_at_the_next_start(tmp_path) -> 
     third.job_start(restored_step=6)
     third.close()
     assert sum(1 for r in read_ledger(tmp_path / "ledger.jsonl") if r.get("recovered")) == 2
+
+
+# -- the fill is bounded (issue 40, 3) ------------------------------------------------------
+def _killed_after(run_dir, steps: int) -> None:
+    """Attempt 0 records steps 1..``steps`` (8 tokens each), then dies as by SIGKILL."""
+    meter = GoodputMeter(run_dir)
+    meter.job_start()
+    for s in range(1, steps + 1):
+        meter.step(s, tokens=8, data_wait_s=0.0, compute_s=0.01)
+    meter.flush()
+    meter._closed = True
+    meter._writer.close()
+
+
+@pytest.mark.timeout(120)  # one record per step took 1 min 50 s and 930 MB here
+def test_a_gap_of_two_million_steps_is_one_summary_record(tmp_path) -> None:
+    _killed_after(tmp_path, 3)
+    gap = 2_000_000
+    second = GoodputMeter(tmp_path)
+    second.job_start(restored_step=3 + gap)  # a checkpoint of step 2,000,003 was restored
+    second.step(4 + gap, tokens=8, data_wait_s=0.0, compute_s=0.01)
+    second.close()
+    recs = read_ledger(tmp_path / "ledger.jsonl")
+    assert len(recs) == 8, [r["type"] for r in recs]  # O(1): not one record per step
+    summary = [r for r in recs if r.get("recovered")]
+    assert len(summary) == 1 and summary[0]["steps"] == gap and summary[0]["step"] == 3 + gap
+    assert summary[0]["tokens"] == gap * 8 and summary[0]["step_s"] == 0.0
+    b = compute_goodput(recs)
+    assert b.steps_kept == b.steps_recorded == 4 + gap and b.tokens_kept == (4 + gap) * 8
+    assert b.attempt_summaries[0]["steps"] == 3 + gap
+    assert b.attempt_summaries[0]["last_step"] == 3 + gap
+    # The report (goodput, diagnosis) reads it as those steps.
+    rep = report(str(tmp_path))
+    assert rep["steps_kept"] == rep["steps_recorded"] == 4 + gap
+    assert rep["tokens_kept"] == (4 + gap) * 8 and rep["last_step"] == 4 + gap
+    assert rep["restarts"] == 1 and [c["attempt"] for c in rep["crashes"]] == [0]
+    assert [(i["kind"], i["step"]) for i in rep["incidents"]] == [("crash", 3 + gap)]
+
+
+def _ledger_with_fill(run_dir, fill) -> list[dict]:
+    """One run's records, the gap filled by ``fill`` (the fill of recovered.py): attempt 0
+    trains steps 1..5 and a synchronous save of step 12 commits (its record before its own
+    step, as a sync save's is), then SIGKILL takes steps 6..40 (a save of 40 committed);
+    attempt 1 restores 40, trains 41..44; attempt 2 restores 12, inside the recovered span."""
+    recs: list[dict] = [{"type": "job_start", "t": 100.0, "attempt": 0, "restored_step": 0}]
+    for s in range(1, 6):
+        recs.append(step_record(100.0 + s, s, 8, 1.0, 0.1, 0.8, 0.0, 2.0))
+    recs.append({"type": "checkpoint", "t": 105.5, "step": 12, "ok": True, "block_s": 0.0})
+    acc = GoodputAccumulator()
+    for rec in recs:
+        acc.add(rec)
+    recs += fill(acc, 40)
+    recs.append({"type": "job_start", "t": 200.0, "attempt": 1, "restored_step": 40})
+    for s in range(41, 45):
+        recs.append(step_record(200.0 + s - 40, s, 8, 1.0, 0.1, 0.8, 0.0, 2.0))
+    recs.append({"type": "job_start", "t": 300.0, "attempt": 2, "restored_step": 12})
+    recs.append(step_record(301.0, 13, 8, 1.0, 0.1, 0.8, 0.0, 2.0))
+    recs.append({"type": "job_end", "t": 302.0, "step": 13, "reason": "finished"})
+    run_dir.mkdir()
+    with open(run_dir / "ledger.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    return recs
+
+
+def test_the_summary_is_accounted_as_the_records_one_per_step(tmp_path, monkeypatch) -> None:
+    summary = _ledger_with_fill(tmp_path / "summary", recovered_steps)
+    assert sum(1 for r in summary if r.get("recovered")) == 1  # 35 steps > PER_STEP_LIMIT
+    monkeypatch.setattr(recovered, "PER_STEP_LIMIT", 10**9)  # the fill of before: per step
+    per_step = _ledger_with_fill(tmp_path / "per-step", recovered_steps)
+    assert sum(1 for r in per_step if r.get("recovered")) == 35
+    got, want = compute_goodput(summary).to_dict(), compute_goodput(per_step).to_dict()
+    assert got == want
+    assert want["steps_lost"] == 32 and want["steps_kept"] == 13  # 13..44 redone from 12
+    keys = ("goodput_s", "badput_s", "steps_kept", "steps_lost", "tokens_kept", "restarts")
+    a, b = report(str(tmp_path / "summary")), report(str(tmp_path / "per-step"))
+    assert {k: a[k] for k in keys + ("crashes", "incidents")} == {
+        k: b[k] for k in keys + ("crashes", "incidents")
+    }

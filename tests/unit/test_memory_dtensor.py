@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from steadytrain.checkpoint.memory import snapshot as snap
-from steadytrain.checkpoint.memory.tier import _tensors
+from steadytrain.checkpoint.memory.restored import tensors_of as _tensors
 from steadytrain.errors import CheckpointError
 
 

@@ -187,7 +187,8 @@ def test_header_alone_is_verified(snapshot_file):
 def test_retention_keeps_at_most_two_generations(tmp_path):
     store = Store(str(tmp_path), "job-key")
     image = snap.build({"job": "j"}, {"x": torch.ones(10)})
-    os.makedirs(store.owner_dir(0))
+    store.prepare()
+    os.mkdir(store.owner_dir(0), 0o700)
     for step in range(1, 8):
         open(store.path(0, step) + ".tmp-999", "wb").close()  # a writer that died
         store.write(0, step, image)
@@ -213,7 +214,6 @@ def test_reserve_recycles_the_oldest_file_and_keeps_the_newest(tmp_path):
     _reserved_copy(store, 0, 1, 1.0)
     _reserved_copy(store, 0, 2, 2.0)
     oldest, newest = os.stat(store.path(0, 1)).st_ino, os.stat(store.path(0, 2)).st_ino
-    os.makedirs(store.owner_dir(0), exist_ok=True)
     open(os.path.join(store.owner_dir(0), "step-000000002.snap.tmp-999"), "wb").close()
     plan = snap.layout({"job": "j", "step": 3}, {"x": torch.full((1000,), 3.0)})
     tmp, image = store.reserve(0, plan.total)
@@ -259,7 +259,7 @@ def test_a_copy_mapped_for_sending_is_read_only_and_sends_without_a_warning(tmp_
 
 
 def test_a_received_copy_keeps_the_kept_tensors_and_gives_back_the_rest():
-    from steadytrain.checkpoint.memory.tier import give_back
+    from steadytrain.checkpoint.memory.restored import give_back
 
     def resident_mib() -> float:
         with open("/proc/self/statm") as f:
@@ -397,6 +397,27 @@ def test_clean_close_removes_the_memory_directory(tmp_path):
         ckpt.maybe_save(step, {"model": model, "optim": optim})
     ckpt.close()  # the durable save of step 2 holds everything
     assert os.listdir(tmp_path / "mem") == []
+
+
+def test_close_releases_the_staging_buffers_at_once(tmp_path):
+    """The tier's staging buffers (1x the state per rank) are not resident after close(),
+    without waiting for a garbage collection: the snapshot encoder's recursive closure held
+    the last generation's tensors in a reference cycle (issue 40, item 8)."""
+    import gc
+    import weakref
+
+    model, optim, ckpt, _ = _job(tmp_path, every_steps=1)
+    gc.disable()  # as between two automatic collections, which may be far apart
+    try:
+        for step in (1, 2, 3):
+            ckpt.maybe_save(step, {"model": model, "optim": optim})
+        ckpt.wait()
+        staged = [weakref.ref(b) for b in ckpt.memory.stager._buffers.values()]
+        assert len(staged) >= 3  # weight, bias, momentum
+        ckpt.close()
+        assert [r() is None for r in staged] == [True] * len(staged)
+    finally:
+        gc.enable()
 
 
 def test_config_checks_and_tables():

@@ -23,9 +23,11 @@ from steadytrain.monitor.hangs import (
     classify_stack,
     decide,
     hang_dir,
+    read_verdicts,
 )
 from steadytrain.monitor.ledger import read_ledger
 from steadytrain.monitor.meter import GoodputMeter
+from steadytrain.monitor.records import Rejects
 from steadytrain.monitor.watchdog import (
     HANG_EXIT_CODE,
     HangWatchdog,
@@ -146,6 +148,33 @@ def test_decide_when_every_rank_waits() -> None:
     assert same["stuck_ranks"] == [0, 1] and "collective" in same["cause"]
 
 
+def test_verdicts_that_are_not_of_this_jobs_ranks_are_skipped(tmp_path) -> None:
+    """A verdict for a rank the job never had, another run's, or one filed under another
+    rank's name is no rank's answer: skipped and counted; ``decide`` never names a rank
+    outside the world, and the next attempt's recovered record neither."""
+    run = tmp_path / "run"
+    d = hang_dir(run, 0)
+    d.mkdir(parents=True)
+    nonce = "12" * 16
+    base = {"world_size": 2, "detect_t": 100.0, "progress_t": 90.0, "since_progress_s": 10.0,
+            "deadline_s": 5.0, "phase": "step", "nonce": nonce}  # fmt: skip
+    (d / "rank-0.json").write_text(json.dumps({**_v(0, "waiting"), **base}))
+    (d / "rank-7.json").write_text(json.dumps({**_v(7, "stuck"), **base, "world_size": 8}))
+    (d / "rank-1.json").write_text(json.dumps({**_v(1, "waiting"), **base, "nonce": "x"}))
+    (d / "rank-3.json").write_text(json.dumps({**_v(0, "stuck"), **base}))  # rank 0's?
+    rej = Rejects()
+    got = read_verdicts(d, rej, nonce=nonce, world_size=2)
+    assert list(got) == [0] and rej.total == 3, rej.to_dict()
+    # Without the checks a rank of another world is still no rank of this job's.
+    assert decide({0: _v(0, "waiting"), 7: _v(7, "stuck")}, 2)["stuck_ranks"] == [1]
+    meter = GoodputMeter(run)
+    meter.job_start()
+    assert recover_hang_records(run, meter, nonce=nonce) == 1
+    meter.close()
+    [h] = [r for r in read_ledger(run / "ledger.jsonl") if r["type"] == "hang"]
+    assert h["stuck_ranks"] == [1] and h["missing_ranks"] == [1] and h["world_size"] == 2
+
+
 # -- the hang path, in process: dumps, verdict, ledger record, exit ----------------------
 def test_a_hang_dumps_records_through_the_meter_and_exits(tmp_path) -> None:
     run = tmp_path / "run"
@@ -214,7 +243,8 @@ def test_a_reaper_runs_beside_the_watchdog_of_a_rank_and_ends_with_it(tmp_path) 
     off = HangWatchdog(tmp_path, 0, 2, config=WatchdogConfig(floor_s=60, reaper=False))
     assert off.reaper is None
     off.close()
-    wd = HangWatchdog(tmp_path, 1, 2, attempt=2, config=cfg)
+    nonce = "7f" * 16
+    wd = HangWatchdog(tmp_path, 1, 2, attempt=2, config=cfg, nonce=nonce)
     proc = wd.reaper
     try:
         assert proc is not None and proc.poll() is None
@@ -222,6 +252,9 @@ def test_a_reaper_runs_beside_the_watchdog_of_a_rank_and_ends_with_it(tmp_path) 
             argv = f.read().decode().split("\0")
         assert argv[3].endswith("reaper.py") and f"--parent={os.getpid()}" in argv
         assert f"--dir={hang_dir(tmp_path, 2)}" in argv and "--rank=1" in argv
+        assert "--world=2" in argv and not any(nonce in a for a in argv)  # public in /proc
+        with open(f"/proc/{proc.pid}/environ", "rb") as f:  # readable by this user only
+            assert f"STEADYTRAIN_REAPER_NONCE={nonce}".encode() in f.read().split(b"\0")
     finally:
         wd.close()
     assert proc.poll() is not None and wd.reaper is None  # killed and waited for

@@ -1,7 +1,9 @@
 """The reaper (monitor/reaper.py): its policy on explicit clock values, then real processes:
 a SIGSTOPped "rank" is SIGKILLed and the kill published, a SIGTERM to a stopped rank's group
-kills it, nothing but the parent is ever killed, and the reaper never outlives its rank.
-Waits only bound a failure; nothing asserts how fast this machine is."""
+kills it, nothing but the parent is ever killed, the reaper never outlives its rank, and a
+decision file that is not this job's own (forged, another run's, naming ranks the job never
+had, another user's) kills nothing. Waits only bound a failure; nothing asserts how fast
+this machine is."""
 
 from __future__ import annotations
 
@@ -20,18 +22,24 @@ from steadytrain.monitor.reaper import DECISION, Reaper, proc_state, reaped_path
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
 
 
-def _decision(d, rank: int, stuck: list[int], missing: list[int], attempt: int = 0) -> None:
+NONCE = "5e" * 16  # the run's identity (run_identity.py), as Run hands it to the reapers
+
+
+def _decision(
+    d, rank: int, stuck: list[int], missing: list[int], attempt: int = 0, nonce: str = NONCE
+) -> None:
     d.mkdir(parents=True, exist_ok=True)
     cause = "no response" if missing else "not in a collective"
     publish_decision(
-        d, rank, attempt, {"stuck_ranks": stuck, "missing_ranks": missing, "cause": cause}
+        d, rank, attempt, {"stuck_ranks": stuck, "missing_ranks": missing, "cause": cause}, nonce
     )
 
 
 def _reaper(d, rank: int = 1, **kw) -> Reaper:
     me = proc_state(os.getpid())
-    args = dict(rank=rank, node="node-1", attempt=0, parent=os.getpid(), parent_start=me.start,
-                since=time.time(), record_wait_s=10.0, backstop_s=40.0)  # fmt: skip
+    args = dict(rank=rank, node="node-1", attempt=0, world_size=2, nonce=NONCE,
+                parent=os.getpid(), parent_start=me.start, since=time.time(),
+                record_wait_s=10.0, backstop_s=40.0)  # fmt: skip
     args.update(kw)
     return Reaper(d, **args)
 
@@ -121,14 +129,60 @@ def test_stale_foreign_and_malformed_decisions_are_ignored(tmp_path) -> None:
     assert r.decisions() == []
 
 
+def _forge(d, name: str, **fields) -> None:
+    """A decision file as someone other than the job's ranks could drop it."""
+    d.mkdir(parents=True, exist_ok=True)
+    doc = {"rank": 0, "attempt": 0, "t": time.time(), "stuck_ranks": [1], "missing_ranks": [1],
+           "cause": "no response", "nonce": NONCE, **fields}  # fmt: skip
+    (d / name).write_text(json.dumps(doc))
+
+
+def test_a_decision_that_is_not_this_jobs_own_kills_nothing(tmp_path) -> None:
+    """Forged decisions name the parent (rank 1) stuck and silent, with rank 0's record on
+    disk: what a real decision needs to kill at once. None of them is the job's own."""
+    d = hang_dir(tmp_path, 0)
+    _forge(d, DECISION.format(rank=0), nonce="0" * 32)  # another run's (or a guess)
+    _forge(d, DECISION.format(rank=1), nonce=None)  # no identity at all
+    _forge(d, DECISION.format(rank=5), rank=5, stuck_ranks=[1, 7])  # ranks the job never had
+    _forge(d, "decision-3.json", rank=0)  # rank 0's decision under another rank's name
+    (d / RECORDED).write_text("{}")
+    killed: list[int] = []
+    r = _reaper(d, kill=lambda pid, start: killed.append(pid) or True, getppid=os.getpid)
+    assert r.decisions() == []
+    for when in (0.0, 100.0):  # at once, and long past the backstop
+        assert r.reason(when, "S", r.decisions()) is None
+        assert r.reason(when, "T", r.decisions()) is None  # even a stopped parent
+    assert r.tick() is False and killed == [] and r.reaped is None
+    assert set(r.refused) == {f"decision-{i}.json" for i in (0, 1, 3, 5)}, r.refused
+    assert "nonce" in r.refused["decision-0.json"] and "nonce" in r.refused["decision-1.json"]
+    assert "outside the job's 2 ranks" in r.refused["decision-5.json"]
+    assert "in the file decision-3.json" in r.refused["decision-3.json"]
+    # The job's own decision beside them is acted on: the checks refuse the forged only.
+    _decision(d, 0, stuck=[1], missing=[1])
+    assert [x["rank"] for x in r.decisions()] == [0]
+    assert r.reason(0.0, "T", r.decisions()) == "stopped"
+
+
+def test_a_decision_file_of_another_user_kills_nothing(tmp_path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("making a file owned by another user needs root")
+    d = hang_dir(tmp_path, 0)
+    _decision(d, 0, stuck=[1], missing=[1])  # right in every field...
+    os.chown(d / DECISION.format(rank=0), 65534, 65534)  # ...but written by someone else
+    r = _reaper(d)
+    assert r.decisions() == [] and r.reason(100.0, "T", []) is None
+    assert "owned by this user" in r.refused["decision-0.json"]
+
+
 # -- real processes -----------------------------------------------------------------------
-# A "rank": starts its reaper as the watchdog does, says the reaper's pid, then SIGSTOPs
-# itself (argv[2] == "stop") or sleeps and exits (argv[2] == "exit").
+# A "rank": starts its reaper as the watchdog does (the run's nonce argv[5]), says the
+# reaper's pid, then SIGSTOPs itself (argv[2] == "stop") or sleeps argv[3] seconds and
+# exits (argv[2] == "exit"). argv[4]: the reaper's backstop.
 RANK = """
 import os, signal, sys, time
 from steadytrain.monitor.reaper import spawn
-p = spawn(sys.argv[1], rank=1, node="node-1", attempt=0, poll_s=0.05, idle_s=0.05,
-          record_wait_s=30.0, backstop_s=60.0)
+p = spawn(sys.argv[1], rank=1, node="node-1", attempt=0, world_size=2, nonce=sys.argv[5],
+          poll_s=0.05, idle_s=0.05, record_wait_s=30.0, backstop_s=float(sys.argv[4]))
 print(p.pid, flush=True)
 if sys.argv[2] == "stop":
     os.kill(os.getpid(), signal.SIGSTOP)
@@ -137,9 +191,11 @@ time.sleep(float(sys.argv[3]))
 """
 
 
-def _start_rank(d, mode: str, linger: float = 0.0) -> tuple[subprocess.Popen, int]:
+def _start_rank(
+    d, mode: str, linger: float = 0.0, backstop: float = 60.0
+) -> tuple[subprocess.Popen, int]:
     rank = subprocess.Popen(
-        [sys.executable, "-c", RANK, str(d), mode, str(linger)],
+        [sys.executable, "-c", RANK, str(d), mode, str(linger), str(backstop), NONCE],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -228,6 +284,28 @@ def test_the_reaper_exits_with_its_rank_and_kills_nothing_then(tmp_path) -> None
     assert rank.wait(timeout=30) == 0  # a normal end: the reaper must follow it
     assert _wait_gone(reaper_pid), "the reaper outlived its rank"
     assert not d.exists()
+
+
+def test_a_forged_decision_never_kills_a_healthy_rank(tmp_path) -> None:
+    """A real rank with its real reaper (backstop 1 s), healthy and silent (no verdict of
+    its own: it never hung); a forged decision naming it stuck and rank 0's record are
+    dropped into its hang directory. It lives on past the backstop and exits by itself."""
+    d = hang_dir(tmp_path, 0)
+    rank, reaper_pid = _start_rank(d, "exit", linger=4.0, backstop=1.0)
+    try:
+        with open(f"/proc/{reaper_pid}/cmdline", "rb") as f:
+            assert NONCE.encode() not in f.read()  # the nonce is not public in /proc
+        _forge(d, DECISION.format(rank=0), nonce=None)
+        (d / RECORDED).write_text("{}")
+        assert rank.wait(timeout=60) == 0  # not -SIGKILL: it ended its own sleep
+        assert _wait_gone(reaper_pid), "the reaper outlived its rank"
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+    assert not reaped_path(d, 1).exists()
+    err = rank.stderr.read()
+    assert "[reaper] rank 1:" in err and "decision-0.json refused" in err, err
 
 
 def test_only_the_parent_with_its_start_time_is_ever_killed(tmp_path) -> None:

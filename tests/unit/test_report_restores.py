@@ -218,3 +218,59 @@ def test_a_refused_snapshot_counts_its_blocking_and_error(tmp_path: Path) -> Non
     snaps = s["memory_snapshots"]
     assert (snaps["ok"], snaps["failed"], snaps["last_error"]) == (0, 1, error)
     assert snaps["block_s"] == pytest.approx(0.05)
+
+
+def test_what_each_restore_passed_over_is_in_the_report_fresh_starts_included(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that reused a run directory restores nothing (step 0), and its restore record
+    says which snapshots it passed over and why; a later restart passed over a damaged copy
+    on another node. Both attempts' reasons reach the text, the page and --json; a record's
+    untrusted text is bounded and loses its control characters."""
+    tl = Timeline(t0=1_000_000.0)
+    tl.job_start(attempt=0)
+    stale = "a:/dev/shm/steadytrain-0/k/rank00000/step-000000006.snap"
+    skipped = [
+        {"path": stale.split(":", 1)[1], "node": "a", "step": 6,
+         "reason": "written by another run (nonce 1a2b3c4d5e6f..., this run's is 9f8e...)"},
+        {"path": "/dev/shm/steadytrain-0/k/rank00001/step-000000006.snap", "node": "b",
+         "step": 6, "reason": "not owned by this user (owner uid 65534, this is 0)\x1b[2J"},
+        "not an entry",
+    ]  # fmt: skip
+    tl.event({"type": "restore", "step": 0, "tier": "durable", "restore_s": 0.1,
+              "skipped": skipped})  # fmt: skip
+    _steps(tl, 1, 4, save_at=(2,))
+    tl.advance(2.0)
+    tl.job_start(attempt=1, restored_step=4, restore_s=0.3)
+    damaged = [{"path": "/m/k/rank00001/step-000000004.snap", "node": "b", "step": 4,
+                "reason": "payload checksum mismatch; the snapshot is damaged"}]  # fmt: skip
+    tl.event({"type": "restore", "step": 3, "tier": "peer-memory", "restore_s": 0.3,
+              "skipped": damaged})  # fmt: skip
+    run = _write(tmp_path / "run", tl.records)
+    s = json.loads(_cli(capsys, str(run), "--out", str(tmp_path / "out"), "--json"))
+    got = [
+        (p["attempt"], p["restored_step"], p["step"], p["node"]) for p in s["restores_passed_over"]
+    ]
+    assert got == [(0, 0, 6, "a"), (0, 0, 6, "b"), (1, 3, 4, "b")]
+    assert "written by another run (nonce 1a2b3c4d5e6f" in s["restores_passed_over"][0]["reason"]
+    assert "\x1b" not in s["restores_passed_over"][1]["reason"]
+    assert s["restores_passed_over_more"] == 0
+    text = _cli(capsys, str(run), "--out", str(tmp_path / "out"))
+    assert "passed over at restore (not restored, and why):" in text
+    assert f"attempt 0: step 6, {stale}: written by another run (nonce" in text
+    assert "attempt 1: step 4, b:/m/k/rank00001/step-000000004.snap: payload checksum" in text
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "not owned by this user (owner uid 65534" in page
+
+
+def test_passed_over_entries_are_bounded(tmp_path: Path) -> None:
+    from steadytrain.monitor.report_restores import PASSED_PER_RESTORE
+
+    tl = Timeline(t0=1_000_000.0)
+    tl.job_start(attempt=0)
+    many = [{"path": f"p{i}", "step": i, "reason": "r"} for i in range(PASSED_PER_RESTORE + 7)]
+    tl.event({"type": "restore", "step": 0, "restore_s": 0.1, "skipped": many})
+    _steps(tl, 1, 2)
+    s = build_report(_write(tmp_path / "run", tl.records), tmp_path / "out")
+    assert len(s["restores_passed_over"]) == PASSED_PER_RESTORE
+    assert s["restores_passed_over_more"] == 7

@@ -6,7 +6,12 @@ PyTorch loop of ``tests/integrations/plain_worker.py`` run alone, as a script.
   ``job_start`` so ``restart_gap`` is above 0 and "other" stays small;
 - the last step is committed when it is not a multiple of ``every_steps``;
 - SIGTERM is a crash too (``signal: SIGTERM``, exit status 143), never a clean end;
-- the rendezvous-store check, and configs given as dicts.
+- the rendezvous-store check, and configs given as dicts;
+- one live job per run directory (issue 40, 3): a second job started on a live job's run
+  directory is refused at entry, before it restored or wrote anything, naming the holder:
+  a script with ``checkpoint=False``, and 2 ranks under torchrun with a checkpointer (every
+  rank refused, rank 1 writes nothing either); a restart after the holder was SIGKILLed
+  goes on.
 
 The same loop under torchrun (a SIGKILLed rank, a hung rank): tests/integrations/
 test_run_plain_pytorch.py.
@@ -14,9 +19,14 @@ test_run_plain_pytorch.py.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -35,12 +45,68 @@ WORKER = os.path.join(HERE, "..", "integrations", "plain_worker.py")
 pytestmark = pytest.mark.timeout(180)
 
 
-def _run(data: str, run_dir: str, *args: str, attempt: int = 0) -> subprocess.CompletedProcess:
+# The second job of the two-job test as 2 ranks under the real torchrun (no --rdzv-id: a
+# job of its own): every rank must be refused, and rank 1 must write nothing either.
+TORCHRUN = ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0"]
+TORCHRUN += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.2"]
+
+
+def _cmd(data: str, run_dir: str, *args: str, attempt: int = 0, launch: tuple = ()) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_RESTART_COUNT=str(attempt))
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    # No job identity: two processes are two jobs (a shared one would be a restart).
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
-    cmd = [sys.executable, WORKER, "--data", data, "--run-dir", run_dir, *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    env.pop("SLURM_JOB_ID", None)
+    cmd = [sys.executable, *launch, WORKER, "--data", data, "--run-dir", run_dir, *args]
+    return {"args": cmd, "env": env, "text": True}
+
+
+def _run(
+    data: str, run_dir: str, *args: str, attempt: int = 0, launch: tuple = ()
+) -> subprocess.CompletedProcess:
+    how = _cmd(data, run_dir, *args, attempt=attempt, launch=launch)
+    return subprocess.run(**how, capture_output=True, timeout=150)
+
+
+def _start_holding(data: str, run_dir: str, hold: str, *args: str) -> subprocess.Popen:
+    """A live job on ``run_dir``, holding after step 3 (its save and records on disk) until
+    ``hold`` exists."""
+    proc = subprocess.Popen(
+        **_cmd(data, run_dir, "--hold-at-step", "3", "--hold-file", hold, *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 120
+    while not os.path.exists(hold + ".ready"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the first job never held:\n{proc.communicate()[0][-3000:]}")
+        time.sleep(0.05)
+    # Its watchdog publishes the "hold" phase a poll into it: wait, so the tree is still.
+    phase = os.path.join(run_dir, "hangs", "phases", "attempt-0", "phase-rank-0.json")
+    while not os.path.exists(phase) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
+# Files the holder's own live machinery rewrites: its leases' heartbeats, its watchdog.
+LIVE = (".run-lease", "checkpoints/.writer-lease", "hangs/phases")
+
+
+def _tree(run_dir: str) -> dict[str, str]:
+    """Every file under ``run_dir`` with a digest of its bytes; ``LIVE`` files by name only."""
+    out = {}
+    for top, _dirs, files in os.walk(run_dir):
+        for name in files:
+            path = os.path.join(top, name)
+            rel = os.path.relpath(path, run_dir)
+            with open(path, "rb") as f:
+                out[rel] = (
+                    ""
+                    if rel.startswith((".run-lease", "hangs/phases"))
+                    else hashlib.sha1(f.read()).hexdigest()
+                )
+    return out
 
 
 def _committed(ckpt_dir: str) -> list[int]:
@@ -120,3 +186,58 @@ def test_monitor_given_as_a_dict_reaches_the_watchdog() -> None:
     assert cfg.watchdog.floor_s == 7.0 and cfg.flush_interval_s == 0.1
     with pytest.raises(ValueError, match="floor_s"):
         meter_config({"watchdog": {"floor_s": -1.0}})
+
+
+@pytest.mark.parametrize(
+    "checkpoint, launch",
+    [(False, ()), (True, tuple(TORCHRUN))],
+    ids=["checkpoint-False", "checkpointer-torchrun-2-ranks"],
+)
+def test_a_second_job_on_a_live_run_dir_is_refused_before_it_writes(
+    data: str, tmp_path, checkpoint: bool, launch: tuple
+) -> None:
+    run_dir, hold = str(tmp_path / "run"), str(tmp_path / "go")
+    args = ["--steps", "6", "--every", "2"] + ([] if checkpoint else ["--no-checkpoint"])
+    first = _start_holding(data, run_dir, hold, *args)
+    try:
+        before = _tree(run_dir)
+        assert "ledger.jsonl" in before and ".run-lease/00000001.json" in before
+        assert ("checkpoints/step-00000002/COMMIT" in before) == checkpoint
+        second = _run(data, run_dir, *args, launch=launch)
+        err = second.stderr
+        assert second.returncode == 1, err[-3000:]
+        refused = err.count("steadytrain.errors.RunDirInUseError: ")
+        assert refused == (2 if launch else 1), err[-6000:]  # every rank
+        # The holder by host, pid and lease file, and the fix.
+        assert f"host {socket.gethostname()} pid {first.pid} job (no job id)" in err, err
+        assert os.path.join(run_dir, ".run-lease", "00000001.json") in err, err
+        assert "Fix: stop that job, or give this job its own run_dir" in err, err
+        # Refused before anything: no restore, no record, no rank file, no checkpoint.
+        assert _tree(run_dir) == before
+    finally:
+        open(hold, "w").close()
+        out = first.communicate(timeout=150)[0]
+    assert first.returncode == 0, out[-3000:]
+    # The first job's report is its own: no invented crash, no time claimed twice.
+    rep = _report(run_dir)
+    assert rep["crashes"] == [] and rep["restarts"] == 0 and rep["last_step"] == 6, rep
+    assert not rep.get("overbooked_s"), rep
+    # Released at its end: the next job starts at once.
+    assert _run(data, run_dir, *args).returncode == 0
+
+
+def test_a_restart_after_the_holder_was_sigkilled_goes_on(data: str, tmp_path) -> None:
+    run_dir, hold = str(tmp_path / "run"), str(tmp_path / "go")
+    args = ["--steps", "6", "--every", "2"]
+    first = _start_holding(data, run_dir, hold, *args)
+    os.kill(first.pid, signal.SIGKILL)
+    first.communicate(timeout=60)
+    resumed = _run(data, run_dir, *args, attempt=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    recs = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
+    starts = [r for r in recs if r["type"] == "job_start"]
+    assert [s["restored_step"] for s in starts] == [0, 2], starts
+    assert recs[-1]["type"] == "job_end" and recs[-1]["reason"] == "finished"
+    lease = json.loads(open(os.path.join(run_dir, ".run-lease", "00000002.json")).read())
+    assert lease["took_over"] == f"its process {first.pid} on this host is gone", lease
+    assert lease["released"] is True

@@ -4,6 +4,7 @@ a file this user did not write or cannot trust."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -46,11 +47,17 @@ def test_a_malformed_adopted_nonce_is_not_taken(tmp_path, bad):
     assert got.origin == "new" and got.nonce != bad
 
 
-def test_an_adopt_that_raises_makes_a_new_identity(tmp_path):
+def test_an_adopt_that_raises_publishes_nothing_so_the_next_attempt_asks_again(tmp_path):
+    """A failed listing of the checkpoints must not disown them for good: the identity of
+    this attempt stays in memory, and the next attempt adopts once the listing works."""
+
     def adopt():
         raise OSError("listing failed")
 
     assert ri.establish(tmp_path, adopt).origin == "new"
+    assert not (tmp_path / ri.IDENTITY_FILE).exists()
+    theirs = ri.new_nonce()
+    assert ri.establish(tmp_path, lambda: theirs) == ri.RunIdentity(theirs, "adopted")
 
 
 @pytest.mark.parametrize(
@@ -105,3 +112,19 @@ def test_a_racing_start_uses_the_winners_identity(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ri, "publish_bytes_if_absent", lose)
     assert ri.establish(tmp_path) == ri.RunIdentity(winner, "existing")
+
+
+def test_a_full_run_dir_keeps_the_identity_in_memory(tmp_path, monkeypatch, caplog):
+    """A full run directory never stops training (DESIGN: losing the run directory's disk
+    never stops training): the identity lives in this attempt's memory, and the warning
+    says what that costs. (The real full tmpfs: tests/unit/test_hostile_diskfull_train.py.)"""
+
+    def full(final, data):
+        raise OSError(errno.ENOSPC, "No space left on device", final)
+
+    monkeypatch.setattr(ri, "publish_bytes_if_absent", full)
+    with caplog.at_level(logging.WARNING, logger="steadytrain"):
+        got = ri.establish(tmp_path)
+    assert ri.is_nonce(got.nonce) and got.origin == "new"
+    assert "No space left on device" in caplog.text
+    assert "keeps its identity in memory" in caplog.text

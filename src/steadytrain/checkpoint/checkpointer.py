@@ -35,6 +35,13 @@ The memory tier (``config.memory.every_steps`` = K > 0, ``memory/``): every K st
 background on a gloo group of its own (made here, on every rank), and ``restore_latest``
 restores the newest good point of either tier (memory wins a tie). ``close()`` removes this
 node's snapshots when nothing in them is newer than the last committed durable save.
+
+The run's identity (``run_nonce``, run_identity.py) goes into every COMMIT and every memory
+snapshot, and nothing of another run is restored. ``Run`` sets it before ``restore_latest``
+(adopting ``newest_run_nonce()`` when its run directory has none). A checkpointer used
+without ``Run`` with the memory tier on establishes one itself, in its checkpoint directory,
+before its first snapshot, save or restore (``_ensure_nonce``): rank 0 reads or makes it and
+broadcasts it. Without either, COMMITs carry none and the durable restore compares nothing.
 """
 
 from __future__ import annotations
@@ -53,12 +60,13 @@ from steadytrain.checkpoint.lease import Lease, acquire
 from steadytrain.checkpoint.memory.config import MemoryConfig
 from steadytrain.checkpoint.memory.plan import newest_durable_step
 from steadytrain.checkpoint.memory.tier import MemoryTier
-from steadytrain.checkpoint.remote import Root, discover
+from steadytrain.checkpoint.remote import Root, discover, newest_manifest
 from steadytrain.checkpoint.repeat_save import PlanCache
 from steadytrain.checkpoint.restore import restore_latest as _restore
 from steadytrain.checkpoint.staging import Stager
 from steadytrain.checkpoint.writer import FAILURES, Group, SaveRequest, run_save
 from steadytrain.errors import CheckpointError, ConfigError, SteadyError
+from steadytrain.run_identity import establish, is_nonce, new_nonce
 from steadytrain.settings import merge
 
 __all__ = ["Checkpointer", "CheckpointerConfig", "DAEMON_RESTARTS"]
@@ -162,6 +170,9 @@ class Checkpointer:
         self.last_event: dict[str, Any] | None = None
         self.tokens_seen = 0  # from the restored checkpoint's COMMIT
         self._durable_ok = 0  # the newest step whose durable save committed in this process
+        # The run's identity: set by Run before restore_latest; else, with the memory tier
+        # on, established in the checkpoint directory at first use (_ensure_nonce).
+        self.run_nonce: str | None = None
         self.memory: MemoryTier | None = None
         if cfg.memory.enabled:
             if cfg.memory.every_steps == "auto" and not cfg.mtbf_s:
@@ -211,6 +222,10 @@ class Checkpointer:
         self._deliver()
         block_s = 0.0
         if self.memory is not None and self.memory.due(step):
+            if self.run_nonce is None:  # the tier's group is idle once its generation landed
+                block_s += self.memory.wait()
+                self._ensure_nonce(self.memory.group)
+            self.memory.nonce = self.run_nonce
             block_s += self.memory.snapshot(step, states, tokens_seen=tokens_seen)
         if not self._due(step):
             return block_s
@@ -228,6 +243,7 @@ class Checkpointer:
         self._deliver()
         if self._fatal is not None:
             raise CheckpointError(self._fatal)
+        self._ensure_nonce(self.group)  # no save in flight: the group is free
         if self._leases is None and not self._take_leases(step, t0):
             return time.perf_counter() - t0
         staged = self._stager.stage(S.dcp_state_dict(states))
@@ -248,6 +264,7 @@ class Checkpointer:
             nbytes=self._stager.bytes_staged,
             daemon_restarts_left=self._daemon_restarts_left,
             job=self._job,
+            run_nonce=self.run_nonce,
         )
         self._last_step, self._last_save_t = step, time.monotonic()
         if self.async_mode == "sync":
@@ -423,12 +440,15 @@ class Checkpointer:
         newest durable commit, else the newest committed checkpoint that verifies); returns
         its step (0: none)."""
         self.wait()
+        self._ensure_nonce(self.group)
         event, passed = None, []
+        nonce = self.run_nonce
         if self.memory is not None:
+            self.memory.nonce = nonce
             root = self.remote or self.local
-            event, passed = self.memory.restore(states, lambda: newest_durable_step(root))
+            event, passed = self.memory.restore(states, lambda: newest_durable_step(root, nonce))
         if event is None:
-            event = _restore(states, self.group, self.local, self.remote, self.verify)
+            event = _restore(states, self.group, self.local, self.remote, self.verify, nonce)
             event["skipped"] = passed + event["skipped"]
             if self.memory is not None and self.memory.touched and not event["step"]:
                 raise CheckpointError(
@@ -446,6 +466,37 @@ class Checkpointer:
             log.warning("skipped checkpoint %s: %s", s["path"], s["reason"])
         self._emit(event)
         return int(event["step"])
+
+    # -- the run's identity ----------------------------------------------------------------
+    def newest_run_nonce(self) -> str | None:
+        """The ``run_nonce`` of the newest committed durable checkpoint (on ``remote`` when
+        there is one, else local), or None (none, or it names no run). Cheap: one listing
+        and one COMMIT read (more only past newer directories with no valid COMMIT). Run
+        adopts it when its run directory holds no identity (run_identity.establish)."""
+        manifest = newest_manifest(self.remote or self.local)
+        nonce = (manifest or {}).get("run_nonce")
+        return nonce if is_nonce(nonce) else None
+
+    def _ensure_nonce(self, group: Group) -> None:
+        """Without ``Run`` (``run_nonce`` unset) and with the memory tier on: the run's
+        identity from this checkpoint directory (``run_identity.establish`` on rank 0,
+        adopting the newest checkpoint's), broadcast over ``group`` (collective: every rank
+        calls it at the same point, with ``group`` idle)."""
+        if self.run_nonce is not None or self.memory is None:
+            return
+        nonce = None
+        if group.rank == 0:
+            try:
+                nonce = establish(self.local.root, self.newest_run_nonce).nonce
+            except (OSError, SteadyError) as exc:  # a directory it cannot write: this process
+                nonce = new_nonce()
+                log.warning(
+                    "checkpoint directory %s: no run identity could be kept (%s); this "
+                    "process's memory snapshots will not be restored after it ends",
+                    self.local.root,
+                    exc,
+                )
+        self.run_nonce = str(group.broadcast(nonce))
 
     def close(self) -> None:
         """Wait for the in-flight save, release the writer lease (the next job on this root

@@ -34,12 +34,14 @@ from typing import Any
 
 from steadytrain.checkpoint.regular import inside, open_regular, stat_regular
 from steadytrain.errors import CheckpointError
+from steadytrain.run_identity import is_nonce
 from steadytrain.storage.publish import Hasher, canonical_digest, file_digest, publish_bytes
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "COMMIT_NAME",
+    "MAX_STEP",
     "step_dirname",
     "parse_dirname",
     "safe_name",
@@ -70,7 +72,15 @@ MAX_DEPTH = 16
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
 log = logging.getLogger("steadytrain.checkpoint")
 _warned_v1: set[str] = set()
-_DIR_RE = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
+# Steps are below 2**53, as the ledger's readers take them (monitor/records.MAX_INT): there
+# a float no longer counts by one. steadytrain.Run refuses a larger step_done; a COMMIT
+# that claims one (written by an older steadytrain, or by hand) is damaged, so the next
+# start skips it instead of filling 10**30 recovered steps.
+MAX_STEP = 2**53
+# ASCII digits, at most 64: a longer name is not a checkpoint (Python's int() refuses 4301
+# digits with ValueError, which would stop discovery); a step-10**30 directory is still
+# seen, and its COMMIT refused as damaged by name (commit_schema).
+_DIR_RE = re.compile(r"^step-([0-9]{8,64})(?:\.([0-9]{1,9}))?$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 
 
@@ -269,6 +279,8 @@ def commit_schema(doc: dict[str, Any]) -> str | None:
     for key in ("step", "tokens_seen", "total_bytes"):
         if not _is_int(doc.get(key)):
             return f"{key}={doc.get(key)!r} is not a non-negative integer"
+    if doc["step"] >= MAX_STEP:
+        return f"step={doc['step']} is not below 2**53 (no training has that many steps)"
     for key in ("wall_time", "block_s"):
         if not _is_number(doc.get(key)):
             return f"{key}={doc.get(key)!r} is not a non-negative number"
@@ -293,6 +305,8 @@ def commit_schema(doc: dict[str, Any]) -> str | None:
         return f"states={states!r} is not a list of names"
     if not isinstance(doc.get("remote"), (str, type(None))):
         return f"remote={doc.get('remote')!r} is neither a URL nor null"
+    if "run_nonce" in doc and not is_nonce(doc["run_nonce"]):
+        return f"run_nonce={str(doc['run_nonce'])[:80]!r} is not a run nonce (32 hex digits)"
     files = doc.get("files")
     if not isinstance(files, list) or not files:
         return "has no file list"

@@ -1,4 +1,5 @@
-"""One live writer per checkpoint root: the writer lease.
+"""One live writer per checkpoint root: the writer lease (and the same mechanism for one
+live job per run directory: ``RUN_LEASE``, taken by ``steadytrain.Run``, run_lease.py).
 
 Two jobs saving into one root picked the same ``step-N`` names, wrote the same file names
 and deleted each other's saves in flight. Directory claims (``claim.py``) stop the mixing;
@@ -16,6 +17,10 @@ its pid is gone from this host; or when its heartbeat, refreshed every ``timeout
 one thread per process, is older than ``timeout_s``. Anything else is a live job:
 ``CheckpointError`` naming the root, the holder and the fix. A holder that finds a newer
 generation than its own has lost the root (``LeaseLostError``) and must stop saving.
+
+A ``LeaseKind`` (``lease_kinds.py``) names what a lease guards: ``WRITER`` a checkpoint
+root, ``RUN_LEASE`` a run directory. Both share every rule above, the registry and the
+heartbeat thread.
 """
 
 from __future__ import annotations
@@ -31,17 +36,33 @@ import uuid
 from typing import Any
 
 from steadytrain.checkpoint.identity import host_identity, pid_gone, proc_start
+from steadytrain.checkpoint.lease_kinds import (
+    FORMAT,
+    LEASE_DIR,
+    RUN_LEASE,
+    VERSION,
+    WRITER,
+    LeaseKind,
+)
 from steadytrain.checkpoint.regular import read_regular
 from steadytrain.errors import CheckpointError, StorageError
 from steadytrain.storage.store import Store, is_missing
 
-__all__ = ["Lease", "LeaseLostError", "acquire", "LEASE_DIR", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "FORMAT",
+    "LEASE_DIR",
+    "RUN_LEASE",
+    "VERSION",
+    "WRITER",
+    "Lease",
+    "LeaseKind",
+    "LeaseLostError",
+    "acquire",
+]
 
 log = logging.getLogger("steadytrain.checkpoint")
 
-LEASE_DIR = ".writer-lease"
-FORMAT = "steadytrain-writer-lease"
-VERSION = 1
 DEFAULT_TIMEOUT_S = 300.0
 _TRIES = 8  # generations contested in a row before giving up (other jobs keep winning)
 
@@ -50,11 +71,11 @@ class LeaseLostError(CheckpointError):
     """Another job took this job's writer lease: this job must stop writing checkpoints."""
 
 
-def _me(job: str, timeout_s: float) -> dict[str, Any]:
+def _me(job: str, timeout_s: float, kind: LeaseKind) -> dict[str, Any]:
     pid = os.getpid()
     started = proc_start(pid)
     return {
-        "format": FORMAT,
+        "format": kind.format,
         "version": VERSION,
         **host_identity(),
         "pid": pid,
@@ -78,7 +99,7 @@ def _free_because(
     if holder.get("released"):
         return "it was released"
     if holder.get("unreadable"):
-        return "it was not a writer lease record"
+        return "it was not a lease record"
     if holder.get("job") and holder.get("job") == me["job"]:
         return f"same job ({me['job']}): a restart"
     same_host = all(holder.get(k) == me[k] for k in ("host", "boot_id", "pid_ns"))
@@ -95,11 +116,14 @@ def _free_because(
 
 
 class Lease:
-    """A held generation of the writer lease on one root (shared by the Checkpointers of one
-    process on that root: ``refs``)."""
+    """A held generation of a lease on one root (shared by the holders of one process on
+    that root, e.g. its Checkpointers: ``refs``)."""
 
-    def __init__(self, store: Store, generation: int, record: dict[str, Any]) -> None:
+    def __init__(
+        self, store: Store, generation: int, record: dict[str, Any], kind: LeaseKind = WRITER
+    ) -> None:
         self.store = store
+        self.kind = kind
         self.generation = generation
         self.record = record
         self.refs = 1
@@ -114,15 +138,13 @@ class Lease:
 
     def _lose(self, top: int) -> LeaseLostError:
         with _REGISTRY_LOCK:
-            if _HELD.get(_key(self.store)) is self:
-                del _HELD[_key(self.store)]  # the next acquire in this process starts afresh
-        holder = _read(self.store, top) or {}
+            if _HELD.get(_key(self.store, self.kind)) is self:
+                del _HELD[_key(self.store, self.kind)]  # the next acquire starts afresh
+        holder = _read(self.store, top, self.kind) or {}
         self.lost = (
-            f"{self.store.url}: this job lost the checkpoint writer lease to {_describe(holder)} "
+            f"{self.store.url}: this job lost the {self.kind.title} to {_describe(holder)} "
             f"(generation {top}, ours was {self.generation}; it took over because "
-            f"{holder.get('took_over', 'our lease was gone')}). Two jobs are writing "
-            "checkpoints into one root, so this job stops saving: stop one of them, or give "
-            "each job its own checkpoint directory (and remote=)"
+            f"{holder.get('took_over', 'our lease was gone')}). {self.kind.lost}"
         )
         return LeaseLostError(self.lost)
 
@@ -132,13 +154,13 @@ class Lease:
         none newer, is written again: nobody else holds the root."""
         if self.lost:
             raise LeaseLostError(self.lost)
-        gens = _generations(self.store)
+        gens = _generations(self.store, self.kind)
         if gens and gens[-1] > self.generation:
             raise self._lose(gens[-1])
         if self.generation not in gens:
             data = json.dumps(self.record, sort_keys=True).encode()
             if not self.store.write_bytes_if_absent(self._relname, data):
-                mine = _read(self.store, self.generation) or {}
+                mine = _read(self.store, self.generation, self.kind) or {}
                 if mine.get("token") != self.record["token"]:
                     raise self._lose(self.generation)
 
@@ -148,7 +170,7 @@ class Lease:
         with self._lock:
             if self.lost:
                 raise LeaseLostError(self.lost)
-            gens = _generations(self.store)
+            gens = _generations(self.store, self.kind)
             if gens and gens[-1] > self.generation:
                 raise self._lose(gens[-1])
             if self.generation in gens:
@@ -158,7 +180,7 @@ class Lease:
 
     @property
     def _relname(self) -> str:
-        return f"{LEASE_DIR}/{self.generation:08d}.json"
+        return _name(self.kind, self.generation)
 
     def _write(self) -> None:
         data = json.dumps(self.record, sort_keys=True).encode()
@@ -171,18 +193,18 @@ class Lease:
             self.refs -= 1
             if self.refs > 0:
                 return
-            if _HELD.get(_key(self.store)) is self:
-                del _HELD[_key(self.store)]
+            if _HELD.get(_key(self.store, self.kind)) is self:
+                del _HELD[_key(self.store, self.kind)]
         with self._lock:
             if self.lost:
                 return
             try:
-                gens = _generations(self.store)
+                gens = _generations(self.store, self.kind)
                 if gens and gens[-1] == self.generation:  # still ours, and still there
                     self.record["released"] = True
                     self._write()
             except (CheckpointError, StorageError, OSError) as exc:
-                log.warning("could not release the writer lease %s: %s", self.url, exc)
+                log.warning("could not release the %s %s: %s", self.kind.noun, self.url, exc)
 
 
 _GEN_RE = re.compile(r"^([0-9]{8,18})\.json$", re.ASCII)  # '²'.isdigit() is True: not here
@@ -190,11 +212,15 @@ _MAX_RECORD_BYTES = 1 << 20  # a real record is ~500 bytes
 _warned_names: set[str] = set()
 
 
-def _generations(store: Store) -> list[int]:
+def _name(kind: LeaseKind, generation: int) -> str:
+    return f"{kind.dirname}/{generation:08d}.json"
+
+
+def _generations(store: Store, kind: LeaseKind = WRITER) -> list[int]:
     """Generations present, from names ``GGGGGGGG.json`` exactly as written (8+ ASCII
     digits, no extra leading zeros); any other name is ignored and reported once."""
     out = []
-    for entry in store.listdir(LEASE_DIR):
+    for entry in store.listdir(kind.dirname):
         base = entry.rstrip("/").rsplit("/", 1)[-1]
         m = _GEN_RE.match(base)
         if m and f"{int(m.group(1)):08d}" == m.group(1):
@@ -202,9 +228,10 @@ def _generations(store: Store) -> list[int]:
         elif not base.startswith(".") and base not in _warned_names:  # temporaries: ".…"
             _warned_names.add(base)
             log.warning(
-                "%s: not a writer lease name (GGGGGGGG.json, ASCII digits); ignored. Remove it "
-                "if nothing of yours wrote it",
-                store.display(f"{LEASE_DIR}/{base}"),
+                "%s: not a %s name (GGGGGGGG.json, ASCII digits); ignored. Remove it if "
+                "nothing of yours wrote it",
+                store.display(f"{kind.dirname}/{base}"),
+                kind.noun,
             )
     return sorted(out)
 
@@ -253,12 +280,12 @@ def _record_problem(rec: dict[str, Any]) -> str | None:
     return None
 
 
-def _read(store: Store, generation: int) -> dict[str, Any] | None:
+def _read(store: Store, generation: int, kind: LeaseKind = WRITER) -> dict[str, Any] | None:
     """Generation ``generation``'s record; None when it vanished (a newer holder deleted it).
     A file that is not a valid lease record (not JSON, wrong types, a FIFO, oversized) is
     reported and returned as ``{"unreadable": True}``: the next holder may replace it. Only
     a record from a newer steadytrain (a higher ``version``) is refused, naming the fix."""
-    name = f"{LEASE_DIR}/{generation:08d}.json"
+    name = _name(kind, generation)
     raw = _read_raw(store, name)
     if raw is None:
         return None
@@ -272,12 +299,12 @@ def _read(store: Store, generation: int) -> dict[str, Any] | None:
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
             problem = f"not JSON ({str(exc)[:100]})"
     version = rec.get("version") if isinstance(rec, dict) else None
-    if problem is None and (not isinstance(rec, dict) or rec.get("format") != FORMAT):
-        problem = f"its format is not {FORMAT!r}"
+    if problem is None and (not isinstance(rec, dict) or rec.get("format") != kind.format):
+        problem = f"its format is not {kind.format!r}"
     elif problem is None and type(version) is int and version > VERSION:
-        raise CheckpointError(
-            f"{store.display(name)}: writer lease version {version}, this steadytrain reads "
-            f"version {VERSION}; upgrade steadytrain to write into this root"
+        raise kind.error(
+            f"{store.display(name)}: {kind.noun} version {version}, this steadytrain reads "
+            f"version {VERSION}; upgrade steadytrain to use this {kind.place}"
         )
     elif problem is None and version != VERSION:
         problem = f"version={version!r} is not a lease version"
@@ -285,15 +312,16 @@ def _read(store: Store, generation: int) -> dict[str, Any] | None:
         problem = _record_problem(rec)
     if problem is not None:
         log.warning(
-            "%s is not a valid writer lease record (%s); the next holder replaces it",
+            "%s is not a valid %s record (%s); the next holder replaces it",
             store.display(name),
+            kind.noun,
             problem,
         )
         return {"unreadable": True}
     return rec
 
 
-_HELD: dict[tuple[int, str], Lease] = {}
+_HELD: dict[tuple[int, str, str], Lease] = {}
 _REGISTRY_LOCK = threading.Lock()  # held briefly: the heartbeat thread takes it too
 _ACQUIRE_LOCK = threading.Lock()  # one acquisition at a time (its I/O may retry for minutes)
 _BEATER: threading.Thread | None = None
@@ -301,41 +329,48 @@ _WAKE = threading.Event()  # a new lease may need an earlier heartbeat than the 
 _WARNED_UNCONDITIONAL: set[str] = set()
 
 
-def _key(store: Store) -> tuple[int, str]:
-    return os.getpid(), store.root if store.is_local else store.url
+def _key(store: Store, kind: LeaseKind) -> tuple[int, str, str]:
+    return os.getpid(), store.root if store.is_local else store.url, kind.dirname
 
 
-def acquire(store: Store, *, job: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> Lease:
-    """Take (or share, within this process) the writer lease on ``store``'s root, or raise
-    ``CheckpointError`` naming the live job that holds it. Storage errors propagate."""
+def acquire(
+    store: Store,
+    *,
+    job: str = "",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    kind: LeaseKind = WRITER,
+) -> Lease:
+    """Take (or share, within this process) the ``kind`` lease on ``store``'s root, or raise
+    ``kind.error`` (``CheckpointError`` for the writer lease) naming the live job that holds
+    it. Storage errors propagate."""
     with _ACQUIRE_LOCK:
         with _REGISTRY_LOCK:
-            held = _HELD.get(_key(store))
+            held = _HELD.get(_key(store, kind))
             if held is not None and held.lost is None:
                 held.refs += 1
                 return held
-        lease = _acquire(store, job, timeout_s)
+        lease = _acquire(store, job, timeout_s, kind)
         with _REGISTRY_LOCK:
-            _HELD[_key(store)] = lease
+            _HELD[_key(store, kind)] = lease
             _start_beater()
         _WAKE.set()
         return lease
 
 
-def _acquire(store: Store, job: str, timeout_s: float) -> Lease:
-    me = _me(job, timeout_s)
+def _acquire(store: Store, job: str, timeout_s: float, kind: LeaseKind) -> Lease:
+    me = _me(job, timeout_s, kind)
     token = uuid.uuid4().hex
     for _ in range(_TRIES):
-        gens = _generations(store)
+        gens = _generations(store, kind)
         why, previous = "there was no lease", None
         if gens:
-            holder = _read(store, gens[-1])
+            holder = _read(store, gens[-1], kind)
             if holder is None:
                 continue  # deleted under us by a new holder: look again
             now = time.time()
             why = _free_because(holder, me, now, timeout_s)
             if why is None:
-                raise CheckpointError(_refusal(store, gens[-1], holder, now, timeout_s))
+                raise kind.error(_refusal(store, gens[-1], holder, now, timeout_s, kind))
             previous = {k: holder.get(k) for k in ("host", "pid", "job", "heartbeat")}
         generation = (gens[-1] if gens else 0) + 1
         now = time.time()
@@ -344,24 +379,24 @@ def _acquire(store: Store, job: str, timeout_s: float) -> Lease:
         )
         rec.update(took_over=why, previous=previous)
         data = json.dumps(rec, sort_keys=True).encode()
-        name = f"{LEASE_DIR}/{generation:08d}.json"
+        name = _name(kind, generation)
         if not store.write_bytes_if_absent(name, data):
-            mine = _read(store, generation)
+            mine = _read(store, generation, kind)
             if not mine or mine.get("token") != token:
                 continue  # another job won this generation: judge it on the next round
         _check_conditional(store, name, data)
         for old in gens:  # only the holder's generation matters; older ones are history
             try:
-                store.remove(f"{LEASE_DIR}/{old:08d}.json")
+                store.remove(_name(kind, old))
             except (StorageError, OSError, ValueError) as exc:  # a directory there, say
-                log.warning("could not delete an old writer lease on %s: %s", store.url, exc)
+                log.warning("could not delete an old %s on %s: %s", kind.noun, store.url, exc)
         if previous is not None:
-            log.info("writer lease on %s taken over from %s: %s", store.url, previous, why)
-        return Lease(store, generation, rec)
-    raise CheckpointError(
-        f"{store.url}: could not take the checkpoint writer lease: {_TRIES} generations in a "
-        f"row went to other jobs ({store.display(LEASE_DIR)}); several jobs are starting on "
-        "one checkpoint root at once: start only one"
+            log.info("%s on %s taken over from %s: %s", kind.noun, store.url, previous, why)
+        return Lease(store, generation, rec, kind)
+    raise kind.error(
+        f"{store.url}: could not take the {kind.title}: {_TRIES} generations in a row went "
+        f"to other jobs ({store.display(kind.dirname)}); several jobs are starting on one "
+        f"{kind.place} at once: start only one"
     )
 
 
@@ -382,16 +417,20 @@ def _check_conditional(store: Store, name: str, data: bytes) -> None:
 
 
 def _refusal(
-    store: Store, generation: int, holder: dict[str, Any], now: float, timeout_s: float
+    store: Store,
+    generation: int,
+    holder: dict[str, Any],
+    now: float,
+    timeout_s: float,
+    kind: LeaseKind,
 ) -> str:
     limit = max(timeout_s, float(holder.get("timeout_s") or 0.0))
     age = now - float(holder.get("heartbeat") or 0.0)
-    lease = store.display(f"{LEASE_DIR}/{generation:08d}.json")
+    lease = store.display(_name(kind, generation))
     return (
-        f"{store.url} is the checkpoint root of another live job: {_describe(holder)} holds "
-        f"its writer lease ({lease}, heartbeat {age:.0f} s ago). Two jobs saving into one "
-        "checkpoint root would mix their checkpoints. Fix: stop that job, or give this job "
-        "its own checkpoint directory (and remote=). If that job is dead on another host, "
+        f"{store.url} is the {kind.place} of another live job: {_describe(holder)} holds "
+        f"its {kind.noun} ({lease}, heartbeat {age:.0f} s ago). {kind.harm} Fix: "
+        f"{kind.fix.format(lease=lease)}. If that job is dead on another host, "
         f"its lease expires when its heartbeat is {limit:.0f} s old (in about "
         f"{max(0.0, limit - age):.0f} s); a restart of the same job is recognised at once by "
         "its job identity (TORCHELASTIC_RUN_ID from torchrun --rdzv-id, SLURM_JOB_ID, or "
@@ -413,7 +452,7 @@ def _beat_forever() -> None:
     while True:
         _WAKE.clear()
         with _REGISTRY_LOCK:
-            leases = [le for (pid, _), le in _HELD.items() if pid == os.getpid()]
+            leases = [le for (pid, _, _), le in _HELD.items() if pid == os.getpid()]
             if not leases:
                 _BEATER = None  # the next acquire starts a new one
                 return
@@ -426,7 +465,7 @@ def _beat_forever() -> None:
             except LeaseLostError as exc:
                 log.error("%s", exc)
             except Exception as exc:  # noqa: BLE001 - the store may be down: try again later
-                log.warning("writer lease heartbeat on %s failed: %s", lease.store.url, exc)
+                log.warning("%s heartbeat on %s failed: %s", lease.kind.noun, lease.store.url, exc)
                 lease.next_beat = now + lease.period_s
         _WAKE.wait(max(0.05, min(le.next_beat for le in leases) - time.monotonic()))
 

@@ -16,6 +16,12 @@ progress, or, with nothing older, silently start from scratch beside good checkp
 does one that cannot be read at all (a full local disk for its download, a dead store, no
 read permission): it is not known to be damaged, and the error names the cause. Advice to
 remove checkpoints is given only for ones that failed verification.
+
+A checkpoint of another run is passed over too (``foreign_run``): its COMMIT's ``run_nonce``
+is not this run's (``nonce``; run_identity.py). One with no ``run_nonce`` (written before
+run identities, or by a ``Checkpointer`` used without ``Run`` and without the memory tier)
+restores as before. A legitimate continuation always matches: a run whose run directory was
+lost adopts the nonce of its newest checkpoint (``Checkpointer.newest_run_nonce``).
 """
 
 from __future__ import annotations
@@ -34,13 +40,29 @@ from steadytrain.checkpoint.writer import Group
 from steadytrain.errors import CheckpointError, StorageError
 from steadytrain.storage.store import is_missing
 
-__all__ = ["restore_latest"]
+__all__ = ["foreign_run", "restore_latest"]
 
 
-def _candidates(root: Root) -> tuple[list[dict], list[dict]]:
+def foreign_run(manifest: dict[str, Any] | None, nonce: str | None) -> str | None:
+    """Why a committed checkpoint belongs to another run (None: it may be restored): its
+    COMMIT names a run nonce and it is not ``nonce`` (None: no run to compare with)."""
+    theirs = (manifest or {}).get("run_nonce")
+    if nonce is None or theirs is None or theirs == nonce:
+        return None
+    return (
+        f"written by another run (nonce {theirs[:12]}..., this run's is {nonce[:12]}...): not "
+        "restored. To continue that run, start it with its own run directory (or remove "
+        "RUN_DIR/run-identity.json: the run then adopts the newest checkpoint's identity)"
+    )
+
+
+def _candidates(root: Root, nonce: str | None) -> tuple[list[dict], list[dict]]:
     cands, skipped = [], []
     for info in discover(root):
-        if info.committed:
+        other = foreign_run(info.manifest, nonce) if info.committed else None
+        if other is not None:
+            skipped.append({"path": info.name, "step": info.step, "reason": other})
+        elif info.committed:
             cands.append({"name": info.name, "step": info.step, "manifest": info.manifest})
         else:
             why = info.error or "no COMMIT (partial: the save never finished)"
@@ -130,7 +152,12 @@ def _load(
 
 
 def restore_latest(
-    states: dict[str, Any], group: Group, local: Root, remote: Root | None, verify: str = "full"
+    states: dict[str, Any],
+    group: Group,
+    local: Root,
+    remote: Root | None,
+    verify: str = "full",
+    nonce: str | None = None,
 ) -> dict[str, Any]:
     """Load the newest verified checkpoint into ``states``; returns the ``restore`` event.
 
@@ -148,7 +175,8 @@ def restore_latest(
     that verifies but does not fit this job raises ``CheckpointError`` at once, before any
     tensor is written, and is never skipped for an older one (that would silently drop
     progress) nor called damaged. The event's ``changes`` lists what the states accepted
-    as changed (a new global batch, from the saved sample position on).
+    as changed (a new global batch, from the saved sample position on). ``nonce``: this
+    run's; a checkpoint of another run is passed over (``foreign_run``).
     """
     t0 = time.perf_counter()
     root = remote if remote is not None else local
@@ -158,7 +186,7 @@ def restore_latest(
     if remote is not None:
         D.sweep(local, group.rank)
         copies = D.NodeCopies.open(group, local, remote)
-    found = _candidates(root) if group.rank == 0 else None
+    found = _candidates(root, nonce) if group.rank == 0 else None
     cands, skipped = group.broadcast(found)
     dirty = False  # live states hold data from a checkpoint that failed verification
     damaged: list[str] = []  # candidates that failed verification (never ones that verify)

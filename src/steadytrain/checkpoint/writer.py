@@ -114,6 +114,7 @@ class SaveRequest:
     nbytes: int = 0  # staged tensor bytes (to diagnose a full disk)
     daemon_restarts_left: int = 0  # process mode: new daemons allowed before thread mode
     job: str = ""  # the job identity, written into remote CLAIMs for whoever reads them
+    run_nonce: str | None = None  # the run's identity (run_identity.py), into COMMIT
     tensor_format: str = "raw"  # CheckpointWriter's: raw records or torch.save archives
     plans: PlanCache | None = None  # the checkpointer's last planned layout (repeat_save.py)
     layout_version: int = 0  # the Stager's, of ``staged``
@@ -268,7 +269,10 @@ def run_save(
                     tensor_format=req.tensor_format,
                     states=req.state_names,
                     block_s=req.block_s,
-                    extra={"remote": remote.url if remote is not None else None},
+                    extra={
+                        "remote": remote.url if remote is not None else None,
+                        **({"run_nonce": req.run_nonce} if req.run_nonce else {}),
+                    },
                 )
                 data = json.dumps(manifest, indent=1, sort_keys=True).encode()
                 if remote is not None:

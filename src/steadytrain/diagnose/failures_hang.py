@@ -102,15 +102,16 @@ def _who(stuck: list[dict[str, Any]]) -> str:
 def hang_incident(
     rec: RunRecords, a: Attempt, nxt: Attempt | None, step_s: float | None, words: Words
 ) -> Incident | None:
-    """The watchdog's hang of attempt ``a``, if it recorded one."""
-    verdicts = rec.verdicts.get(a.number, {})
-    reaped = rec.reaped.get(a.number, {})
+    """The watchdog's hang of attempt ``a``, if it recorded one. Verdicts and reaper files
+    are files anyone could drop: those of a rank the attempt never had (its ``job_start``
+    says the world) or of another run (its ``run_nonce``) name nobody."""
+    verdicts = _ours(rec.verdicts.get(a.number, {}), a)
+    reaped = _ours(rec.reaped.get(a.number, {}), a, nonce=False)
     h = a.hang
     if h is None and not verdicts and not reaped:
         return None
     if h is None and verdicts:
-        world = max(int(v.get("world_size") or a.world) for v in verdicts.values())
-        d = decide(verdicts, world)
+        d = decide(verdicts, a.world)
         h = {"stuck_ranks": d["stuck_ranks"], "stuck": d["stuck"], "cause": d["cause"],
              "missing_ranks": d["missing_ranks"]}  # fmt: skip
         h["step"] = min((int(v.get("step") or 0) for v in verdicts.values()), default=None)
@@ -185,6 +186,19 @@ def hang_incident(
         t=progress_t,
         attempt=a.number,
     )
+
+
+def _ours(
+    files: dict[int, dict[str, Any]], a: Attempt, nonce: bool = True
+) -> dict[int, dict[str, Any]]:
+    """The rank files of attempt ``a``'s own ranks (and, when its ``job_start`` names the
+    run's nonce and ``nonce``, only those that carry it)."""
+    run_nonce = a.start.get("run_nonce") if nonce else None
+    return {
+        r: v
+        for r, v in files.items()
+        if 0 <= r < a.world and (not run_nonce or v.get("nonce") == run_nonce)
+    }
 
 
 def backend_timeout_hang(

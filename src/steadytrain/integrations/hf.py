@@ -1,12 +1,28 @@
 """``SteadytrainCallback``: steadytrain's ledger, hang watchdog and report inside Hugging Face
-``Trainer``, whose own checkpointing and ``resume_from_checkpoint`` stay as they are.
+``Trainer``, whose own checkpointing and ``resume_from_checkpoint`` stay as they are. Given
+a causal LM ``model`` (this recipe runs as written in tests/integrations/test_hf_recipe.py,
+and is the one in docs/training.md)::
 
-    trainer = Trainer(model, args, train_dataset=ds,
-                      callbacks=[SteadytrainCallback(tokens_per_step=8 * 64)])
+    import os
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_utils import get_last_checkpoint
+    from steadytrain import TokenDataset, TokenWindows
+    from steadytrain.integrations.hf import SteadytrainCallback
+
+    args = TrainingArguments(output_dir="out", max_steps=20, save_steps=10,
+                             per_device_train_batch_size=8, logging_steps=1)
+    # Samples, not the TokenLoader's micro-batches: the Trainer batches, shuffles, shards
+    # and resumes them with its own sampler (labels = input_ids: the model shifts).
+    data = TokenWindows(TokenDataset.open("my-dataset"), seq_len=64)
+    steady = SteadytrainCallback(tokens_per_step=8 * 64 * args.world_size)
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[steady])
+    os.makedirs(args.output_dir, exist_ok=True)  # every rank looks for its newest checkpoint
     trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
 
 Then ``steadytrain report OUTPUT_DIR/steadytrain`` (or the ``run_dir`` given) shows the
-goodput breakdown, crashes, restart gaps and the steps of every attempt.
+goodput breakdown, crashes, restart gaps and the steps of every attempt. A ``TokenLoader``'s
+``as_dataset()`` is refused at ``on_train_begin`` with that fix: its items are micro-batches,
+which the Trainer would batch again.
 
 How the Trainer's hooks map onto ``steadytrain.Run`` (``run.py``):
 
@@ -20,8 +36,15 @@ How the Trainer's hooks map onto ``steadytrain.Run`` (``run.py``):
   ``on_save``) is its ``checkpoint_block_s`` and a checkpoint record in the ledger.
 - the step is reported (``Run.step_done``: the ledger record, the watchdog's beat) at
   ``on_step_end``, or, when the Trainer logs or saves at that step, once ``on_log`` brought
-  the loss and ``on_save`` the save's time. A save or an evaluation runs under the
-  watchdog's longer "checkpoint" deadline.
+  the loss and ``on_save`` the save's time.
+- evaluation and saving run under declared watchdog phases, which hold every rank of the
+  job (docs/monitoring.md, "Hang watchdog"): the Trainer evaluates and saves after
+  ``on_step_end`` (``eval_strategy``/``save_strategy="steps"``) or after ``on_epoch_end``
+  (``"epoch"``: ``DefaultFlowCallback`` sets the flags there), in that order, so a
+  ``"eval"`` phase opens in whichever of the two hooks finds ``control.should_evaluate``
+  and ends at ``on_evaluate``; a ``"checkpoint"`` phase then (or at once, with no
+  evaluation) covers the save until ``on_save``. Any phase still open ends at the next
+  step or at the end of training.
 - ``on_train_end`` closes the Run: ``job_end`` "finished".
 - a crash: the Trainer calls no callback when ``train()`` raises, so ``ExitGuard``
   (``hooks.py``) closes the Run from ``sys.excepthook`` (the exception is the reason),
@@ -37,6 +60,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from steadytrain.data.read.faces import TokenIterableDataset
+from steadytrain.errors import ConfigError
 from steadytrain.integrations.hooks import CallbackState, ExitGuard, TrainerSaves
 from steadytrain.run import Run
 
@@ -63,6 +88,7 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
 
     # -- open / close ----------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        _check_train_data(kwargs.get("train_dataloader"))
         if self.run is not None:  # a second train() in this process: the first one ended
             self._close(None)
         step = int(state.global_step)
@@ -124,10 +150,25 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
             "wait_save": bool(control.should_save),
             "end": now,
         }
-        if control.should_save or control.should_evaluate:
-            self._phase = self.run.phase("checkpoint")  # the save's / eval's own deadline
-            self._phase.__enter__()
+        self._open_phase(control)
         self._maybe_flush()
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is not None:  # eval/save_strategy="epoch": the flags are set only now
+            self._open_phase(control)
+
+    def _open_phase(self, control: Any) -> None:
+        """The evaluation's or else the save's declared phase, when the Trainer is about
+        to run one (its flags, set by DefaultFlowCallback before this callback's hook)."""
+        if control.should_evaluate:
+            self._enter("eval")
+        elif control.should_save:
+            self._enter("checkpoint")
+
+    def _enter(self, name: str) -> None:
+        self._end_phase()
+        self._phase = self.run.phase(name)
+        self._phase.__enter__()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
         p = self._pending
@@ -140,18 +181,19 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
         self._maybe_flush()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._end_phase()  # the save is over, whichever hook opened its phase
         p = self._pending
         if self.run is None or p is None or p["step"] != state.global_step:
             return
         path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
         self._saves.saved(state.global_step, time.perf_counter() - p["end"], path)
-        self._end_phase()
         p["wait_save"] = False
         self._maybe_flush()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not control.should_save:  # else the phase lasts through the save that follows
-            self._end_phase()
+        self._end_phase()  # the evaluation is over
+        if self.run is not None and control.should_save:  # the save that follows it
+            self._enter("checkpoint")
 
     def _maybe_flush(self) -> None:
         p = self._pending
@@ -183,3 +225,17 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
         seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         tokens, self._tokens_seen = max(0, seen - self._tokens_seen), seen
         return tokens
+
+
+def _check_train_data(dataloader: Any) -> None:
+    """Refuse a ``TokenLoader``'s ``as_dataset()`` as the Trainer's data, naming the fix: the
+    Trainer would batch its micro-batches again and fail deep in the model."""
+    dataset = getattr(dataloader, "dataset", None)
+    inner = getattr(dataset, "dataset", None)  # accelerate's IterableDatasetShard wraps it
+    if isinstance(dataset, TokenIterableDataset) or isinstance(inner, TokenIterableDataset):
+        raise ConfigError(
+            "the Trainer's train_dataset is a TokenLoader's as_dataset(), whose items are "
+            "micro-batches: the Trainer would batch them again (input_ids of shape [batch, "
+            "micro_batch, seq_len]). Give it the samples: train_dataset=TokenWindows("
+            "TokenDataset.open(path), seq_len=...) (docs/training.md, HF Trainer)"
+        )

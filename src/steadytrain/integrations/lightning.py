@@ -15,8 +15,13 @@ How Lightning's hooks map onto ``steadytrain.Run`` (``run.py``):
   before each ``on_train_batch_start`` since the previous hook, compute is
   ``on_train_batch_start`` to ``on_train_batch_end``; the loss is the ``training_step``'s
   (its last micro-batch, ``outputs["loss"]``).
+- a validation (``on_validation_start`` to ``on_validation_end``, inside ``fit``; not the
+  sanity check, which runs before ``on_train_start``) runs under the declared watchdog
+  phase ``"eval"``, which holds every rank of the job (docs/monitoring.md, "Hang
+  watchdog"); a save after it (``ModelCheckpoint`` saves in its own ``on_validation_end``,
+  which Lightning calls after every other callback's) opens its own phase;
 - a save (``on_save_checkpoint``, called as Lightning starts writing) runs under the
-  watchdog's "checkpoint" deadline; Lightning has no hook after the write, so its time runs
+  declared phase ``"checkpoint"``; Lightning has no hook after the write, so its time runs
   to the next ``on_train_batch_start`` (the next batch's fetch included) and is the step's
   ``checkpoint_block_s`` and a checkpoint record. The step is therefore reported (ledger
   record, watchdog beat) at the next ``on_train_batch_start`` or ``on_train_end``.
@@ -35,10 +40,11 @@ from typing import Any
 from lightning.pytorch import Callback
 
 from steadytrain.integrations.hooks import CallbackState, ExitGuard, TrainerSaves
+from steadytrain.integrations.lightning_exact import ExactResume
 from steadytrain.run import Run
 from steadytrain.run_support import Terminated
 
-__all__ = ["SteadytrainCallback"]
+__all__ = ["ExactResume", "SteadytrainCallback"]
 
 
 class SteadytrainCallback(CallbackState, Callback):
@@ -52,6 +58,7 @@ class SteadytrainCallback(CallbackState, Callback):
 
     def _init_trainer_state(self) -> None:
         self._save_t: float | None = None
+        self._eval: Any = None  # the open "eval" phase (a save's is CallbackState._phase)
         self._reset_step(0)
 
     def _reset_step(self, step: int) -> None:
@@ -101,6 +108,7 @@ class SteadytrainCallback(CallbackState, Callback):
         except BaseException as e:  # recording it failed: still close the Run, as a crash
             exc = exc or e
         self._end_phase()
+        self.on_validation_end(None, None)  # a validation cut short ends its phase too
         run.__exit__(None if exc is None else type(exc), exc, None)
 
     # -- steps -----------------------------------------------------------------------------
@@ -133,6 +141,16 @@ class SteadytrainCallback(CallbackState, Callback):
         }
         self._reset_step(int(trainer.global_step))
         self._ready = now
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.run is not None and self._eval is None and not trainer.sanity_checking:
+            self._eval = self.run.phase("eval")
+            self._eval.__enter__()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        phase, self._eval = self._eval, None
+        if phase is not None:
+            phase.__exit__(None, None, None)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
         if self.run is None or self._pending is None:

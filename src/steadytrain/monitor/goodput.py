@@ -312,30 +312,41 @@ class GoodputAccumulator:
 
     def _step(self, rec: dict[str, Any]) -> None:
         step = _int(rec.get("step"), self.last_step + 1)
+        # A recovered summary stands for ``steps`` steps (monitor/recovered.py): steps
+        # ``step - n + 1`` .. ``step``, its tokens theirs, its durations 0.
+        n = min(max(1, _int(rec.get("steps"), 1)), step) if rec.get("recovered") else 1
         p = productive_s(rec)
         block = _sec(rec.get("checkpoint_block_s"))
         t, step_s = rec.get("t"), _sec(rec.get("step_s"))
-        closed = self._slow.step(step, p, block, None if t is None else _sec(t), step_s)
+        # A recovered record's timing is unknown: it is neither a baseline sample nor a
+        # measured step beside a write.
+        closed = 0.0
+        if not rec.get("recovered"):
+            closed = self._slow.step(step, p, block, None if t is None else _sec(t), step_s)
         self.productive_all += p
         self.sums["data_wait"] += _sec(rec.get("data_wait_s"))
         self.sums["checkpoint_block"] += block
-        self.steps_recorded += 1
-        c = self.cum
-        self.cum = (c[0] + p, c[1] + _int(rec.get("tokens")), c[2] + 1)
+        self.steps_recorded += n
+        c, tokens = self.cum, _int(rec.get("tokens"))
+        self.cum = (c[0] + p, c[1] + tokens, c[2] + n)
         # A write this step found finished: its excess, this step's share included.
         self._book_slowdown(closed)
         self.last_step = step
         self._recent.append((step, self.cum))
         if self._pending:
+            for s in self._pending:
+                if step - n < s < step:  # a save inside a summary: its own share of it
+                    k = s - (step - n)
+                    self._commit(s, (c[0] + p, c[1] + tokens * k // n, c[2] + k))
             if step in self._pending:
                 self._commit(step)
             self._pending = [s for s in self._pending if s > step]
         a = self._attempt
         if a is not None:
-            a["steps"] += 1
+            a["steps"] += n
             a["last_step"] = step
             if a["first_step"] is None:
-                a["first_step"] = step
+                a["first_step"] = step - n + 1
 
     def _book_slowdown(self, excess: float) -> None:
         """A closed write's excess moves from productive time to ``slowdown``. Its steps are
@@ -354,8 +365,8 @@ class GoodputAccumulator:
             return
         self._commit(step)
 
-    def _commit(self, step: int) -> None:
-        self._ckpt[step] = self._lookup(step)
+    def _commit(self, step: int, cum: tuple[float, int, int] | None = None) -> None:
+        self._ckpt[step] = self._lookup(step) if cum is None else cum
         self._ckpt.move_to_end(step)
         while len(self._ckpt) > _MAX_CHECKPOINTS:
             self._ckpt.popitem(last=False)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import time
 import weakref
@@ -272,7 +273,13 @@ class GoodputMeter:
         loss: Any = None,
         **extra: Any,
     ) -> None:
-        """Record one finished global step (``tokens``: tokens of the step over all ranks)."""
+        """Record one finished global step (``tokens``: tokens of the step over all ranks).
+        ``step`` is an integer (a numpy or torch integer too): anything else is refused here,
+        in the caller's thread, not by a traceback in the meter's."""
+        try:
+            step = operator.index(step)
+        except TypeError:
+            raise TypeError(f"GoodputMeter.step(step={step!r}): a step is an integer") from None
         if not self.recording:
             return
         now = time.monotonic()
@@ -378,6 +385,11 @@ class GoodputMeter:
     def _process(self, batch: list[dict[str, Any]]) -> None:
         out: list[dict[str, Any]] = []
         for rec in batch:
+            if rec.get("type") == "step" and rec.get("recovered"):
+                # written back at start-up, without timing: the ledger and goodput only
+                self._acc.add(rec)
+                out.append(rec)
+                continue
             if rec.get("type") == "step":
                 loss = rec.get("loss")
                 if loss is not None and not isinstance(loss, float):

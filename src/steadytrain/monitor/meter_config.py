@@ -11,7 +11,7 @@ from typing import Any
 
 from steadytrain.monitor.alerts import AlertConfig, _band
 from steadytrain.monitor.sinks import SINKS
-from steadytrain.monitor.watchdog import WatchdogConfig
+from steadytrain.monitor.watchdog_config import WatchdogConfig
 from steadytrain.settings import check
 
 __all__ = ["MeterConfig"]

@@ -12,6 +12,12 @@ one rank) that watches nothing but its own parent:
   leftovers) and whether the attempt's hang directory ``RUN_DIR/hangs/attempt-{A}/`` exists
   (one ``stat``); only once it does, every ``poll_s`` it reads the decisions the answering
   ranks publish there (``decision-{R}.json``: the stuck and the silent ranks);
+- a decision counts only when it is this job's own: a regular file owned by this user,
+  of this attempt, carrying the run's nonce (given in the reaper's environment, which only
+  this user can read, never on its command line, which every local user can read in
+  ``/proc``), from a rank of the job, named after it, and naming only ranks of
+  ``range(world_size)``. Anything else (a file dropped into ``RUN_DIR/hangs/``, another
+  run's) is refused with one line naming it, and kills nothing;
 - its parent is then SIGKILLed at once when it is stopped (``/proc`` state ``T``/``t``), or
   when a decision names it stuck and it published no verdict of its own (it cannot act) --
   after rank 0's hang record is on disk (``recorded.json``), as the answering ranks' own
@@ -39,6 +45,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -59,6 +66,7 @@ DECISION = "decision-{rank}.json"  # an answering rank's culprits (hangs.publish
 REAPED = "reaped-rank-{rank}.json"  # a kill made by the reaper
 VERDICT = "rank-{rank}.json"  # the rank's own verdict (watchdog.py): it could act
 RECORDED = "recorded.json"  # rank 0's hang record is on disk (hangs.RECORDED)
+NONCE_ENV = "STEADYTRAIN_REAPER_NONCE"  # the run's nonce, from the rank (spawn)
 MAX_BYTES = 1 << 20  # a decision file is a few hundred bytes
 CLOCK_SKEW_S = 60.0  # a decision older than the rank's start by more is a stale run's
 
@@ -105,13 +113,18 @@ def reaped_path(hang_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(hang_dir) / REAPED.format(rank=rank)
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, uid: int | None = None) -> Any:
+    """A small JSON file's value; None when it is missing, not a regular file, not owned
+    by ``uid`` (when given), too large or not JSON."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
     except OSError:
         return None
     try:
         with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or (uid is not None and st.st_uid != uid):
+                return None
             data = f.read(MAX_BYTES + 1)
     except OSError:
         return None
@@ -148,9 +161,11 @@ class Reaper:
         rank: int,
         node: str,
         attempt: int,
+        world_size: int,
         parent: int,
         parent_start: int,
         since: float,
+        nonce: str = "",
         poll_s: float = 0.25,
         idle_s: float = 1.0,
         record_wait_s: float = 10.0,
@@ -160,7 +175,9 @@ class Reaper:
     ) -> None:
         self.dir = Path(hang_dir)
         self.rank, self.node, self.attempt = rank, node, attempt
+        self.world_size, self.nonce = world_size, nonce
         self.parent, self.parent_start, self.since = parent, parent_start, since
+        self.refused: dict[str, str] = {}  # decision file -> why it is not acted on
         self.poll_s, self.idle_s = poll_s, idle_s
         self.record_wait_s, self.backstop_s = record_wait_s, backstop_s
         self._kill = kill or self._kill_parent
@@ -177,19 +194,39 @@ class Reaper:
         return st is not None and st.start == self.parent_start and st.state not in "ZX"
 
     def decisions(self) -> list[dict[str, Any]]:
-        """This attempt's decisions on disk (malformed or stale files are skipped)."""
+        """This attempt's decisions on disk, made by this job (module docstring); the rest
+        are skipped, and each refused file is said once on stderr."""
         out = []
         for path in sorted(self.dir.glob(DECISION.format(rank="*"))):
-            d = _read_json(path)
-            if not isinstance(d, dict) or not isinstance(d.get("stuck_ranks"), list):
-                continue
-            if d.get("attempt") != self.attempt:
-                continue
-            t = d.get("t")
-            if not isinstance(t, (int, float)) or t < self.since - CLOCK_SKEW_S:
-                continue  # a run before this one that had the same attempt number
-            out.append(d)
+            d = _read_json(path, os.geteuid())
+            why = self._refuse(d, path.name)
+            if why is None:
+                out.append(d)
+            elif why and path.name not in self.refused:
+                self.refused[path.name] = why
+                print(f"[reaper] rank {self.rank}: {path} refused ({why})", file=sys.stderr)
         return out
+
+    def _refuse(self, d: Any, name: str) -> str | None:
+        """Why decision ``d`` (file ``name``) is not acted on, or None; "" for one that is
+        simply not this attempt's (a stale run's: said nothing about)."""
+        if not isinstance(d, dict):
+            return "not a JSON object in a regular file owned by this user"
+        if d.get("attempt") != self.attempt:
+            return ""
+        t = d.get("t")
+        if not isinstance(t, (int, float)) or t < self.since - CLOCK_SKEW_S:
+            return ""  # a run before this one that had the same attempt number
+        if d.get("nonce") != self.nonce:
+            return "not this run's: its nonce differs"
+        ranks = [d.get("rank"), *_list(d.get("stuck_ranks")), *_list(d.get("missing_ranks"))]
+        if not isinstance(d.get("stuck_ranks"), list) or not all(
+            type(r) is int and 0 <= r < self.world_size for r in ranks
+        ):
+            return f"names a rank outside the job's {self.world_size} ranks"
+        if name != DECISION.format(rank=d["rank"]):
+            return f"rank {d['rank']}'s decision in the file {name}"
+        return None
 
     def reason(self, now: float, state: str, decisions: list[dict[str, Any]]) -> str | None:
         """Why the parent is to be killed now, or None (wait)."""
@@ -285,18 +322,26 @@ class Reaper:
             time.sleep(self.poll_s if self._seen_dir else self.idle_s)
 
 
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else [None]
+
+
 def spawn(
     hang_dir: str | os.PathLike[str],
     *,
     rank: int,
     node: str,
     attempt: int,
+    world_size: int,
+    nonce: str = "",
     poll_s: float,
     idle_s: float,
     record_wait_s: float,
     backstop_s: float,
 ) -> subprocess.Popen[bytes] | None:
-    """Start this process's reaper; None where there is no ``/proc`` or no interpreter."""
+    """Start this process's reaper; None where there is no ``/proc`` or no interpreter.
+    ``nonce`` (the run's) goes to it in its environment, which only this user can read in
+    ``/proc``; a command line every local user can read."""
     me = proc_state(os.getpid())
     if me is None or not sys.executable:
         return None
@@ -309,6 +354,7 @@ def spawn(
         f"--rank={rank}",
         f"--node={node}",
         f"--attempt={attempt}",
+        f"--world={world_size}",
         f"--parent={os.getpid()}",
         f"--parent-start={me.start}",
         f"--since={time.time()}",
@@ -319,7 +365,8 @@ def spawn(
     ]
     # Same process group as the rank: torchrun's killpg reaches it too. stderr is the
     # rank's (its one line per kill belongs in the job log); no other descriptor is kept.
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    env = {**os.environ, NONCE_ENV: nonce}
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--node", required=True)
     p.add_argument("--attempt", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
     p.add_argument("--parent", type=int, required=True)
     p.add_argument("--parent-start", type=int, required=True)
     p.add_argument("--since", type=float, required=True)
@@ -353,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         rank=a.rank,
         node=a.node,
         attempt=a.attempt,
+        world_size=a.world,
+        nonce=os.environ.get(NONCE_ENV, ""),
         parent=a.parent,
         parent_start=a.parent_start,
         since=a.since,

@@ -40,6 +40,7 @@ __all__ = [
     "MAX_WORLD",
     "LEDGER_FIELDS",
     "RANK_FIELDS",
+    "PHASE_FIELDS",
     "VERDICT_FIELDS",
     "TRACE_FIELDS",
     "iter_trace",
@@ -98,6 +99,9 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "step_s": "dur?",
         "data_wait_s": "dur?",
         "checkpoint_block_s": "dur?",
+        # written back at start-up (monitor/recovered.py); a summary stands for ``steps``
+        "recovered": "bool?",
+        "steps": "int?",
         **_STEP_METRICS,
     },
     "checkpoint": {
@@ -120,6 +124,7 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "bytes_local": "nonneg?",
         "bytes_peer": "nonneg?",
         "bytes_remote": "nonneg?",
+        "skipped": "list?",  # what the restore passed over: [{"path", "step", "reason"}]
     },
     # One generation of the memory tier (checkpoint/memory/): the loop's blocking (staging,
     # and waiting for the previous generation), the background write and peer transfer.
@@ -209,6 +214,20 @@ VERDICT_FIELDS = {
     "frame": "str?",
     "phase": "str?",
     "stack": "list?",
+    "nonce": "str?",
+    "held_by": "dict?",
+}
+# A rank's declared phase (hangs/phases/attempt-A/phase-rank-R.json, monitor/phases.py).
+PHASE_FIELDS = {
+    "rank": "!int",
+    "attempt": "!int",
+    "nonce": "!str",
+    "phase": "!str",
+    "state": "!str",
+    "progress_t": "!time",
+    "deadline_s": "!dur",
+    "entered_t": "time?",
+    "closed_t": "time?",
 }
 
 

@@ -470,6 +470,10 @@ def build_report(
             # tier's snapshots, whose blocking is inside checkpoint_block (report_restores.py)
             "restores": data["restores"].rows(),
             "restores_by_tier": data["restores"].by_tier(),
+            # what each restore passed over and why: another run's or another user's
+            # snapshots, damaged copies on any node, partial or foreign checkpoints
+            "restores_passed_over": data["restores"].passed_over()[0],
+            "restores_passed_over_more": data["restores"].passed_over()[1],
             "memory_snapshots": data["restores"].snapshots(b.badput_s["checkpoint_block"]),
             # one per fault (diagnose.Incident.to_dict() plus compatibility keys: step,
             # node, rank, diagnosis, next, minutes): docs/monitoring.md "Incidents"

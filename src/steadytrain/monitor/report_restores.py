@@ -14,6 +14,13 @@ goodput accumulator, and gives the report:
   step that attempt restored -- so a failure in a warm-up is not charged the same lost steps
   twice, and the rows sum to the work the restarts threw away in steps.
 * ``restores_by_tier``: per tier, ``count``, ``seconds`` (sum) and ``steps_lost`` (sum).
+* ``passed_over``: what each attempt's restore passed over and why, from the record's
+  ``skipped`` list (a memory snapshot of another run or of another user, a damaged copy on
+  any node, a partial or foreign durable checkpoint): ``{"attempt", "restored_step",
+  "step", "path", "node", "reason"}``, fresh starts included (a run that reused a run
+  directory restores nothing, and this says what it did not restore). Bounded: at most
+  ``PASSED_PER_RESTORE`` entries per restore and ``PASSED_MAX`` in all, the rest counted
+  (``passed_over_more``).
 * ``memory_snapshots``: the memory tier's cost, from its ``memory_snapshot`` records.
 
 Where a snapshot's blocking is in the goodput breakdown: the Checkpointer returns the
@@ -33,11 +40,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from steadytrain.printable import html_text
+from steadytrain.printable import html_text, printable
 
-__all__ = ["TIERS", "RestoreLog", "restore_lines", "restores_html"]
+__all__ = [
+    "TIERS",
+    "PASSED_MAX",
+    "PASSED_PER_RESTORE",
+    "RestoreLog",
+    "restore_lines",
+    "restores_html",
+]
 
 TIERS = ("local-memory", "peer-memory", "durable")
+PASSED_PER_RESTORE = 20  # entries of one restore's ``skipped`` the report keeps
+PASSED_MAX = 200  # and of the whole run
+_TEXT_MAX = 400  # characters of a reason or path (records are untrusted input)
 
 
 def _int(v: Any) -> int:
@@ -45,6 +62,11 @@ def _int(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return 0
     return int(v) if math.isfinite(v) and v >= 0 else 0
+
+
+def _text(v: Any) -> str:
+    """Untrusted text for a terminal or a page: bounded, control characters escaped."""
+    return printable(str(v)[:_TEXT_MAX])
 
 
 def _num(v: Any) -> float | None:
@@ -63,6 +85,8 @@ class RestoreLog:
         self._open: dict[str, Any] | None = None  # the newest attempt, until its row is made
         self._pending: dict[str, Any] | None = None  # a restore seen before its job_start
         self._starts = 0
+        self._passed: list[dict[str, Any]] = []  # passed_over, of the closed attempts
+        self._passed_more = 0  # entries left out by the bounds
         self._snap = {
             "count": 0,
             "ok": 0,
@@ -129,6 +153,38 @@ class RestoreLog:
         row = self._row(o) if o is not None else None
         if row is not None:
             self._rows.append(row)
+        if o is not None:
+            self._passed, self._passed_more = self._with(o)
+
+    def _with(self, o: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+        """``passed_over`` and the count left out, with attempt ``o``'s restore added."""
+        kept, more = self._passed_of(o)
+        room = max(0, PASSED_MAX - len(self._passed))
+        return self._passed + kept[:room], self._passed_more + more + max(0, len(kept) - room)
+
+    @staticmethod
+    def _passed_of(o: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+        """Attempt ``o``'s restore's well-formed ``skipped`` entries, at most
+        ``PASSED_PER_RESTORE``, and how many more there were."""
+        rest = o["restore"] or {}
+        skipped = rest.get("skipped")
+        if not isinstance(skipped, list):
+            return [], 0
+        good = [s for s in skipped if isinstance(s, dict) and isinstance(s.get("reason"), str)]
+        out = []
+        for s in good[:PASSED_PER_RESTORE]:
+            node = s.get("node")
+            out.append(
+                {
+                    "attempt": o["attempt"],
+                    "restored_step": _int(rest.get("step")),
+                    "step": _int(s.get("step")),
+                    "path": _text(s.get("path", "")),
+                    "node": _text(node) if isinstance(node, str) else None,
+                    "reason": _text(s["reason"]),
+                }
+            )
+        return out, len(good) - len(out)
 
     @staticmethod
     def _row(o: dict[str, Any]) -> dict[str, Any] | None:
@@ -157,6 +213,13 @@ class RestoreLog:
         next attempt starts; the open one's is made here, without closing it)."""
         last = self._row(self._open) if self._open is not None else None
         return [*self._rows, *([last] if last is not None else [])]
+
+    def passed_over(self) -> tuple[list[dict[str, Any]], int]:
+        """The ``passed_over`` entries, the newest attempt's included, and how many the
+        bounds left out (module docstring)."""
+        if self._open is None:
+            return list(self._passed), self._passed_more
+        return self._with(self._open)
 
     def by_tier(self) -> dict[str, dict[str, Any]]:
         """``{tier: {"count", "seconds", "steps_lost"}}`` for every tier seen (the three
@@ -187,8 +250,10 @@ def restore_lines(summary: dict[str, Any]) -> list[str]:
     """The text report's "Restores" table and the memory tier's cost, one line each."""
     out: list[str] = []
     rows = summary.get("restores") or []
-    if rows:
+    passed = summary.get("restores_passed_over") or []
+    if rows or passed:
         out.append("Restores:")
+    if rows:
         out.append(
             f"  {'attempt':>7}  {'step':>8}  {'tier':<13} {'seconds':>8}  {'steps lost':>10}"
         )
@@ -197,6 +262,12 @@ def restore_lines(summary: dict[str, Any]) -> list[str]:
                 f"  {r['attempt']!s:>7}  {r['step']:>8}  {r['tier']:<13} "
                 f"{r['seconds']:>8.2f}  {r['steps_lost']:>10}"
             )
+    if passed:
+        out.append("  passed over at restore (not restored, and why):")
+        out += [f"    {_passed_line(p)}" for p in passed]
+        more = summary.get("restores_passed_over_more") or 0
+        if more:
+            out.append(f"    ... and {more} more (the ledger's restore records list them)")
     snap = summary.get("memory_snapshots") or {}
     if snap.get("count"):
         share = snap.get("share_of_checkpoint_block")
@@ -210,6 +281,13 @@ def restore_lines(summary: dict[str, Any]) -> list[str]:
         if snap.get("last_error"):
             out.append(f"  memory tier: {snap['last_error']}")
     return out
+
+
+def _passed_line(p: dict[str, Any]) -> str:
+    """One passed-over entry: which attempt, what (on which node), why."""
+    where = f"{p['node']}:{p['path']}" if p.get("node") else p["path"]
+    step = f"step {p['step']}, " if p.get("step") else ""
+    return f"attempt {p['attempt']}: {step}{where}: {p['reason']}"
 
 
 def restores_html(summary: dict[str, Any]) -> str:
@@ -227,5 +305,11 @@ def restores_html(summary: dict[str, Any]) -> str:
             '<h2>Restores</h2><table class="restores"><tr><th>attempt</th><th>step</th>'
             f"<th>tier</th><th>seconds</th><th>steps lost</th></tr>{body}</table>"
         )
+    passed = summary.get("restores_passed_over") or []
+    if passed:
+        items = "".join(f"<li>{e(_passed_line(p))}</li>" for p in passed)
+        part += (
+            "" if rows else "<h2>Restores</h2>"
+        ) + f"<p>Passed over at restore (not restored, and why):</p><ul>{items}</ul>"
     lines = restore_lines({"memory_snapshots": summary.get("memory_snapshots")})
     return part + "".join(f"<p>{e(ln)}</p>" for ln in lines)

@@ -6,16 +6,28 @@ Liveness comes from the training loop itself (``beat(step)`` after every step), 
 side thread: a thread heartbeat keeps beating through a livelocked loop. ``steadytrain.Run``
 makes one per rank and beats it in ``step_done``; by hand:
 
-    wd = HangWatchdog(run_dir, rank, world, attempt=a, meter=meter, config=cfg.watchdog)
+    wd = HangWatchdog(run_dir, rank, world, attempt=a, meter=meter, config=cfg.watchdog,
+                      nonce=run_nonce)
     for step in ...:
         with wd.phase("checkpoint"):       # a legitimately long phase: its own deadline
             ckpt.maybe_save(step, states)
+        if step % 1000 == 0:
+            with wd.phase("eval"):         # phases nest; any identifier is a phase name
+                evaluate(model)
         wd.beat(step)                      # two attribute stores and a deque append
     wd.close()
 
-Deadlines (``WatchdogConfig``): ``init_s`` until ``warmup_steps`` steps of this attempt are
-done (first step, compile, cache fill), ``checkpoint_s`` inside a checkpoint phase, and
-``max(k x p99 step time, floor_s)`` otherwise. A daemon thread polls every ``poll_s``.
+Deadlines (``WatchdogConfig``, watchdog_config.py): ``init_s`` until ``warmup_steps`` steps
+of this attempt are done, ``max(k x p99 step time, floor_s)`` after, and inside declared
+phases the longest of the open phases' own (``phases.<name>_s``, else ``checkpoint_s``,
+never less than outside them). Phases nest: leaving one puts the one around it back in
+force, and counts as progress. A daemon thread polls every ``poll_s``.
+
+A declared phase sets the deadline of the whole job (phases.py): the watchdog thread
+publishes the phase its rank has been in for a poll, and a rank whose own deadline passed
+reads the other ranks' before it fires: while another rank is inside a declared phase whose
+deadline has not passed, or left one less than this rank's deadline ago, it waits. A rank
+so held joins at once when another rank of its attempt fired (a verdict is on disk).
 
 On a hang every rank's own watchdog fires (the others block in a collective, so they stall
 too) and, each bounded in time:
@@ -23,12 +35,12 @@ too) and, each bounded in time:
 1. dumps all its Python thread stacks (``faulthandler``) to
    ``RUN_DIR/hangs/attempt-{A}/rank-{R}.txt``;
 2. publishes its verdict ``rank-{R}.json``: step, phase, seconds since progress, the loop
-   thread's innermost frame, and whether that frame waits in a collective (``waiting``) or
-   not (``stuck``);
+   thread's innermost frame, whether that frame waits in a collective (``waiting``) or not
+   (``stuck``), and the other rank's declared phase that held it (``held_by``), if one did;
 3. waits up to ``grace_s`` for the other ranks' verdicts and decides the culprits
    (``decide``): ranks that are not waiting, and ranks that never answered (SIGSTOPped, node
    gone); when every rank waits, the ranks behind the others, else all of them; publishes
-   that decision ``decision-{R}.json`` (for the reapers, below);
+   that decision ``decision-{R}.json`` with the run's nonce (for the reapers, below);
 4. rank 0 appends a ``hang`` record to the ledger through the meter and publishes
    ``recorded.json``; the other ranks wait for that file (bounded) so torchrun does
    not kill rank 0 before the record is on disk -- unless rank 0 never answered;
@@ -39,25 +51,25 @@ A rank that cannot do any of this -- SIGSTOPped (every thread stops, this one to
 watchdog thread unable to run -- would keep torchrun waiting out its SIGTERM grace (30 s) on
 a stopped process. So with two or more ranks the watchdog also starts the rank's **reaper**
 (reaper.py, ``reaper=True``): a child process on the same node, which a stopped parent does
-not stop. Once a decision names its rank silent, or its rank is stopped, it SIGKILLs the
-rank (after ``recorded.json``, bounded) and publishes ``reaped-rank-{R}.json``; a rank that
-answered is left to its own exit (killed only as a backstop). ``close`` ends the reaper;
-so does the rank's death.
+not stop. Once a decision of this job (owned by this user, carrying the run's nonce, naming
+ranks of the job) names its rank silent, or its rank is stopped, it SIGKILLs the rank (after
+``recorded.json``, bounded) and publishes ``reaped-rank-{R}.json``; a rank that answered is
+left to its own exit (killed only as a backstop). ``close`` ends the reaper; so does the
+rank's death.
 
 If rank 0 could not write the record (it was the stuck one), the next attempt's rank 0 does,
 from the verdict files, marked ``recovered`` (``recover_hang_records``); ``recorded.json``
-makes that happen once. The verdict logic and the record live in hangs.py. The exchange goes through RUN_DIR, which every rank already shares
-(ledgers, traces); a rank that cannot reach it counts as "no response".
+makes that happen once. The verdict logic and the record live in hangs.py. The exchange
+goes through RUN_DIR, which every rank already shares (ledgers, traces); a rank that cannot
+reach it counts as "no response".
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import faulthandler
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -82,9 +94,15 @@ from steadytrain.monitor.hangs import (
     thread_frames,
     where,
 )
+from steadytrain.monitor.phases import PhaseBoard
 from steadytrain.monitor.reaper import spawn as spawn_reaper
+from steadytrain.monitor.watchdog_config import (
+    WatchdogConfig,
+    backend_timeout_s,
+    check_phase_name,
+    p99,
+)
 from steadytrain.node import node_name
-from steadytrain.settings import check
 from steadytrain.storage.publish import publish_bytes
 
 __all__ = [
@@ -101,93 +119,37 @@ log = logging.getLogger("steadytrain.monitor")
 HANG_EXIT_CODE = 124  # "timed out" (coreutils timeout's code): torchrun restarts on any != 0
 
 
-@dataclasses.dataclass(kw_only=True)
-class WatchdogConfig:
-    """The watchdog's deadlines (``[monitor.watchdog]``). Defaults follow the anchors: 60 s
-    floor (NVRx in-process soft timeout), torchtitan's 300 s for start-up, NVRx's long
-    checkpoint section; all below NCCL's 10 min so the watchdog, which can dump and kill,
-    fires before a backend that cannot abort a pending gloo collective."""
-
-    enabled: bool = True
-    k: float = 8.0  # step deadline = max(k x p99 step time, floor_s); NVRx uses 5 x max
-    floor_s: float = 60.0  # never less than this after warm-up (GC pauses, slow saves)
-    warmup_steps: int = 5  # steps of each attempt under init_s (compile, cache fill)
-    init_s: float = 300.0  # from the watchdog's start until warmup_steps steps are done
-    checkpoint_s: float = 480.0  # inside a checkpoint phase (a blocking save)
-    window: int = 200  # recent step times the p99 is taken over
-    poll_s: float = 1.0  # how often the daemon thread looks; adds to detection time
-    grace_s: float = 10.0  # bounded waits for the other ranks' verdicts and the record
-    # A child process per rank (reaper.py) that SIGKILLs the rank once a hang is decided
-    # and the rank cannot exit itself (SIGSTOPped, its watchdog thread unable to run).
-    reaper: bool = True
-
-    def __post_init__(self) -> None:
-        check(self.k >= 1, "k", self.k, "use 1 or more (a multiple of the p99 step time)")
-        for key in ("floor_s", "init_s", "checkpoint_s", "poll_s"):
-            check(getattr(self, key) > 0, key, getattr(self, key), "use a positive number")
-        check(self.grace_s >= 0, "grace_s", self.grace_s, "use 0 or more seconds")
-        check(self.warmup_steps >= 1, "warmup_steps", self.warmup_steps, "use 1 or more")
-        check(self.window >= 10, "window", self.window, "use at least 10 step times")
-        check(
-            self.poll_s <= self.floor_s / 2,
-            "poll_s",
-            self.poll_s,
-            f"use at most floor_s / 2 ({self.floor_s / 2:g}); it adds to detection time",
-        )
-
-    def deadline(self, phase: str, p99_s: float | None) -> float:
-        """Seconds without progress that count as a hang in ``phase`` given the p99 step."""
-        step = max(self.k * p99_s, self.floor_s) if p99_s else self.floor_s
-        if phase == "checkpoint":
-            return max(self.checkpoint_s, step)
-        if phase == "init":
-            return max(self.init_s, step)
-        return step
-
-    @property
-    def longest_static_s(self) -> float:
-        return max(self.init_s, self.checkpoint_s, self.floor_s)
-
-
-def p99(samples: list[float]) -> float | None:
-    """The 99th percentile (nearest rank) of ``samples``; None when empty."""
-    if not samples:
-        return None
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
-
-
-def backend_timeout_s(backend: str) -> float:
-    """The collective timeout torch uses for ``backend`` when none is passed to
-    ``init_process_group`` (torch.distributed.constants; NCCL: 10 min when not built in)."""
-    from torch.distributed import constants
-
-    if "nccl" in backend.lower():
-        t = getattr(constants, "default_pg_nccl_timeout", None)
-        return t.total_seconds() if t is not None else 600.0
-    return constants.default_pg_timeout.total_seconds()
-
-
 class _Phase:
-    """``with wd.phase("checkpoint"):`` -- a plain class: cheaper than contextlib."""
+    """``with wd.phase("eval"):`` -- a plain class: cheaper than contextlib. Entering pushes
+    it on the watchdog's stack of open phases, leaving removes it (the phase around it is in
+    force again) and counts as progress: the loop thread's whole cost, no I/O."""
 
-    __slots__ = ("wd", "name")
+    __slots__ = ("wd", "name", "t")
 
     def __init__(self, wd: HangWatchdog, name: str) -> None:
-        self.wd, self.name = wd, name
+        self.wd, self.name, self.t = wd, name, 0.0
 
     def __enter__(self) -> None:
-        self.wd._phase = self.name
+        self.t = time.monotonic()
+        self.wd._open.append(self)
 
     def __exit__(self, *_exc: Any) -> None:
-        wd = self.wd
-        wd._phase = None
+        wd, stack = self.wd, self.wd._open
+        if stack and stack[-1] is self:
+            stack.pop()
+        else:  # left out of order (a trainer callback's phases): this one goes, the rest stay
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i] is self:
+                    del stack[i]
+                    break
         wd._skip = True  # the next step time spans this phase: not a step time sample
-        wd._t = time.monotonic()  # leaving the phase is progress
+        wd._t = wd._left = time.monotonic()  # leaving the phase is progress
 
 
 class HangWatchdog:
-    """One per rank; ``beat`` after every step. See the module docstring."""
+    """One per rank; ``beat`` after every step. See the module docstring. ``nonce``: the
+    run's (``Run.nonce``), carried by this rank's verdicts, decisions and phase records;
+    its reaper acts only on decisions that carry it."""
 
     def __init__(
         self,
@@ -199,27 +161,33 @@ class HangWatchdog:
         meter: Any = None,
         config: WatchdogConfig | None = None,
         backend_timeout_s: float | None = None,
+        nonce: str | None = None,
         exit: Callable[[int], Any] = os._exit,  # noqa: A002 - tests pass a stub
     ) -> None:
         self.config = cfg = config or WatchdogConfig()
         self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
         self.attempt, self.meter, self._exit = attempt, meter, exit
+        self.nonce = nonce or ""
         self.node = node_name()
         self._loop_ident = threading.get_ident()  # the thread that beats: the loop's
-        self._t = time.monotonic()
+        self._t = self._left = time.monotonic()
         self._step = 0
         self._beats = 0
-        self._phase: str | None = None
+        self._open: list[_Phase] = []  # the declared phases open now, outermost first
+        self._names: set[str] = set()  # phase names already checked
         self._skip = False
         self._intervals: deque[float] = deque(maxlen=cfg.window)
         self._stop = threading.Event()
         self.fired: dict[str, Any] | None = None  # this rank's verdict, once it fired
+        # The job-wide rule (phases.py): only with other ranks to hold or be held by.
+        self._board = PhaseBoard(run_dir, rank, world_size, attempt, self.nonce, cfg)
+        self._board_on = world_size > 1
         limit = cfg.longest_static_s + 2 * cfg.grace_s
         if cfg.enabled and backend_timeout_s is not None and limit >= backend_timeout_s:
             log.warning(
                 "monitor.watchdog: deadlines up to %.0fs (+ grace) reach the backend's "
                 "collective timeout %.0fs: the backend fires first, without stacks; lower "
-                "init_s/checkpoint_s or pass a longer timeout to init_process_group",
+                "init_s/checkpoint_s/phases or pass a longer timeout to init_process_group",
                 cfg.longest_static_s,
                 backend_timeout_s,
             )
@@ -242,13 +210,20 @@ class HangWatchdog:
         self._beats += 1
 
     def phase(self, name: str) -> _Phase:
-        """A context for a legitimately long phase (``"checkpoint"``): its own deadline."""
+        """A context for a legitimately long part of the loop (``"checkpoint"``, ``"eval"``,
+        any identifier): its own deadline (``phases.<name>_s``, else ``checkpoint_s``),
+        for every rank of the job while this one is inside it. Phases nest."""
+        if name not in self._names:
+            check_phase_name(name)
+            self._names.add(name)
         return _Phase(self, name)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.poll_s + 1)
+        # The others must not wait for a phase of a closed rank.
+        self._board.close(time.monotonic() if self._open else self._left)
         proc, self.reaper = self.reaper, None
         if proc is not None:  # never outlives a closed watchdog (it would outlive us briefly)
             proc.kill()
@@ -266,6 +241,8 @@ class HangWatchdog:
                 rank=self.rank,
                 node=self.node,
                 attempt=self.attempt,
+                world_size=self.world_size,
+                nonce=self.nonce,
                 poll_s=min(0.25, cfg.poll_s),
                 idle_s=cfg.poll_s,
                 record_wait_s=2 * cfg.grace_s,  # what the other ranks wait for the record
@@ -283,26 +260,61 @@ class HangWatchdog:
 
     # -- the daemon thread -----------------------------------------------------------------
     def check(self, now: float | None = None) -> dict[str, Any] | None:
-        """The hang seen now (step, phase, seconds since progress, deadline) or None."""
+        """The hang this rank sees now (step, phase, the open phases, seconds since
+        progress, deadline) or None; another rank's declared phase is ``poll``'s concern."""
         now = time.monotonic() if now is None else now
-        t, step, beats, phase = self._t, self._step, self._beats, self._phase
+        t, step = self._t, self._step
+        open_ = list(self._open)
         p = p99(list(self._intervals))
-        name = phase or ("init" if beats < self.config.warmup_steps else "step")
-        limit = self.config.deadline(name, p)
+        name, limit = self._deadline(open_, p)
         since = now - t
         if since <= limit:
             return None
         return {
             "step": step,
             "phase": name,
+            "phases": [ph.name for ph in open_],
             "since_progress_s": since,
             "deadline_s": limit,
             "p99_step_s": p,
         }
 
+    def _deadline(self, open_: list[_Phase], p: float | None) -> tuple[str, float]:
+        """(the phase whose deadline is in force, that deadline): the longest of the open
+        phases' and the implicit one's (``init`` or ``step``); the innermost of equals."""
+        name = "init" if self._beats < self.config.warmup_steps else "step"
+        limit = self.config.deadline(name, p)
+        for ph in reversed(open_):
+            d = self.config.deadline(ph.name, p)
+            if d > limit:
+                name, limit = ph.name, d
+        return name, limit
+
+    def poll(self, now: float | None = None) -> dict[str, Any] | None:
+        """One look of the daemon thread: publish this rank's declared phase (when it
+        changed), then the hang to act on now, or None: none, or one that another rank's
+        declared phase still holds (phases.py)."""
+        now = time.monotonic() if now is None else now
+        if self._board_on:
+            self._show_phase(now)
+        seen = self.check(now)
+        if seen is None or (self._board_on and self._board.holds(now, self._t, seen)):
+            return None
+        return seen
+
+    def _show_phase(self, now: float) -> None:
+        """Publish the phase this rank has been in for a poll, or that it left it."""
+        open_ = list(self._open)
+        if open_ and now - open_[0].t >= self.config.poll_s:
+            name, limit = self._deadline(open_, p99(list(self._intervals)))
+            phases = [ph.name for ph in open_]
+            self._board.show(id(open_[0]), open_[0].t, name, phases, self._t, limit)
+        else:
+            self._board.close(self._left)
+
     def _run(self) -> None:
         while not self._stop.wait(self.config.poll_s):
-            seen = self.check()
+            seen = self.poll()
             if seen is not None:
                 self._handle(seen)
                 return
@@ -327,6 +339,7 @@ class HangWatchdog:
         detect_t = time.time()
         frames = thread_frames(self._loop_ident)
         state, frame, waiting_in = classify_stack(frames)
+        held_by = self._board.held_by(self._t)  # another rank's phase this rank waited out
         verdict = {
             "rank": self.rank,
             "node": self.node,
@@ -340,6 +353,8 @@ class HangWatchdog:
             "state": state,
             "waiting_in": waiting_in,
             "stack": [where(*f) for f in frames[:STACK_FRAMES]],
+            "held_by": held_by,
+            "nonce": self.nonce,
         }
         self.fired = verdict
         txt = d / f"rank-{self.rank}.txt"
@@ -358,18 +373,26 @@ class HangWatchdog:
         publish_bytes(str(d / f"rank-{self.rank}.json"), json.dumps(verdict))
         print(
             f"[watchdog] rank {self.rank}: no progress for {seen['since_progress_s']:.1f}s "
-            f"after step {seen['step']} ({seen['phase']}); {state} at {frame}; stacks in {d}",
+            f"after step {seen['step']} ({seen['phase']})"
+            + (
+                f", after rank {held_by['rank']}'s {held_by['phase']!r} phase deadline"
+                if held_by
+                else ""
+            )
+            + f"; {state} at {frame}; stacks in {d}",
             file=sys.stderr,
             flush=True,
         )
         until = time.monotonic() + cfg.grace_s
-        verdicts = read_verdicts(d)
+        nonce = self.nonce or None  # none given (a watchdog made by hand): not checked
+        mine = {"rejects": self._board.rejects, "nonce": nonce, "world_size": self.world_size}
+        verdicts = read_verdicts(d, **mine)
         while len(verdicts) < self.world_size and time.monotonic() < until:
             time.sleep(min(0.05, cfg.poll_s))
-            verdicts = read_verdicts(d)
+            verdicts = read_verdicts(d, **mine)
         decision = decide(verdicts, self.world_size)
         try:  # the reapers (reaper.py) kill the silent ranks from it
-            publish_decision(d, self.rank, self.attempt, decision)
+            publish_decision(d, self.rank, self.attempt, decision, self.nonce)
         except OSError as e:
             log.warning("hang watchdog: decision not published (%s)", e)
         if self.rank == 0:

@@ -31,10 +31,12 @@ the range from ``train.elastic_nnodes``)::
         --set data.global_batch=768 --set train.elastic_nnodes=3:4
 
 Exact resume: with ``train.deterministic`` on CPU, a run that crashes and resumes produces
-bit-identical weights and per-step losses to an uninterrupted one, because everything that
-decides the next step is restored at the same step: weights, optimizer moments, scheduler,
-loader cursor, step/token counters and every RNG. ``RUN_DIR/trace-rank{R}.jsonl`` records the
-loss and the sample ids of every step (every attempt appends) so runs can be compared.
+bit-identical weights and per-step losses to an uninterrupted one of the same world size
+(tested under torchrun with 2 and 3 ranks), because everything that decides the next step is
+restored at the same step: weights, optimizer moments, scheduler, loader cursor, step/token
+counters and every RNG, and DDP reduces every step in one gradient layout (``exact_ddp``).
+``RUN_DIR/trace-rank{R}.jsonl`` records the loss and the sample ids of every step (every
+attempt appends) so runs can be compared.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from steadytrain.data.read.dataset import TokenDataset
 from steadytrain.data.read.loader import TokenLoader
+from steadytrain.ddp import exact_ddp
 from steadytrain.errors import CheckpointError
 from steadytrain.redact import redact
 from steadytrain.run import Run
@@ -191,7 +194,9 @@ def run_training(
             fully_shard(model)
             ddp_model = model
         else:
-            ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)
+            # exact_ddp: every step reduces its gradients in the same bucket layout, in every
+            # attempt, so a resumed run stays bit-exact on 3+ ranks too (steadytrain/ddp.py).
+            ddp_model = exact_ddp(DDP(model, device_ids=[local_rank] if use_cuda else None))
         # bf16 autocast on GPU; fp32 on CPU (exact and, at this size, no slower).
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda else nullcontext()
 

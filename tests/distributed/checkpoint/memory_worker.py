@@ -112,15 +112,40 @@ def _corrupt_sends(rank: int) -> bool:
 
         inner, calls = peers.exchange, [0]
 
-        def exchange(pg, peer, image, owners, into=None):
+        def exchange(pg, peer, image, owners, *args, **kwargs):
             calls[0] += 1
             if image is not None and calls[0] == nth:
                 image = image.copy()
                 image[-10] ^= 0xFF
-            return inner(pg, peer, image, owners, into)
+            return inner(pg, peer, image, owners, *args, **kwargs)
 
         peers.exchange = exchange
     return True
+
+
+# "RANK:OWNER": right after that rank's scan (which agreed the copies' sizes), the newest
+# copy of OWNER it holds grows by a page, as a file replaced in between would: the fault
+GROW_AFTER_SCAN = "MEMTEST_GROW_AFTER_SCAN"
+
+
+def _grow_after_scan(rank: int) -> None:
+    spec = os.environ.get(GROW_AFTER_SCAN)
+    if not spec:
+        return
+    who, owner = (int(x) for x in spec.split(":"))
+    if rank == who:
+        from steadytrain.checkpoint.memory.store import Store
+
+        inner = Store.scan
+
+        def scan(self, *args, **kwargs):
+            found, passed = inner(self, *args, **kwargs)
+            if owner in found:
+                with open(self.path(owner, max(found[owner])), "ab") as f:
+                    f.write(b"\0" * 4096)
+            return found, passed
+
+        Store.scan = scan
 
 
 def main() -> None:
@@ -132,6 +157,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     injected = _corrupt_sends(rank)
+    _grow_after_scan(rank)
     torch.manual_seed(1000 + rank)  # a fresh job: weights differ from any saved state
     random.seed(rank)
     np.random.seed(rank)

@@ -139,6 +139,16 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def start_torchrun(
+    nproc: int, settings: list[str], *, faults: str = "", max_restarts: int = 0
+) -> subprocess.Popen:
+    """``steadytrain train`` under torchrun in the background (``wait_torchrun`` it)."""
+    cmd = torchrun_cmd(nproc, BASE_SETTINGS + settings, max_restarts=max_restarts)
+    return subprocess.Popen(
+        cmd, env=env(faults), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
 def run_torchrun(
     nproc: int,
     settings: list[str],
@@ -148,10 +158,14 @@ def run_torchrun(
     timeout: float = 180,
     check: bool = True,
 ) -> subprocess.CompletedProcess:
-    cmd = torchrun_cmd(nproc, BASE_SETTINGS + settings, max_restarts=max_restarts)
-    proc = subprocess.Popen(
-        cmd, env=env(faults), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = start_torchrun(nproc, settings, faults=faults, max_restarts=max_restarts)
+    return wait_torchrun(proc, timeout=timeout, check=check)
+
+
+def wait_torchrun(
+    proc: subprocess.Popen, *, timeout: float = 180, check: bool = True
+) -> subprocess.CompletedProcess:
+    cmd = proc.args
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -197,3 +211,18 @@ def ledger(run_dir: str) -> list[dict[str, Any]]:
 def final(run_dir: str) -> dict[str, Any]:
     with open(os.path.join(run_dir, "final.json")) as f:
         return json.load(f)
+
+
+def assert_same_run(run_dir: str, ref_dir: str, steps: int, global_batch: int) -> dict:
+    """Every step's samples and loss (bit for bit), and the final weights, equal the reference
+    run's; no sample is read twice. Returns the reference's ``effective`` records."""
+    ref, got = effective(read_trace(ref_dir)), effective(read_trace(run_dir))
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert got[step]["sample_ids"] == ref[step]["sample_ids"], f"step {step} samples"
+        assert got[step]["loss"] == ref[step]["loss"], f"step {step} loss"
+    all_ids = [i for s in range(1, steps + 1) for i in got[s]["sample_ids"]]
+    assert len(all_ids) == len(set(all_ids)) == steps * global_batch
+    assert final(run_dir)["weights"] == final(ref_dir)["weights"]
+    assert final(run_dir)["step"] == steps
+    return ref

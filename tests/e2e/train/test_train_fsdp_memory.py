@@ -1,9 +1,11 @@
-"""FSDP2 with the memory tier under torchrun: a worker killed mid-run comes back from its
-node's memory, at most one step lost, and the run ends bit-exact with an uninterrupted one.
+"""The memory tier under torchrun: a worker killed mid-run comes back from its node's
+memory, at most one step lost, and the run ends bit-exact with an uninterrupted one: FSDP2
+on 2 ranks, DDP on 3.
 
-Both runs shard the model with ``fully_shard`` (``train.parallel=fsdp``: every model and
-optimizer tensor a sharded DTensor) and snapshot into memory every step; durable
-checkpoints every 4 steps. The crashed run's worker of rank 1 is SIGKILLed mid-step at a
+FSDP2 shards the model with ``fully_shard`` (``train.parallel=fsdp``: every model and
+optimizer tensor a sharded DTensor); DDP on 3 ranks is where the gradient all-reduce's sum
+depends on its bucket layout (the loop's ``exact_ddp`` keeps one: steadytrain/ddp.py). Both
+runs snapshot into memory every step; durable checkpoints every 4 steps. The crashed run's worker of rank 1 is SIGKILLed mid-step at a
 step that is not a durable one, so a restore from durable storage would lose steps and
 ``report`` would say so: the assertions read the tier and the steps lost from it.
 """
@@ -18,7 +20,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from conftest import STEPS  # noqa: E402
-from harness import effective, final, read_trace, run_torchrun  # noqa: E402
+from harness import assert_same_run, start_torchrun, wait_torchrun  # noqa: E402
 
 from steadytrain.testing.incidents.elastic import restores  # noqa: E402
 
@@ -27,33 +29,37 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 KILL_AT = 7  # mid-step, between durable checkpoints 4 and 8
 
 
-def _settings(run_dir: str, dataset: str, memory_dir: str) -> list[str]:
+def _settings(run_dir: str, dataset: str, memory_dir: str, parallel: str, batch: int) -> list:
     return [
         f"run_dir={run_dir}",
         f"data.dataset={dataset}",
         f"train.max_steps={STEPS}",
-        "train.parallel=fsdp",
+        f"train.parallel={parallel}",
+        f"data.global_batch={batch}",
         "checkpoint.memory.every_steps=1",
         f"checkpoint.memory.dir={memory_dir}",
     ]
 
 
-def test_fsdp2_resumes_from_memory_bit_exact(dataset: str, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("parallel", "ranks", "batch"), [("fsdp", 2, 8), ("ddp", 3, 12)], ids=["fsdp2-2", "ddp-3"]
+)
+def test_resumes_from_memory_bit_exact(dataset, tmp_path, parallel, ranks, batch) -> None:
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
-    run_torchrun(2, _settings(ref_dir, dataset, str(tmp_path / "mem-ref")))
-    run_torchrun(
-        2,
-        _settings(run_dir, dataset, str(tmp_path / "mem-run")),
-        faults=f"kill_at_steps={KILL_AT};kill_rank=1",
-        max_restarts=2,
-    )
+    procs = [  # side by side: most of a run is start-up
+        start_torchrun(ranks, _settings(ref_dir, dataset, str(tmp_path / "m0"), parallel, batch)),
+        start_torchrun(
+            ranks,
+            _settings(run_dir, dataset, str(tmp_path / "m1"), parallel, batch),
+            faults=f"kill_at_steps={KILL_AT};kill_rank=1",
+            max_restarts=2,
+        ),
+    ]
+    for proc in procs:
+        wait_torchrun(proc, timeout=300)
 
     [r] = restores(run_dir)
     assert r["tier"] == "local-memory", r
     assert r["step"] == KILL_AT - 1 and r["steps_lost"] <= 1, r  # not durable step 4
-    ref, got = effective(read_trace(ref_dir)), effective(read_trace(run_dir))
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):
-        assert got[step]["sample_ids"] == ref[step]["sample_ids"], f"step {step} samples"
-        assert got[step]["loss"] == ref[step]["loss"], f"step {step} loss"
-    assert final(run_dir)["weights"] == final(ref_dir)["weights"]
+    ref = assert_same_run(run_dir, ref_dir, STEPS, global_batch=batch)
+    assert ref[1]["world"] == ranks

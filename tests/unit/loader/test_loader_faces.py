@@ -70,6 +70,36 @@ def test_stateful_dataloader_resumes_exactly(ds_a):
     same_stream(tail, expected[k:])
 
 
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_consumed_state_is_as_of_the_last_batch_trained_not_fetched(ds_a, ahead):
+    """A trainer that fetches ``ahead`` micro-batches before training one (Lightning: 1)
+    reports each trained one with ``consumed()``; a resume from ``consumed_state_dict()``
+    starts at the first fetched-but-untrained micro-batch, where ``state_dict()`` (the
+    position after the last one fetched) would skip ``ahead`` of them."""
+    with make(ds_a) as ref:
+        expected = take(ref, 24)
+    k = 8  # trained on 8 micro-batches: a step boundary (micro_per_step = 4)
+    with make(ds_a) as ld:
+        face = ld.as_dataset()
+        assert ld.as_dataset() is face  # one per loader: the trainer's and the callback's
+        it = iter(DataLoader(face, batch_size=None, num_workers=0))
+        fetched = take(it, ahead)
+        assert face.consumed_state_dict() == make(ds_a).state_dict()  # nothing trained yet
+        for _ in range(k):
+            fetched.append(next(it))  # fetch one ahead, then train the oldest
+            assert face.consumed()
+        state = json.loads(json.dumps(face.consumed_state_dict()))
+        assert state["step"] == 2 and state["micro_in_step"] == 0, state
+        assert face.state_dict()["step"] * 4 + face.state_dict()["micro_in_step"] == k + ahead
+    same_stream(fetched, expected[: k + ahead])
+    with make(ds_a) as fresh:
+        again = fresh.as_dataset()
+        again.load_state_dict(state)
+        tail = take(iter(DataLoader(again, batch_size=None, num_workers=0)), 24 - k)
+    same_stream(tail, expected[k:])
+    assert not make(ds_a).as_dataset().consumed()  # nothing handed out: nothing to release
+
+
 def test_dataloader_workers_are_refused(ds_a):
     # Each DataLoader worker would replay the whole stream: duplicated samples.
     with make(ds_a) as ld:
@@ -120,3 +150,21 @@ def test_device_moves_batches(ds_a):
         assert all(v.device.type == "meta" for v in b.values())
     with make(ds_a, device="cpu") as ld, make(ds_a) as ref:
         np.testing.assert_array_equal(next(ld)["input_ids"].numpy(), next(ref)["input_ids"])
+
+
+@pytest.mark.parametrize("labels", ["same", "next"])
+def test_windows_are_the_loaders_samples(ds_a, labels):
+    """``TokenWindows``: item i is the loader's sample i, in the loader's labels convention
+    (a trainer with its own sampler, HF ``Trainer``, batches and shards them)."""
+    from steadytrain import TokenWindows
+
+    windows = TokenWindows(ds_a, SEQ, labels=labels)
+    assert len(windows) == 40
+    with make(ds_a, labels=labels) as ld:
+        for batch in take(ld, 20):  # an epoch: every sample once
+            for row, i in enumerate(batch["sample_ids"].tolist()):
+                item = windows[i]
+                assert torch.equal(item["input_ids"], batch["input_ids"][row])
+                assert torch.equal(item["labels"], batch["labels"][row])
+    with pytest.raises(IndexError, match="outside this dataset's 40 samples"):
+        windows[40]

@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from steadytrain.checkpoint.memory.private import default_dir
 from steadytrain.node import ENV_NODE  # a rank's node name (else the host name)
 from steadytrain.settings import check
 
-__all__ = ["MemoryConfig", "DEFAULT_DIR", "ENV_DIR", "ENV_NODE"]
+__all__ = ["MemoryConfig", "ENV_DIR", "ENV_NODE", "default_dir"]
 
-DEFAULT_DIR = "/dev/shm/steadytrain"  # node-local RAM on Linux: survives a worker's death
 ENV_DIR = "STEADYTRAIN_MEMORY_DIR"  # the node harness gives each node its own tmpfs
 
 
@@ -26,8 +26,8 @@ class MemoryConfig:
     # job's measured step time and snapshot cost and checkpoint.mtbf_s (memory/auto.py)
     every_steps: int | str = 0
     survives: float = 0.75  # "auto": the share of failures memory survives (crash, 1 node)
-    # node-local memory directory; "": $STEADYTRAIN_MEMORY_DIR, else /dev/shm/steadytrain
-    # (never a shared file system: a node's snapshots must die with the node)
+    # node-local memory directory; "": $STEADYTRAIN_MEMORY_DIR, else /dev/shm/steadytrain-<uid>
+    # (never a shared file system: a node's snapshots must die with the node; private.py)
     dir: str = ""
     budget_bytes: int = 0  # 0: half the free space of `dir`'s file system at start
     peer: bool = True  # also keep a copy on a rank of another node
@@ -67,5 +67,6 @@ class MemoryConfig:
         return self.every_steps == "auto" or self.every_steps > 0
 
     def resolved_dir(self) -> str:
-        """The directory snapshots live in, after the environment and the default."""
-        return self.dir or os.environ.get(ENV_DIR, "") or DEFAULT_DIR
+        """The directory snapshots live in, after the environment and the default (the
+        user's own, ``private.default_dir``)."""
+        return self.dir or os.environ.get(ENV_DIR, "") or default_dir()

@@ -12,7 +12,9 @@ import logging
 from typing import Any
 
 from steadytrain.checkpoint import state as S
+from steadytrain.checkpoint.memory.store import short
 from steadytrain.checkpoint.remote import Root, discover
+from steadytrain.checkpoint.restore import foreign_run
 from steadytrain.errors import CheckpointError
 
 __all__ = ["choose", "check_copy", "newest_durable_step"]
@@ -20,11 +22,16 @@ __all__ = ["choose", "check_copy", "newest_durable_step"]
 log = logging.getLogger("steadytrain.checkpoint")
 
 
-def newest_durable_step(root: Root) -> int:
-    """The newest committed durable step under ``root`` (0: none). A listing that fails is
-    logged and taken as 0: memory may still restore, and the durable path will say."""
+def newest_durable_step(root: Root, nonce: str | None = None) -> int:
+    """The newest committed durable step under ``root`` (0: none) that the durable restore
+    would not pass over: of this run (``nonce``), or with no run nonce (restore.py). A
+    listing that fails is logged and taken as 0: memory may still restore, and the durable
+    path will say."""
     try:
-        return max((i.step for i in discover(root) if i.committed), default=0)
+        return max(
+            (i.step for i in discover(root) if i.committed and not foreign_run(i.manifest, nonce)),
+            default=0,
+        )
     except Exception as exc:  # noqa: BLE001 - see above
         log.warning("listing durable checkpoints in %s failed: %s", root.url, exc)
         return 0
@@ -60,8 +67,15 @@ def check_copy(
     world: int,
     rank: int,
     step: int,
+    nonce: str | None = None,
 ) -> None:
-    """Refuse, before anything is written, a copy that is not this rank's or does not fit."""
+    """Refuse, before anything is written, a copy that is not this run's and rank's or does
+    not fit."""
+    if header.get("run_nonce") != nonce:
+        raise CheckpointError(
+            f"the snapshot was written by another run (nonce {short(header.get('run_nonce'))}, "
+            f"this run's is {short(nonce)})"
+        )
     if (header.get("job"), header.get("world_size"), header.get("owner"), header.get("step")) != (
         job,
         world,

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import xxhash
 
+from steadytrain.checkpoint.memory.private import create_new, open_own
 from steadytrain.errors import CheckpointError
 from steadytrain.storage.publish import publish_file
 
@@ -68,7 +69,9 @@ __all__ = [
 ]
 
 MAGIC = b"STMEM001"
-FORMAT = 1
+# 2: the header carries ``run_nonce`` (the run that wrote it; run_identity.py). A format 1
+# file cannot say which run wrote it, so it is never restored (the reader refuses it).
+FORMAT = 2
 ALIGN = 64
 _U64 = struct.Struct("<Q")
 _MARKERS = ("__tensor__", "__tuple__", "__dict__", "__dtensor__")
@@ -84,49 +87,57 @@ def _align(n: int) -> int:
 def encode_tree(tree: Any) -> tuple[Any, list[torch.Tensor]]:
     """``tree`` as a JSON value plus its tensors in order (``{"__tensor__": i}``)."""
     tensors: list[torch.Tensor] = []
+    return _encode(tree, "<state>", tensors), tensors
 
-    def enc(obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            from torch.distributed.tensor import DTensor
 
-            if isinstance(obj, DTensor):  # its local part, and the layout it must meet again
-                layout = [
-                    list(obj.shape),
-                    [repr(p) for p in obj.placements],
-                    list(obj.device_mesh.shape),
-                ]
-                return {"__dtensor__": [enc(obj.to_local(), path)["__tensor__"], *layout]}
-            if obj.is_quantized or obj.layout != torch.strided:
-                raise CheckpointError(
-                    f"state {path} is a {'quantized' if obj.is_quantized else 'sparse'} "
-                    "tensor: the memory tier keeps dense tensors only; set "
-                    "checkpoint.memory.every_steps = 0 and rely on durable checkpoints"
-                )
-            tensors.append(obj)
-            return {"__tensor__": len(tensors) - 1}
-        if obj is None or isinstance(obj, (bool, int, str)):
-            return obj
-        if isinstance(obj, float):
-            return obj
-        if isinstance(obj, tuple):
-            return {"__tuple__": [enc(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return [enc(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-        if isinstance(obj, dict):
-            plain = all(isinstance(k, str) for k in obj) and not (
-                len(obj) == 1 and next(iter(obj)) in _MARKERS
+def _encode(obj: Any, path: str, tensors: list[torch.Tensor]) -> Any:
+    """One node of ``encode_tree`` (a module function, not a closure: a closure that calls
+    itself holds itself, a reference cycle that kept every tensor of the last generation,
+    1x the state, resident after ``close()`` until the garbage collector ran)."""
+    if isinstance(obj, torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, DTensor):  # its local part, and the layout it must meet again
+            layout = [
+                list(obj.shape),
+                [repr(p) for p in obj.placements],
+                list(obj.device_mesh.shape),
+            ]
+            return {"__dtensor__": [_encode(obj.to_local(), path, tensors)["__tensor__"], *layout]}
+        if obj.is_quantized or obj.layout != torch.strided:
+            raise CheckpointError(
+                f"state {path} is a {'quantized' if obj.is_quantized else 'sparse'} "
+                "tensor: the memory tier keeps dense tensors only; set "
+                "checkpoint.memory.every_steps = 0 and rely on durable checkpoints"
             )
-            if plain:
-                return {k: enc(v, f"{path}.{k}") for k, v in obj.items()}
-            return {"__dict__": [[enc(k, path), enc(v, f"{path}[{k!r}]")] for k, v in obj.items()]}
-        raise CheckpointError(
-            f"state {path} is a {type(obj).__name__}, which the memory tier cannot store "
-            "without pickle (it keeps tensors, dicts, lists, tuples, numbers, strings, None); "
-            "make that state's state_dict() return those, or set "
-            "checkpoint.memory.every_steps = 0"
+        tensors.append(obj)
+        return {"__tensor__": len(tensors) - 1}
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, f"{path}[{i}]", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{path}[{i}]", tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        plain = all(isinstance(k, str) for k in obj) and not (
+            len(obj) == 1 and next(iter(obj)) in _MARKERS
         )
-
-    return enc(tree, "<state>"), tensors
+        if plain:
+            return {k: _encode(v, f"{path}.{k}", tensors) for k, v in obj.items()}
+        return {
+            "__dict__": [
+                [_encode(k, path, tensors), _encode(v, f"{path}[{k!r}]", tensors)]
+                for k, v in obj.items()
+            ]
+        }
+    raise CheckpointError(
+        f"state {path} is a {type(obj).__name__}, which the memory tier cannot store "
+        "without pickle (it keeps tensors, dicts, lists, tuples, numbers, strings, None); "
+        "make that state's state_dict() return those, or set "
+        "checkpoint.memory.every_steps = 0"
+    )
 
 
 def decode_tree(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -350,8 +361,9 @@ def _parse_header(buf: memoryview, size: int, where: str) -> tuple[dict[str, Any
         raise CheckpointError(f"{where}: header is not JSON ({exc}); damaged") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         got = header.get("format") if isinstance(header, dict) else None
+        why = " (written before snapshots named their run)" if got == 1 else ""
         raise CheckpointError(
-            f"{where}: snapshot format {got!r}, this steadytrain reads format {FORMAT}"
+            f"{where}: snapshot format {got!r}{why}, this steadytrain reads format {FORMAT}"
         )
     start = _align(end + 8)
     need = header.get("payload_nbytes")
@@ -364,9 +376,11 @@ def _parse_header(buf: memoryview, size: int, where: str) -> tuple[dict[str, Any
 
 
 def read_header(path: str) -> dict[str, Any]:
-    """The verified header of a snapshot file (the payload is not read)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    """The verified header of a snapshot file (the payload is not read); only this user's
+    own regular file is opened (``private.open_own``)."""
+    fd = open_own(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    with open(fd, "rb") as f:
         head = f.read(min(size, len(MAGIC) + 8))
         if len(head) == len(MAGIC) + 8:
             (hlen,) = _U64.unpack_from(head, len(MAGIC))
@@ -411,9 +425,10 @@ def parse(buf: np.ndarray, where: str) -> tuple[dict[str, Any], Any]:
 
 def read_file(path: str, out: np.ndarray | None = None) -> np.ndarray:
     """The whole file into a writable buffer (``out`` reused when it has the right size)."""
-    size = os.path.getsize(path)
+    fd = open_own(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
     buf = out if out is not None and out.shape == (size,) else np.empty(size, np.uint8)
-    with open(path, "rb", buffering=0) as f:
+    with open(fd, "rb", buffering=0) as f:
         got = f.readinto(memoryview(buf)) if size else 0
     if got != size:
         raise CheckpointError(f"{path}: read {got} of {size} bytes (changed while read)")
@@ -439,8 +454,9 @@ def map_file(path: str, readonly: bool = False) -> np.ndarray:
     read-only array whose pages are all mapped at once (``MAP_POPULATE``: a copy sent to a
     peer is read whole, and a fault per page cost more than the transfer). The tier never
     shrinks a file while it may be mapped (``Store.reserve`` recycles only older
-    generations, never the one a restore or a send is reading)."""
-    fd = os.open(path, os.O_RDONLY)
+    generations, never the one a restore or a send is reading). Only this user's own regular
+    file is opened (``private.open_own``)."""
+    fd = open_own(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         if not readonly or size == 0:
@@ -474,12 +490,14 @@ def anonymous(size: int) -> np.ndarray:
 
 
 def write_file(path: str, image: np.ndarray) -> None:
-    """Write ``path`` whole or not at all: ``NAME.tmp-<pid>``, then published by the one
-    atomic-publish module (``storage/publish.py``). No fsync:
-    the directory is RAM (tmpfs), which a power loss empties anyway."""
+    """Write ``path`` whole or not at all: ``NAME.tmp-<pid>`` (a new file: a name that
+    exists is an error, never written through), then published by the one atomic-publish
+    module (``storage/publish.py``). No fsync: the directory is RAM (tmpfs), which a power
+    loss empties anyway."""
     tmp = f"{path}.tmp-{os.getpid()}"
+    fd = create_new(tmp)
     try:
-        with open(tmp, "wb", buffering=0) as f:
+        with open(fd, "wb", buffering=0) as f:
             view, done = memoryview(image), 0
             while done < len(view):
                 done += f.write(view[done:])

@@ -5,11 +5,19 @@ by rank N itself or received from it (a reader does not care which: any complete
 copy is a copy). ``key`` = ``<job identity>-<xxh64 of realpath(checkpoint dir)>``, so two
 jobs or two tests never see each other's snapshots. Names with ``.tmp`` are unfinished.
 
+Nothing here trusts the directory (``private.py``): ``prepare`` creates and checks the job's
+folder (and the per-user default directory) on every start, each owner's folder is checked
+before it is written or read, every file is opened with ``O_NOFOLLOW`` and must be this
+user's own regular file, and a new file is created with ``O_EXCL``. A copy is usable only
+when its header names this run (``run_nonce``): a run that reuses a run directory, a
+checkpoint path or a job id never restores what another run left (``_fits``).
+
 Bounded: before a new copy is written into an owner's directory, every copy there but the
 newest complete one is deleted (and every unfinished one: each owner directory of a node has
 one writer at a time), so at most two generations exist per owner. The tier writes through
 ``reserve``: the oldest copy's file becomes the next one's temporary file (its RAM reused),
-filled through a mapping and published by rename. ``need_by_node`` is what
+filled through a mapping and published by rename (only a file that passes ``open_own`` is
+reused; anything else under such a name is removed, never written). ``need_by_node`` is what
 the budget is checked against: two generations of every copy a node holds.
 """
 
@@ -26,10 +34,27 @@ import numpy as np
 import xxhash
 
 from steadytrain.checkpoint.memory import snapshot as snap
+from steadytrain.checkpoint.memory.private import (
+    PrivateDirError,
+    check_shared_base,
+    create_new,
+    dir_problem,
+    ensure_private_dir,
+    open_own,
+)
 from steadytrain.errors import CheckpointError
 from steadytrain.storage.publish import publish_file
 
-__all__ = ["Store", "store_key", "snap_name", "need_by_node", "budget_error", "free_bytes"]
+__all__ = [
+    "PrivateDirError",
+    "Store",
+    "store_key",
+    "snap_name",
+    "short",
+    "need_by_node",
+    "budget_error",
+    "free_bytes",
+]
 
 log = logging.getLogger("steadytrain.checkpoint")
 
@@ -52,11 +77,36 @@ def free_bytes(path: str) -> int:
 
 
 class Store:
-    """One job's snapshots on this node (``root`` = ``<dir>/<key>``)."""
+    """One job's snapshots on this node (``root`` = ``<dir>/<key>``). ``private_base``:
+    ``base`` is the per-user default directory, checked like ``root`` (else it is the
+    user's, possibly shared: ``check_shared_base``)."""
 
-    def __init__(self, base: str, key: str) -> None:
+    def __init__(self, base: str, key: str, private_base: bool = False) -> None:
         self.base = base
         self.root = os.path.join(base, key)
+        self.private_base = private_base
+        self._checked: set[str] = set()  # directories made or checked by this process
+
+    def prepare(self) -> None:
+        """Create and check ``base`` and ``root`` (every start): ``PrivateDirError`` when
+        one may be used by another user, ``OSError`` when it cannot be made."""
+        if self.private_base:
+            ensure_private_dir(self.base)
+        else:
+            os.makedirs(self.base, mode=0o700, exist_ok=True)
+            check_shared_base(self.base)
+        ensure_private_dir(self.root)
+        self._checked = {self.root}
+
+    def _ready(self, owner: int) -> str:
+        """``owner``'s folder, made (0700) and checked once per process."""
+        directory = self.owner_dir(owner)
+        if directory not in self._checked:
+            if self.root not in self._checked:
+                self.prepare()
+            ensure_private_dir(directory)
+            self._checked.add(directory)
+        return directory
 
     def owner_dir(self, owner: int) -> str:
         return os.path.join(self.root, f"rank{owner:05d}")
@@ -86,40 +136,34 @@ class Store:
             names = os.listdir(directory)
         except FileNotFoundError:
             return
-        steps = sorted(int(m.group(1)) for n in names if (m := _SNAP.match(n)))
-        keep = snap_name(steps[-1]) if steps else None
+        keep = _newest_own(directory, names)
         for name in names:
             if name != keep and (_SNAP.match(name) or ".tmp-" in name):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(directory, name))
+                _unlink(os.path.join(directory, name))
 
     def reserve(self, owner: int, size: int) -> tuple[str, np.ndarray]:
         """A temporary file of ``size`` bytes for ``owner``'s next copy, mapped writable:
         (its path, the mapping). Pruning as ``write`` does, except that the first older copy
-        is renamed to the temporary name instead of deleted, so its pages (tmpfs: RAM) are
-        reused rather than allocated and zeroed again. The space is allocated before the
-        mapping is written (``posix_fallocate``): a full tmpfs is an ``OSError`` here, never
-        a SIGBUS while the mapping is filled. Finish with ``publish`` or ``discard``."""
-        directory = self.owner_dir(owner)
-        os.makedirs(directory, exist_ok=True)
+        that is this user's own regular file (``open_own``) is renamed to the temporary name
+        instead of deleted, so its pages (tmpfs: RAM) are reused rather than allocated and
+        zeroed again; without one, a new file (``O_EXCL``). The space is allocated before
+        the mapping is written (``posix_fallocate``): a full tmpfs is an ``OSError`` here,
+        never a SIGBUS while the mapping is filled. Finish with ``publish`` or ``discard``."""
+        directory = self._ready(owner)
         tmp = os.path.join(directory, f"next.tmp-{os.getpid()}")
         names = os.listdir(directory)
-        steps = sorted(int(m.group(1)) for n in names if (m := _SNAP.match(n)))
-        keep = snap_name(steps[-1]) if steps else None
-        recycled = os.path.basename(tmp) in names
-        for name in sorted(names):
-            if name == keep or name == os.path.basename(tmp):
+        keep = _newest_own(directory, names)
+        fd = None
+        for name in sorted(names, key=lambda n: (n != os.path.basename(tmp), n)):  # own first
+            if name == keep or not (_SNAP.match(name) or ".tmp-" in name):
                 continue
-            if _SNAP.match(name) or ".tmp-" in name:
-                path = os.path.join(directory, name)
-                with contextlib.suppress(FileNotFoundError):
-                    if recycled:
-                        os.unlink(path)
-                    else:
-                        os.replace(path, tmp)
-                        recycled = True
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
+            path = os.path.join(directory, name)
+            if fd is None and (fd := _recycle(path, tmp)) is not None:
+                continue
+            _unlink(path)
         try:
+            if fd is None:
+                fd = create_new(tmp)
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, size)
@@ -128,7 +172,8 @@ class Store:
             self.discard(tmp)
             raise
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         return tmp, image
 
     def publish(self, tmp: str, owner: int, step: int) -> None:
@@ -142,25 +187,34 @@ class Store:
 
     def write(self, owner: int, step: int, image: Any) -> None:
         """Publish a copy of ``owner`` at ``step`` (prunes first: two generations at most)."""
-        os.makedirs(self.owner_dir(owner), exist_ok=True)
+        self._ready(owner)
         self.prune(owner)
         snap.write_file(self.path(owner, step), image)
 
     def scan(
-        self, job: str, world: int, part: tuple[int, int] = (0, 1)
+        self, job: str, world: int, part: tuple[int, int] = (0, 1), nonce: str | None = None
     ) -> tuple[dict[int, dict[int, tuple[int, str]]], list[dict[str, Any]]]:
-        """Every complete copy whose header verifies and that fits this job and world size:
-        ``{owner: {step: (file bytes, payload digest)}}``, and what was passed over.
-        ``part`` = (i, n): the i-th of n ranks sharing this node checks every n-th owner."""
+        """Every complete copy whose header verifies and that fits this run (``nonce``), job
+        and world size: ``{owner: {step: (file bytes, payload digest)}}``, and what was
+        passed over, each with why. ``part`` = (i, n): the i-th of n ranks sharing this node
+        checks every n-th owner."""
         found: dict[int, dict[int, tuple[int, str]]] = {}
         passed: list[dict[str, Any]] = []
         for owner in self.owners()[part[0] :: part[1]]:
+            directory = self.owner_dir(owner)
+            try:
+                problem = dir_problem(directory)
+            except FileNotFoundError:
+                continue
+            if problem:  # never listed, never read
+                passed.append({"path": directory, "step": 0, "reason": f"{directory} {problem}"})
+                continue
             for step in self.steps(owner):
                 path = self.path(owner, step)
                 try:
                     header = snap.read_header(path)  # the payload is checked when loaded
-                    _fits(header, path, job, world, owner, step)
-                    size = os.path.getsize(path)
+                    _fits(header, path, job, world, owner, step, nonce)
+                    size = os.lstat(path).st_size
                 except FileNotFoundError:
                     continue  # pruned by a rank of this node meanwhile
                 except (CheckpointError, OSError) as exc:
@@ -173,17 +227,77 @@ class Store:
         """Delete copies newer than ``step``: a restore to ``step`` made them a future that
         will not happen (retention would otherwise keep them as "the newest")."""
         for owner in self.owners():
+            with contextlib.suppress(OSError):
+                if dir_problem(self.owner_dir(owner)):
+                    continue  # not this user's: never touched (the scan named it)
             for s in self.steps(owner):
                 if s > step:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.path(owner, s))
+                    _unlink(self.path(owner, s))
 
     def remove_all(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)  # rmtree never follows a link
 
 
-def _fits(header: dict[str, Any], path: str, job: str, world: int, owner: int, step: int) -> None:
-    """A verified copy is usable only by the same job on the same number of ranks."""
+def _newest_own(directory: str, names: list[str]) -> str | None:
+    """The newest complete-looking copy in ``names`` that is this user's own file: the one
+    retention keeps. (A name of another user's, or a link, is not a copy of ours: were it
+    kept as "the newest", every generation would recycle the newest copy of ours.)"""
+    for name in sorted((n for n in names if _SNAP.match(n)), reverse=True):
+        try:
+            os.close(open_own(os.path.join(directory, name), os.O_RDONLY))
+            return name
+        except (CheckpointError, OSError):
+            continue
+    return None
+
+
+def _unlink(path: str) -> None:
+    """Remove a name (a link is removed, never followed); a name that cannot be removed (a
+    planted directory) is left, with a warning: it is never read or written either."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("memory tier: cannot remove %s (%s); it is left alone", path, exc)
+
+
+def _recycle(path: str, tmp: str) -> int | None:
+    """An open descriptor of ``path`` renamed to ``tmp`` when it is this user's own regular
+    file with one link; else None (the caller removes the name)."""
+    try:
+        fd = open_own(path, os.O_RDWR, write=True)
+    except (CheckpointError, OSError):
+        return None
+    if path != tmp:
+        try:
+            os.replace(path, tmp)  # the directory is this user's alone: the name is the file
+        except OSError:
+            os.close(fd)
+            return None
+    return fd
+
+
+def short(nonce: Any) -> str:
+    """A nonce as the reasons print it (its first 12 digits: enough to tell runs apart)."""
+    return f"{nonce[:12]}..." if isinstance(nonce, str) else repr(nonce)
+
+
+def _fits(
+    header: dict[str, Any],
+    path: str,
+    job: str,
+    world: int,
+    owner: int,
+    step: int,
+    nonce: str | None,
+) -> None:
+    """A verified copy is usable only by the run that wrote it, on the same number of ranks."""
+    if header.get("run_nonce") != nonce:
+        raise CheckpointError(
+            f"{path}: written by another run (nonce {short(header.get('run_nonce'))}, this "
+            f"run's is {short(nonce)}): never restored"
+        )
     if header.get("job") != job:
         raise CheckpointError(f"{path}: written by job {header.get('job')!r}, not {job!r}")
     if header.get("world_size") != world:

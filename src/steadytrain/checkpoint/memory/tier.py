@@ -11,24 +11,31 @@ due snapshot first waits for the previous one, and that wait counts as blocked t
 
 Any failure (a full /dev/shm, a peer gone, a state that cannot be stored) is a
 ``memory_snapshot`` event with ``ok: false`` and the error: training and durable
-checkpoints go on. A refused budget turns the tier off for the run, on every rank at once.
+checkpoints go on. A refused budget, a memory directory that is not this user's alone
+(``private.py``: checked at construction) and a tmpfs full for ``FULL_GENERATIONS``
+generations in a row each turn the tier off for the run, on every rank at once, with one
+such event that says why.
 
-Restore (``restore``): every rank scans its node's copies (verified, same job and world
-size) and all agree, from one all-gather, on the newest step >= the newest durable commit
+Every snapshot carries the run's nonce (``nonce``, set by the ``Checkpointer`` before the
+first snapshot or restore; run_identity.py); a copy of another run is never restored.
+
+Restore (``restore``): every rank scans its node's copies (verified, same run, job and
+world size) and all agree, from one all-gather, on the newest step >= the newest durable commit
 for which every rank's copy exists somewhere; owners without their own copy fetch it from
 the lowest rank that holds one. Every rank verifies what it got and checks it against its
-states, and all agree, before any live state is written; any doubt: durable.
+states, and all agree, before any live state is written; any doubt: durable. What any
+rank passed over, and why, goes into the restore event's ``skipped`` on every rank (rank 0
+records it in the ledger), not only into that rank's log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
-import mmap
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from steadytrain.checkpoint import state as S
@@ -37,6 +44,15 @@ from steadytrain.checkpoint.memory import snapshot as snap
 from steadytrain.checkpoint.memory.auto import AutoInterval
 from steadytrain.checkpoint.memory.config import MemoryConfig
 from steadytrain.checkpoint.memory.plan import check_copy, choose
+from steadytrain.checkpoint.memory.private import default_dir
+from steadytrain.checkpoint.memory.restored import (
+    Background,
+    Damaged,
+    bounded,
+    give_back,
+    owned,
+    parse_copy,
+)
 from steadytrain.checkpoint.memory.store import (
     Store,
     budget_error,
@@ -54,6 +70,14 @@ __all__ = ["MemoryTier"]
 log = logging.getLogger("steadytrain.checkpoint")
 
 _ATTEMPTS = 4  # memory plans tried at restore before durable checkpoints
+# A tmpfs that was full for this many generations in a row turns the tier off. One or two
+# are a passing squeeze (another job's burst, a file staged on the node, the page cache of
+# a download): the next generation finds room again. Three in a row is a node that has no
+# room for this job; from then on every snapshot would cost its staging and a warning for
+# nothing.
+FULL_GENERATIONS = 3
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_OFF = "the memory tier is off for this run; training and durable checkpoints go on"
 
 
 def _why(exc: BaseException) -> str:
@@ -71,31 +95,48 @@ class MemoryTier:
         self.group = Group(pg)
         self.rank, self.world = self.group.rank, self.group.world
         self.node = node_name()
-        self.store = Store(cfg.resolved_dir(), store_key(job, checkpoint_dir))
+        base = cfg.resolved_dir()
+        self.store = Store(base, store_key(job, checkpoint_dir), private_base=base == default_dir())
+        self.nonce: str | None = None  # the run's (the Checkpointer sets it): run_identity.py
         err, budget = None, 0
+        self._usable = False  # the directories passed their checks: may be listed, removed
         try:
-            os.makedirs(self.store.root, exist_ok=True)
+            self.store.prepare()  # every start: the directories are this user's alone
+            self._usable = True
             budget = cfg.budget_bytes or free_bytes(self.store.root) // 2
+        except CheckpointError as exc:  # private.PrivateDirError
+            err = f"rank {self.rank} on {self.node}: {exc}"
         except OSError as exc:
             err = (
-                f"rank {self.rank}: memory directory {self.store.root}: {_why(exc)}; give "
-                "checkpoint.memory.dir a writable node-local directory (a tmpfs such as "
-                "/dev/shm); durable checkpoints go on"
+                f"rank {self.rank} on {self.node}: memory directory {self.store.root}: "
+                f"{_why(exc)}; give checkpoint.memory.dir a writable node-local directory (a "
+                "tmpfs such as /dev/shm)"
             )
         facts = self.group.all_gather((self.node, budget, err))
         self.pairing = peers.pair([f[0] for f in facts], cfg.peer)
         self.budgets = [f[1] for f in facts]
         errors = [f[2] for f in facts if f[2]]
-        # off on every rank together: a rank alone would leave its peer waiting for it
-        self.off: str | None = f"memory tier off: {'; '.join(errors)}" if errors else None
-        if self.off:
-            log.warning("%s", self.off)
         self.stager = Stager()  # its own reused buffers; pinned when CUDA is there
         self._spare: dict[int, Any] = {}  # images when a file cannot be had (by owner)
         self._thread: threading.Thread | None = None
         self._events: list[dict[str, Any]] = []
         self.last_step = 0  # the newest generation written here without error
         self.touched = False  # a failed memory restore wrote part of the live states
+        self._sent: list[str] = []  # restore: copies this rank could not send as planned
+        self._full = 0  # generations in a row this rank found its tmpfs full
+        self._filled = False  # the generation in flight found it full
+        # off on every rank together: a rank alone would leave its peer waiting for it
+        self.off: str | None = None
+        if errors:
+            self._turn_off(0, f"memory tier off: {'; '.join(errors[:4])}; {_OFF}")
+
+    def _turn_off(self, step: int, why: str) -> None:
+        """Off for the run, said once: a warning and one ``memory_snapshot`` event."""
+        self.off = why
+        log.warning("%s", why)
+        self._events.append(
+            {"type": "memory_snapshot", "step": step, "ok": False, "block_s": 0.0, "error": why}
+        )
 
     # -- snapshots ----------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -121,6 +162,7 @@ class MemoryTier:
         if self.off is not None:
             return t_stage - t0
         meta = {
+            "run_nonce": self.nonce,
             "job": self.job,
             "step": step,
             "owner": self.rank,
@@ -130,6 +172,8 @@ class MemoryTier:
             "created": time.time(),
         }
         try:
+            if self.nonce is None:  # the Checkpointer sets it first: a copy must name its run
+                raise CheckpointError("no run nonce was set; this copy could never be restored")
             staged, copied = self._stage(S.dcp_state_dict(states))
             meta["json_states"], meta["rng"] = S.json_states(states), S.rng_state()
             err = None
@@ -209,12 +253,15 @@ class MemoryTier:
                 if self.auto.chosen_from:
                     event["auto"] = self.auto.chosen_from
         event["ok"] = not event["error"]
+        self._full = self._full + 1 if self._filled else 0
         if event["ok"]:
             self.last_step = step
-        else:
+        elif self.off is None and self._full <= 1:  # a full tmpfs: once, then the event
             log.warning(
                 "memory snapshot of step %d failed (training goes on): %s", step, event["error"]
             )
+        if self.off is not None and event["error"] == self.off:
+            log.warning("%s", self.off)  # the tier turned off in this generation: said once
         self._events.append(event)
 
     def _run_generation(
@@ -227,7 +274,7 @@ class MemoryTier:
         measured: dict[str, Any] | None = None,
     ) -> str | None:
         t0 = time.perf_counter()
-        plan = None
+        plan, self._filled = None, False
         if err is None:
             try:
                 plan = snap.layout(meta, staged)
@@ -236,19 +283,28 @@ class MemoryTier:
         size = 0 if plan is None else plan.total
         if measured is not None and self.auto is not None:
             measured = {**measured, "landed_s": self.auto.landed_s}
-        # every rank, every generation; "auto" measurements ride along (auto.py)
-        gathered = self.group.all_gather((size, err, measured))
+        # every rank, every generation; "auto" measurements ride along (auto.py), and how
+        # many generations in a row each rank found its tmpfs full
+        gathered = self.group.all_gather((size, err, measured, self._full))
         if measured is not None and self.auto is not None:
-            self.auto.choose([m for _, _, m in gathered])
-        errors = [e for _, e, _ in gathered if e]
+            self.auto.choose([m for _, _, m, _ in gathered])
+        full = [(r, n) for r, (_, _, _, n) in enumerate(gathered) if n >= FULL_GENERATIONS]
+        if full:
+            r, n = full[0]
+            self.off = (
+                f"memory tier off: the memory directory of {self.pairing.nodes[r]} (rank {r}) "
+                f"was full for the last {n} generations in a row ({self.store.base}); give it "
+                "more room (a larger /dev/shm) or lower checkpoint.memory.budget_bytes; " + _OFF
+            )
+            return self.off
+        errors = [e for _, e, _, _ in gathered if e]
         if errors:
             return "; ".join(errors[:4])
-        sizes = [s for s, _, _ in gathered]
+        sizes = [s for s, _, _, _ in gathered]
         need = need_by_node(self.pairing.nodes, sizes, self.pairing.peer_of)
         for r, node in enumerate(self.pairing.nodes):
             if need[node] > self.budgets[r]:
                 self.off = budget_error(node, need[node], self.budgets[r], self.store.base)
-                log.warning("%s", self.off)  # once: the tier is off from now on
                 return self.off
         assert plan is not None
         problems: list[str] = []
@@ -274,7 +330,7 @@ class MemoryTier:
                 buf, files[owner] = self._reserve(owner, step, nbytes, problems)
                 return buf
 
-            received = peers.exchange(self.group.pg, peer, image, owners, into)
+            received = peers.exchange(self.group.pg, peer, image, owners, into, sizes, problems)
             for owner, buf in received.items():
                 where = f"the copy of rank {owner} step {step} received by rank {self.rank}"
                 tmp = files.get(owner)
@@ -301,9 +357,10 @@ class MemoryTier:
         try:
             tmp, image = self.store.reserve(owner, size)
             return image, tmp
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:  # CheckpointError: private.py refused
             path = self.store.path(owner, step)
             problems.append(f"rank {self.rank}: writing {path}: {_why(exc)}")
+            self._filled = self._filled or getattr(exc, "errno", None) in _FULL
         spare = self._spare.get(owner)
         if spare is None or spare.shape != (size,):
             import numpy as np
@@ -340,15 +397,17 @@ class MemoryTier:
         self.wait()
         if self.off is not None:
             return None, [{"path": self.store.root, "step": 0, "reason": self.off}]
-        listing = _Background(durable_step if callable(durable_step) and self.rank == 0 else None)
+        listing = Background(durable_step if callable(durable_step) and self.rank == 0 else None)
         known = None if callable(durable_step) else int(durable_step)
         nodes = self.pairing.nodes
         mates = [r for r in range(self.world) if nodes[r] == self.node]
         # the ranks of a node share its directory: each verifies a part of it
-        found, passed = self.store.scan(self.job, self.world, (mates.index(self.rank), len(mates)))
+        part = (mates.index(self.rank), len(mates))
+        found, passed = self.store.scan(self.job, self.world, part, self.nonce)
         held = {o: {s: list(v) for s, v in steps.items()} for o, steps in found.items()}
         gathered = self.group.all_gather((held, passed))
-        passed = [p for r in mates for p in gathered[r][1]]
+        # what every node passed over, on every rank: rank 0's restore record holds it all
+        passed = [{**p, "node": nodes[r]} for r in range(self.world) for p in gathered[r][1]]
         everyone: list[dict[int, dict[int, Any]]] = []
         for r in range(self.world):  # what a rank's node holds, any rank of it can read
             merged: dict[int, dict[int, Any]] = {}
@@ -371,24 +430,26 @@ class MemoryTier:
                 buf, header, tree = self._fetch(step, sources, where)
                 if snap.has_shards(tree):  # FSDP2 / tensor parallel: on the live layout
                     tree = snap.place_shards(tree, S.dcp_state_dict(states))
-                check_copy(header, tree, states, self.job, self.world, self.rank, step)
+                check_copy(header, tree, states, self.job, self.world, self.rank, step, self.nonce)
                 if src == self.rank:  # now, while the ranks that receive are still busy
-                    tree = _owned(tree, states)
+                    tree = owned(tree, states)
             except FAILURES as exc:  # noqa: BLE001 - any doubt: another plan, or durable
-                err, damaged = f"rank {self.rank}: {exc}", isinstance(exc, _Damaged)
+                err, damaged = f"rank {self.rank}: {exc}", isinstance(exc, Damaged)
             newest_durable = listing.result() if known is None else None
-            verdicts = self.group.all_gather((err, src != self.rank, damaged, newest_durable))
+            sent, self._sent = self._sent, []  # what this rank's sends could not give
+            verdicts = self.group.all_gather((err, src != self.rank, damaged, newest_durable, sent))
             if known is None:
                 known = int(verdicts[0][3] or 0)
                 if step < known:  # older than the newest durable commit: durable it is
                     plan = None
                     break
-            errors = [e for e, _, _, _ in verdicts if e]
+            errors = [e for e, _, _, _, _ in verdicts if e]
             if not errors:
                 break
-            reason = "memory restore refused: " + "; ".join(errors[:4])
+            holders = [p for *_, sent in verdicts for p in sent]  # why a copy came as zeros
+            reason = "memory restore refused: " + "; ".join((holders + errors)[:4])
             passed.append({"path": self.store.root, "step": step, "reason": reason})
-            for owner, (e, _, bad, _) in enumerate(verdicts):
+            for owner, (e, _, bad, _, _) in enumerate(verdicts):
                 if not e:
                     continue
                 src_node = nodes[sources[owner][0]]
@@ -406,6 +467,7 @@ class MemoryTier:
                 f"no memory generation{since} is complete and good for all {self.world} "
                 f"ranks (newest copy seen: step {newest})"
             )
+            passed = bounded(passed, self.store.root)
             if not newest:  # nothing in memory (a fresh job): nothing to report
                 return None, passed
             return None, passed + [{"path": self.store.root, "step": newest, "reason": why}]
@@ -423,12 +485,14 @@ class MemoryTier:
         if failed:
             self.touched = True  # the live states hold part of this snapshot
             reason = "memory restore failed while loading: " + "; ".join(failed[:4])
+            passed = bounded(passed, self.store.root)
             return None, passed + [{"path": self.store.root, "step": step, "reason": reason}]
         self.last_step = step
+        passed = bounded(passed, self.store.root)
         return {
             "type": "restore",
             "step": step,
-            "tier": "peer-memory" if any(p for _, p, _, _ in verdicts) else "local-memory",
+            "tier": "peer-memory" if any(p for _, p, _, _, _ in verdicts) else "local-memory",
             "restore_s": time.perf_counter() - t0,
             "bytes_local": 0 if from_peer else nbytes,
             "bytes_peer": nbytes if from_peer else 0,
@@ -442,38 +506,48 @@ class MemoryTier:
         """This rank's copy of ``step``, verified and decoded (buffer, header, tree): its node's
         copy, or the holder's; and serve the copies this rank holds for owners without one
         (its own copy is verified while they are sent). Files are mapped, not read: a tmpfs
-        copy is loaded and sent from its pages in place. Raises ``_Damaged`` for a copy
+        copy is loaded and sent from its pages in place. Raises ``Damaged`` for a copy
         that fails its checksum or does not decode."""
-        sends = []
-        for owner, (src, _) in sorted(sources.items()):
-            if src == self.rank and owner != self.rank:
-                try:
-                    image = snap.map_file(self.store.path(owner, step), readonly=True)
-                except OSError:  # gone since the scan: send zeros, the owner's check fails
-                    import numpy as np
+        import numpy as np
 
-                    image = np.zeros(sources[owner][1], dtype=np.uint8)
-                sends.append((owner, image))
+        sends = []
+        for owner, (src, nbytes) in sorted(sources.items()):
+            if src == self.rank and owner != self.rank:
+                path = self.store.path(owner, step)
+                try:
+                    image = snap.map_file(path, readonly=True)
+                except (OSError, CheckpointError) as exc:  # gone or replaced since the scan
+                    self._sent.append(f"rank {self.rank}: {path}: {_why(exc)}; zeros sent")
+                    image = np.zeros(nbytes, dtype=np.uint8)  # the owner's check fails
+                sends.append((owner, image, nbytes))
         src, nbytes = sources[self.rank]
         recv = None if src == self.rank else (src, nbytes)
-        local = None
+        local, refused = None, None
         if recv is None:
-            with contextlib.suppress(OSError):  # a vanished copy fails the check below
+            try:  # after the transfers are posted, never before: the others wait for them
                 local = snap.map_file(self.store.path(self.rank, step))
+            except FileNotFoundError:
+                pass  # vanished: fails the check below
+            except (OSError, CheckpointError) as exc:
+                refused = exc
         transfer = peers.Transfer(self.group.pg, sends, recv)
+        self._sent += [f"rank {self.rank}: {p}" for p in transfer.problems]
         try:
+            if refused is not None:  # another copy of this step may still do
+                raise Damaged(str(refused))
             if recv is None:
-                return local, *_parse(local, self.store.path(self.rank, step), where)
+                return local, *parse_copy(local, self.store.path(self.rank, step), where)
         finally:
             transfer.wait()  # the sends read their mappings until they are done
         got = transfer.received
-        return got, *_parse(got, self.store.path(self.rank, step), where)
+        return got, *parse_copy(got, self.store.path(self.rank, step), where)
 
     def forget_after(self, step: int) -> None:
         """After a restore to ``step``: newer copies on this node are a future that will
         not happen."""
-        with contextlib.suppress(OSError):
-            self.store.drop_after(step)
+        if self._usable:
+            with contextlib.suppress(OSError):
+                self.store.drop_after(step)
 
     def close(self, remove: bool) -> None:
         """Wait for the generation in flight; ``remove``: the job ended with nothing in
@@ -481,93 +555,5 @@ class MemoryTier:
         self.wait()
         self.stager.release()
         self._spare.clear()
-        if remove:
+        if remove and self._usable:
             self.store.remove_all()
-
-
-class _Damaged(CheckpointError):
-    """A copy that fails its checksum or does not decode: that copy is dropped, not the
-    step."""
-
-
-def _parse(buf: Any, path: str, where: str) -> tuple[dict[str, Any], Any]:
-    if buf is None:
-        raise CheckpointError(f"{path} vanished before it was read")
-    try:
-        return snap.parse(buf, where)
-    except CheckpointError as exc:
-        raise _Damaged(str(exc)) from None
-
-
-class _Background:
-    """``fn()`` on a thread of its own (None: nothing to do); ``result()`` waits for it."""
-
-    def __init__(self, fn: Callable[[], int] | None) -> None:
-        self._value: int | None = None
-        self._thread = None
-        if fn is not None:
-            self._thread = threading.Thread(
-                target=lambda: setattr(self, "_value", fn()),
-                name="steadytrain-memory-durable-listing",
-                daemon=True,
-            )
-            self._thread.start()
-
-    def result(self) -> int | None:
-        if self._thread is not None:
-            self._thread.join()
-        return self._value
-
-
-def give_back(buf: Any, kept: Any) -> None:
-    """Release the pages of ``buf`` (an anonymous mapping, ``snap.anonymous``) that no
-    tensor of ``kept`` lies on: they read as zeros afterwards and cost no memory."""
-    view = getattr(buf, "base", None)
-    mapping = view.obj if isinstance(view, memoryview) else view
-    if not isinstance(mapping, mmap.mmap) or len(mapping) != len(buf) or not len(buf):
-        return  # not a whole mapping of its own: nothing to give back
-    base, page = buf.ctypes.data, mmap.PAGESIZE
-    spans = sorted(
-        (t.data_ptr() - base, t.data_ptr() - base + t.nbytes) for t in _tensors(kept) if t.nbytes
-    )
-    start = 0
-    for lo, hi in [*spans, (len(buf), len(buf))]:
-        a, b = -(-start // page) * page, min(lo, len(buf)) // page * page
-        if b > a:
-            mapping.madvise(mmap.MADV_DONTNEED, a, b - a)
-        start = max(start, hi)
-
-
-def _tensors(obj: Any) -> Iterator[Any]:
-    """Every tensor in a nest of dicts, lists and tuples (the shapes a state dict takes)."""
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-    elif hasattr(obj, "to_local"):  # a DTensor: its local part is what lies in the buffer
-        yield obj.to_local()
-    elif hasattr(obj, "data_ptr") and hasattr(obj, "nbytes"):
-        yield obj
-
-
-def _owned(tree: dict[str, Any], states: dict[str, Any]) -> dict[str, Any]:
-    """``tree`` as it is loaded from this node's own file. Modules copy into their
-    parameters; anything else (an optimizer) may keep the tensors it is given, so those get
-    their own copies: the tier rewrites that file later, and a private mapping sees what is
-    written. (A copy received from a peer is this restore's memory alone: its tensors are
-    kept as they are, and the pages no kept tensor lies on are given back.) Done before the
-    ranks agree, as it writes no live state: a rank that loads its own copy has the time
-    while the ranks that receive theirs finish."""
-    modules, _, _ = S.split_states(states)
-    return {k: v if k in modules else _own(v) for k, v in tree.items()}
-
-
-def _own(obj: Any) -> Any:
-    """``obj`` with every tensor copied out of the snapshot buffer."""
-    if isinstance(obj, dict):
-        return {k: _own(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_own(v) for v in obj)
-    return obj.clone() if hasattr(obj, "clone") and hasattr(obj, "dtype") else obj

@@ -198,6 +198,7 @@ class TokenLoader:
         # last metrics() call.
         self._worker_cache_base: tuple[Any, int, int] = (None, 0, 0)
         self._handed = 0  # micro-batches handed out by this object (not reset by a resume)
+        self._face: TokenIterableDataset | None = None  # as_dataset()
         # What the last load_state_dict changed (e.g. the global batch), for the ledger.
         self.resume_changes: list[dict[str, Any]] = []
 
@@ -229,8 +230,11 @@ class TokenLoader:
 
     def as_dataset(self) -> TokenIterableDataset:
         """This loader as an ``IterableDataset`` for ``DataLoader(batch_size=None,
-        num_workers=0)`` or torchdata's ``StatefulDataLoader``; its state is this loader's."""
-        return TokenIterableDataset(self)
+        num_workers=0)`` or torchdata's ``StatefulDataLoader``; its state is this loader's.
+        One per loader: it notes what it handed out (``TokenIterableDataset.consumed``)."""
+        if self._face is None:
+            self._face = TokenIterableDataset(self)
+        return self._face
 
     def __next__(self) -> dict[str, torch.Tensor]:
         # Runs once a micro-batch on the training thread: locals over attributes, one clock

@@ -67,15 +67,17 @@ def mixture_fingerprint(mixture: list[dict[str, Any]]) -> str:
     return xxhash.xxh3_128_hexdigest(text.encode())
 
 
-def make_state(loader: Any) -> dict[str, Any]:
+def make_state(loader: Any, cursor: int | None = None) -> dict[str, Any]:
+    """``loader``'s state after ``cursor`` micro-batches (default: those it handed out)."""
     m = loader.plan.micro_per_step
-    step = loader._cursor // m
+    cursor = loader._cursor if cursor is None else cursor
+    step = cursor // m
     mixture = loader.sampler.mixture()
     return {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "micro_in_step": loader._cursor % m,
+        "micro_in_step": cursor % m,
         "position": loader.plan.step_start(step),
         **loader.sampler.settings(),
         "micro_batch": loader.micro_batch,
