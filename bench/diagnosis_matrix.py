@@ -95,6 +95,9 @@ def case_row(c: dict[str, Any], workdir: str) -> dict[str, Any]:
             {k: i.get(k) for k in ("kind", "nodes", "ranks", "first_step", "last_step", "lost_s")}
             for i in c["incidents"]
         ],
+        # what the report charged to slower ranks (a straggler's cost leaves goodput)
+        "goodput": c.get("goodput"),
+        "badput_s": c.get("badput_s") or {},
     }
 
 
