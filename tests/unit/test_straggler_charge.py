@@ -34,10 +34,17 @@ STEP_S, SLOW_STEP_S, WAIT, FWD, RATIO = 0.1, 0.3, 0.002, 0.03, 5.0
 HOST = {"host_run_queue": 7.0, "host_cpus": 2.0, "host_steal": 0.0}
 
 
-def _run(run: Path, *, compute_s: float | None = None, slow_wait: float = WAIT) -> Path:
+def _run(
+    run: Path,
+    *,
+    compute_s: float | None = None,
+    slow_wait: float = WAIT,
+    fwd_slow: tuple[int, int] = (FROM, STEPS),
+) -> Path:
     """The run (module docstring); ``compute_s``: rank 0's booked compute per step (its
     ledger's productive time), by default the step less its data wait; ``slow_wait``: rank
-    1's data wait while throttled (its reads run on the CPU the quota withholds too)."""
+    1's data wait while throttled (its reads run on the CPU the quota withholds too);
+    ``fwd_slow``: the steps (first, last) its forward pass runs ``RATIO`` x the others'."""
     tl = Timeline()
     tl.job_start(world_size=3)
     for step in range(1, STEPS + 1):
@@ -56,11 +63,12 @@ def _run(run: Path, *, compute_s: float | None = None, slow_wait: float = WAIT) 
         ]  # fmt: skip
         for step in range(1, STEPS + 1):
             slow = rank == 1 and step >= FROM
+            fwd = rank == 1 and fwd_slow[0] <= step <= fwd_slow[1]
             recs.append(
                 {"type": "rank_step", "step": step, "attempt": 0, "t": time.time(),
                  "step_s": SLOW_STEP_S if step >= FROM else STEP_S,
                  "data_wait_s": slow_wait if slow else WAIT,
-                 "forward_s": FWD * (RATIO if slow else 1.0), "read_p99_s": 0.001,
+                 "forward_s": FWD * (RATIO if fwd else 1.0), "read_p99_s": 0.001,
                  "cache_misses": 0, "rss_bytes": 300 << 20, "shm_bytes": 0,
                  **HOST, "host_throttled": 0.6 if slow else 0.0}
             )  # fmt: skip
@@ -132,6 +140,33 @@ def test_a_throttled_ranks_data_wait_and_compute_are_one_hold_up_charged_once_ea
     bad = s["badput_s"]
     slow_steps = STEPS - FROM + 1
     assert bad["straggler_wait"] == pytest.approx((slow_wait - WAIT) * slow_steps)
+    assert bad["straggler_wait"] + bad["straggler_compute"] == pytest.approx(
+        inc["lost_s"], rel=0.02
+    )
+
+
+def test_a_throttled_ranks_forward_pass_is_charged_where_only_its_data_wait_made_an_episode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The matrix's CPU-quota run: the quota's bursts land now in next() and now in the
+    forward pass, so the data wait is slow for the episode (from step 20) and the forward
+    pass for two windows only (steps 21-30), short of an episode of its own. The incident
+    is the data one; what the others waited for the forward pass in those two windows is
+    charged too (``straggler_compute``) and is in its cost and its message."""
+    slow_wait = 0.05
+    run = _run(tmp_path / "run", slow_wait=slow_wait, fwd_slow=(21, 30))
+    s, _ = _report(capsys, run, tmp_path / "rep")
+    [inc] = s["incidents"]
+    assert (inc["kind"], inc["nodes"]) == ("host-contention", ["node-1"])
+    assert "forward_ratio" not in inc["evidence"]  # the data episode's incident
+    assert "its forward pass slow too in 2 windows" in inc["message"], inc["message"]
+    bad = s["badput_s"]
+    slow_steps = STEPS - FROM + 1
+    assert bad["straggler_wait"] == pytest.approx((slow_wait - WAIT) * slow_steps)
+    # the others' wait for the forward pass in the 10 slow steps: step less data wait
+    # x (1 - 1/RATIO)
+    per_step = (SLOW_STEP_S - slow_wait) * (1 - 1 / RATIO)
+    assert bad["straggler_compute"] == pytest.approx(per_step * 10, rel=0.02)
     assert bad["straggler_wait"] + bad["straggler_compute"] == pytest.approx(
         inc["lost_s"], rel=0.02
     )

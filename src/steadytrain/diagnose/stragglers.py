@@ -23,7 +23,9 @@ kind that overlap are one incident naming every node and rank, spanning them all
 ``lost_s`` is the job time it cost: per window, the slowest of its ranks' cost per step
 times the window's steps (every other rank waited that long inside the all-reduce): the
 excess data wait, or for a slow forward pass ``windows.compute_wait_s`` (listed per window
-in ``wait_s_per_step``, which the report charges as ``straggler_compute``).
+in ``wait_s_per_step``, which the report charges as ``straggler_compute``; so are the
+windows where a throttled rank slow in ``next()`` had a slow forward pass too, short of an
+episode of its own: ``_throttled_compute``).
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ class _Episode:
     windows: list[int] = field(default_factory=list)  # window indices, slow ones
     kind: str = ""
     evidence: dict[str, Any] = field(default_factory=dict)
+    # window index -> s/step the others waited for this rank's forward pass, beside a
+    # throttled rank's slow next() (``_throttled_compute``)
+    compute_waits: dict[int, float] = field(default_factory=dict)
 
 
 def _jitter(series: list[float | None]) -> float:
@@ -154,7 +159,38 @@ def detect(rec: RunRecords, cfg: AlertConfig | None = None) -> list[Incident]:
     for ep in episodes:  # the episode's first and last slow step, not its windows' edges
         ep.evidence["_steps"] = _edges(ep, chunks, grid, width, wins)
     spans = [(c[0] * width + 1, (c[-1] + 1) * width) for c in chunks]  # each window's steps
+    _throttled_compute(episodes, wins, cfg, device)
     return _one_hold_up(_incidents(rec, episodes, wins, spans))
+
+
+def _throttled_compute(episodes: list[_Episode], wins: list[dict[int, Window]],
+                       cfg: AlertConfig, device: str | None) -> None:  # fmt: skip
+    """For a rank its own cgroup throttled and slow in ``next()`` for an episode
+    (``host-contention``, data), the windows of that episode where its forward pass stood
+    above the healthy ranks' too (at the factor and floor a throttled rank's forward pass
+    is judged by) and no episode of its forward pass covers: what the others waited for it
+    there (``windows.compute_wait_s``) is part of this incident's cost. A quota withholds
+    CPU in bursts (a tenth of a core: 5 ms one step, 90-180 ms the next, in next() and in
+    the forward pass alike), so in the matrix's CPU-quota run the forward pass led 10.9x
+    and 5.8x for two windows only while the data wait made the episode: without this,
+    only the data excess was charged (1.5 s of a job whose steps went from 0.05 s to
+    0.2-0.4 s)."""
+    covered = {(e.rank, i) for e in episodes if e.signal == "compute" for i in
+               range(e.windows[0], e.windows[-1] + 1)}  # fmt: skip
+    for ep in episodes:
+        if ep.signal != "data" or ep.kind != "host-contention":
+            continue
+        r = ep.rank
+        for i in range(ep.windows[0], ep.windows[-1] + 1):
+            row = wins[i]
+            w = row.get(r)
+            ref = healthy_ref(_value(x, "compute") for x in row.values())
+            v = None if w is None else _value(w, "compute")
+            if (r, i) in covered or w is None or v is None or not ref or len(row) < 2:
+                continue
+            factor, _ = _compute_rule(w, row, r, ref, device, cfg)
+            if v >= factor * ref and v - ref >= cfg.straggler_min_s:
+                ep.compute_waits[i] = compute_wait_s(w, ref)
 
 
 def _edges(ep: _Episode, chunks: list[list[int]], grid: dict[int, dict[int, dict[str, float]]],
@@ -441,11 +477,18 @@ def _incidents(rec: RunRecords, episodes: list[_Episode], wins: list[dict[int, W
         for i in range(first_w, last_w + 1):
             row = wins[i]
             ref = healthy_ref(_value(w, signal) for w in row.values())
-            cost = {e.rank: _excess(row, e.rank, ref, signal) for e in g}
+            # a throttled rank's forward pass beside its slow next(): data excess, then
+            # compute, one after the other (``_throttled_compute``)
+            extra = {e.rank: e.compute_waits.get(i, 0.0) * row[e.rank].n
+                     for e in g if e.rank in row}  # fmt: skip
+            cost = {e.rank: _excess(row, e.rank, ref, signal) + extra.get(e.rank, 0.0)
+                    for e in g}  # fmt: skip
             who, here = max(cost.items(), key=lambda kv: kv[1], default=(None, 0.0))
             lost += here
             if signal == "compute" and here > 0 and who in row and row[who].n:
                 waits.append([*spans[i], here / row[who].n, who])
+            elif extra.get(who) and row[who].n:
+                waits.append([*spans[i], extra[who] / row[who].n, who])
         first = min(e.evidence["_steps"][0] for e in g)
         last = max(e.evidence["_steps"][1] for e in g)
         ranks = sorted({e.rank for e in g})
@@ -490,6 +533,10 @@ def _one_hold_up(incidents: list[Incident]) -> list[Incident]:
                 "healthy_read_p99_s", "cache_misses_per_step")  # fmt: skip
         fwd.evidence.update({k: data.evidence[k] for k in keep if k in data.evidence})
         fwd.evidence["data_lost_s"] = data.lost_s
+        if data.evidence.get("wait_s_per_step"):  # its windows outside the forward episode
+            fwd.evidence["wait_s_per_step"] = sorted(
+                [*(fwd.evidence.get("wait_s_per_step") or []), *data.evidence["wait_s_per_step"]]
+            )
         fwd.lost_s += data.lost_s
         fwd.first_step = min(fwd.first_step or 0, data.first_step or 0)
         fwd.last_step = max(fwd.last_step or 0, data.last_step or 0)
@@ -561,6 +608,8 @@ def _message(inc: Incident) -> str:
     elif inc.kind == "host-contention" and ev.get("host"):
         h = ev["host"]
         msg += f"; its cgroup throttled it {h.get('throttled_share') or 0:.0%} of the time"
+        if n := len(ev.get("wait_s_per_step") or []):  # its forward pass, windows apart
+            msg += f", its forward pass slow too in {n} window{'s' if n > 1 else ''}"
     elif inc.kind == "loader-memory" and ev.get("memory_growth_bytes") is not None:
         msg += f"; loader memory grew {ev['memory_growth_bytes'] / (1 << 20):.0f} MiB"
         if ev.get("healthy_memory_growth_bytes") is not None:
