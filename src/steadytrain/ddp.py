@@ -18,9 +18,9 @@ so. Two ranks are immune (``a + b == b + a``), and so is a DDP that never rebuil
 What it does: a DDP communication hook that, until DDP has rebuilt its buckets, reduces each
 gradient as the rebuilt buckets will. Hooks after each gradient's accumulation record the
 order the gradients became ready in this backward; rank 0's order is broadcast (DDP's
-rebuild takes rank 0's too, so every rank reduces the same layout);
-``torch.distributed._compute_bucket_assignment_by_size`` groups it with DDP's bucket caps,
-as the rebuild will; each such bucket is gathered from DDP's buffer, all-reduced and
+rebuild takes rank 0's too, so every rank reduces the same layout); DDP's own private
+bucket assignment (fenced, with the other private names this needs, in
+``checkpoint/torch_private.py``) groups it with DDP's bucket caps, as the rebuild will; each such bucket is gathered from DDP's buffer, all-reduced and
 written back. Once DDP has rebuilt, the hook is a plain all-reduce with DDP's own
 arithmetic (scale by 1/world, then sum: the same bits as DDP without a hook), and on the
 first rebuilt step it checks that DDP's buckets are the ones it emulated; if not it warns
@@ -38,11 +38,12 @@ from __future__ import annotations
 import itertools
 import os
 import warnings
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+from steadytrain.checkpoint import torch_private as tp
 
 __all__ = ["exact_ddp"]
 
@@ -63,11 +64,16 @@ def exact_ddp(ddp: DistributedDataParallel) -> DistributedDataParallel:
         return ddp
     if ddp.find_unused_parameters and not ddp.static_graph:
         return ddp  # DDP never rebuilds its buckets then: one layout already
-    if getattr(ddp, "_comm_hooks", None):
+    if tp.ddp_hooks(ddp):
         _warn("the module already has a communication hook, left in place")
         return ddp
-    if not hasattr(ddp, "_has_rebuilt_buckets"):
+    if tp.ddp_has_rebuilt(ddp) is None:
         _warn("this torch's DDP does not say when it rebuilds its buckets")
+        return ddp
+    try:
+        tp.check_ddp()
+    except tp.TorchAPIError as e:
+        _warn(f"this torch cannot work out DDP's bucket layout ({e})")
         return ddp
     ddp.register_comm_hook(_LayoutKeeper(ddp), _hook)
     ddp._steadytrain_exact = True
@@ -109,7 +115,7 @@ class _LayoutKeeper:
         self.ready[id(param)] = next(self.clock)  # the last backward's time wins
 
     def reduce(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
-        if self.ddp._has_rebuilt_buckets:
+        if tp.ddp_has_rebuilt(self.ddp):
             if not self.checked:
                 self._check(bucket)
             return self._all_reduce(bucket.buffer())
@@ -167,23 +173,13 @@ class _LayoutKeeper:
             if order[0] < 0:
                 raise ValueError("rank 0 saw a gradient ready without its hook")
             if os.environ.get("DDP_SET_LAST_BUCKET_CAP") == "1":  # read by the rebuild too
-                buckets, _ = _assign(params, order[::-1], self._rebuild_limits())
+                buckets, _ = _assign(params, order[::-1], tp.ddp_rebuild_limits(self.ddp))
                 return buckets[::-1]
-            return _assign(params, order, self._rebuild_limits())[0]
+            return _assign(params, order, tp.ddp_rebuild_limits(self.ddp))[0]
         except Exception as e:  # do no harm: the plain all-reduce, with a warning
             _warn(f"the rebuilt gradient layout could not be worked out ({e})")
             self.checked = True
             return None
-
-    def _rebuild_limits(self) -> list[int]:
-        cfg: Any = getattr(self.ddp, "_bucket_config", None)
-        if cfg is None:  # torch before the bucket config: the default first bucket cap
-            return [dist._DEFAULT_FIRST_BUCKET_BYTES, int(self.ddp.bucket_bytes_cap)]
-        _, rebuild = cfg.compute_bucket_size_limits(
-            static_graph=self.ddp.static_graph,
-            find_unused_parameters=self.ddp.find_unused_parameters,
-        )
-        return list(rebuild) or [cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap]
 
     def _check(self, bucket: dist.GradBucket) -> None:
         """DDP's rebuilt bucket ``bucket.index()`` is the one emulated, member for member;
@@ -209,7 +205,5 @@ def _assign(
     params: list[torch.Tensor], order: list[int], limits: list[int]
 ) -> tuple[list[list[int]], list[int]]:
     """DDP's own bucket assignment of ``params`` taken in ``order`` (positions in params)."""
-    buckets, caps = dist._compute_bucket_assignment_by_size(
-        [params[i] for i in order], limits, [], list(range(len(order)))
-    )
+    buckets, caps = tp.ddp_bucket_assignment([params[i] for i in order], limits)
     return [[order[i] for i in bucket] for bucket in buckets], caps

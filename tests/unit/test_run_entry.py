@@ -103,7 +103,7 @@ def _tree(run_dir: str) -> dict[str, str]:
             with open(path, "rb") as f:
                 out[rel] = (
                     ""
-                    if rel.startswith((".run-lease", "hangs/phases"))
+                    if rel.startswith(LIVE)
                     else hashlib.sha1(f.read()).hexdigest()
                 )
     return out

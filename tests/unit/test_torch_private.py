@@ -31,6 +31,7 @@ _CHECKS = (
     tp._check_writer_fs,
     tp._storage_classes,
     tp._check_crc_scope,
+    tp._check_ddp,
 )
 
 
@@ -45,7 +46,7 @@ def _fresh_checks():
 
 
 def test_every_fenced_api_is_present_in_this_torch():
-    assert len(tp.check_all()) == 8
+    assert len(tp.check_all()) == 9
 
 
 def _pickle_of(t: torch.Tensor) -> bytes:
@@ -242,6 +243,8 @@ def test_a_process_wide_crc_setting_is_refused_and_the_crc_stays_on(monkeypatch,
 _PRIVATE = re.compile(
     r"torch\.[A-Za-z_.]*\._[a-z]|from torch[\w.]* import _|_weights_only_unpickler"
     r"|\.storage_data\b|_synchronize_after_execute|_internal=True|_fsspec_filesystem"
+    r"|\bdist\._[a-z_A-Z]|_has_rebuilt_buckets|_bucket_config|_comm_hooks"
+    r"|_compute_bucket_assignment|_DEFAULT_FIRST_BUCKET"
 )
 
 
@@ -254,3 +257,31 @@ def test_no_module_but_the_fence_uses_private_torch_names():
         if _PRIVATE.search(line)
     ]
     assert offenders == []
+
+
+def test_ddp_bucket_assignment_groups_as_the_caps_say():
+    """exact_ddp's emulation of DDP's rebuild rests on DDP's own grouping function."""
+    params = [torch.zeros(256), torch.zeros(256), torch.zeros(256)]  # 1 KiB each
+    buckets, caps = tp.ddp_bucket_assignment(params, [1024, 2048])
+    assert buckets == [[0], [1, 2]]  # the first bucket fills its 1 KiB cap, then 2 KiB
+    assert caps == [1024, 2048]
+    assert tp.ddp_bucket_assignment(params, [1 << 20])[0] == [[0, 1, 2]]
+
+
+def test_ddp_attributes_are_read_from_a_real_ddp(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(3, 2))
+        assert tp.ddp_has_rebuilt(ddp) is False
+        assert tp.ddp_hooks(ddp) == []
+        limits = tp.ddp_rebuild_limits(ddp)
+        assert limits and all(isinstance(x, int) and x > 0 for x in limits)
+        ddp(torch.ones(1, 3)).sum().backward()
+        ddp(torch.ones(1, 3)).sum().backward()
+        assert tp.ddp_has_rebuilt(ddp) is True
+    finally:
+        dist.destroy_process_group()

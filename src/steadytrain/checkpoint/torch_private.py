@@ -35,6 +35,12 @@ it, so that callers (``archive``, ``reader``, ``writer``) import them from this 
   ``torch.save``. ``hashing_writer.py`` turns the zip CRC-32 off in the one thread that runs
   DCP's write, and only while it runs; on a torch where the setting is process-wide it keeps
   the CRC (``zip_crc_off_in_this_thread``), so no other thread's archive ever loses it.
+- DDP's bucket layout, for ``steadytrain.exact_ddp`` (``ddp.py``): the function DDP's own
+  rebuild groups gradients with (``torch.distributed._compute_bucket_assignment_by_size``),
+  its default first-bucket cap, and three attributes of a ``DistributedDataParallel``
+  (``_has_rebuilt_buckets``, ``_bucket_config``, ``_comm_hooks``). ``exact_ddp`` catches
+  ``TorchAPIError`` and leaves DDP as it is with a warning: a missing API there costs the
+  last bits of a resumed run on 3 or more ranks, never the job.
 
 Each API is checked once, at first use, not at import: ``import steadytrain`` (and
 ``tokenize``, ``verify``, the loader) must keep working on any torch. A missing or reshaped
@@ -74,6 +80,11 @@ __all__ = [
     "storage_info",
     "file_prefix",
     "zip_crc_off_in_this_thread",
+    "check_ddp",
+    "ddp_bucket_assignment",
+    "ddp_has_rebuilt",
+    "ddp_hooks",
+    "ddp_rebuild_limits",
     "check_all",
 ]
 
@@ -406,6 +417,65 @@ def zip_crc_off_in_this_thread() -> Iterator[None]:
         torch.serialization.set_crc32_options(saved)
 
 
+# -- DDP's bucket layout (exact_ddp) --------------------------------------------------------
+_DDP = "torch.distributed._compute_bucket_assignment_by_size"
+_DDP_WHY = "to reduce a resumed run's first step in the gradient layout DDP rebuilds"
+
+
+@functools.cache
+def _check_ddp() -> tuple[Callable[..., Any], int]:
+    assign = _attr("torch.distributed", "_compute_bucket_assignment_by_size", _DDP, _DDP_WHY)
+    params = [torch.zeros(4), torch.zeros(2)]
+    try:  # DDP's own call: tensors, limits, expect-sparse flags, a tensor order
+        buckets, caps = assign(params, [1 << 20], [], [0, 1])
+    except Exception as e:
+        raise _fail(_DDP, _DDP_WHY, f"changed ({type(e).__name__}: {e})") from None
+    if [list(b) for b in buckets] != [[0, 1]] or len(caps) != 1:
+        raise _fail(_DDP, _DDP_WHY, f"changed (returned {buckets!r}, {caps!r})")
+    name = "torch.distributed._DEFAULT_FIRST_BUCKET_BYTES"
+    first = _attr("torch.distributed", "_DEFAULT_FIRST_BUCKET_BYTES", name, _DDP_WHY)
+    if not isinstance(first, int):
+        raise _fail(name, _DDP_WHY, "changed (not an int)")
+    return assign, first
+
+
+def check_ddp() -> None:
+    """TorchAPIError unless this torch has what ``exact_ddp`` needs to emulate DDP's layout."""
+    _check_ddp()
+
+
+def ddp_bucket_assignment(
+    params: Sequence[torch.Tensor], limits: Sequence[int]
+) -> tuple[list[list[int]], list[int]]:
+    """DDP's grouping of ``params`` (in that order) into buckets under ``limits``: positions
+    in ``params`` per bucket, and each bucket's cap."""
+    buckets, caps = _check_ddp()[0](list(params), list(limits), [], list(range(len(params))))
+    return [list(b) for b in buckets], list(caps)
+
+
+def ddp_has_rebuilt(ddp: Any) -> bool | None:
+    """Whether ``ddp`` has rebuilt its gradient buckets; None where this torch's DDP does not
+    say."""
+    flag = getattr(ddp, "_has_rebuilt_buckets", None)
+    return None if flag is None else bool(flag)
+
+
+def ddp_hooks(ddp: Any) -> list[Any]:
+    """The communication hooks registered on ``ddp`` (DDP's mixed precision registers one)."""
+    return list(getattr(ddp, "_comm_hooks", None) or [])
+
+
+def ddp_rebuild_limits(ddp: Any) -> list[int]:
+    """The bucket caps DDP's rebuild will use for ``ddp``."""
+    cfg: Any = getattr(ddp, "_bucket_config", None)
+    if cfg is None:  # torch before the bucket config: the default first bucket cap
+        return [_check_ddp()[1], int(ddp.bucket_bytes_cap)]
+    _, rebuild = cfg.compute_bucket_size_limits(
+        static_graph=ddp.static_graph, find_unused_parameters=ddp.find_unused_parameters
+    )
+    return list(rebuild) or [cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap]
+
+
 def check_all() -> list[str]:
     """Check every fenced API now; the names checked (TorchAPIError on the first failure)."""
     _unpickler_class()
@@ -416,4 +486,5 @@ def check_all() -> list[str]:
     _check_writer_fs()
     _storage_classes()
     _check_crc_scope()
-    return [_UNPICKLER, _TYPED, _STORAGE, _STAGER, _DAEMON, _WRITER_FS, _WRITES, _CRC]
+    _check_ddp()
+    return [_UNPICKLER, _TYPED, _STORAGE, _STAGER, _DAEMON, _WRITER_FS, _WRITES, _CRC, _DDP]
