@@ -327,6 +327,36 @@ def test_a_throttled_rank_is_found_when_the_healthy_level_jumps(tmp_path: Path) 
     assert inc.lost_s > 0.3 * 0.3 * (STEPS - 6)  # it cost the others most of each step
 
 
+def test_a_throttled_rank_is_found_though_its_throttling_shows_two_windows_late(
+    tmp_path: Path,
+) -> None:
+    """bench/straggler_noise.py's throttled runs (24 steps, windows of about a second):
+    the sampler needs two reads in the new cgroup for a throttled share, so the rank's
+    first two slow windows (2.0-2.5x) read 0 % and sit under the unspecific 3x; then
+    10x, throttled 42-70 %. Window by window that is two slow windows, no incident; over
+    the run its own cgroup throttled it: host-contention from its first slow window. The
+    same run with nobody throttled stays noise (two windows of a lead)."""
+    ratios, shares = [2.2, 2.6, 10.0, 10.0], [0.0, 0.0, 0.5, 0.7]
+
+    def shape(throttled: bool) -> Tweak:
+        def tweak(rank: int, step: int, rec: dict[str, Any]) -> None:
+            i = (step - 6) // 5
+            rec.update(SHARED_HOST, step_s=0.3)
+            if rank == 1:
+                rec["forward_s"] *= ratios[i]
+                rec["host_throttled"] = shares[i] if throttled else 0.0
+
+        return tweak
+
+    make_run(tmp_path / "throttled", shape(True), start=6, to=25)
+    [inc] = diagnose(tmp_path / "throttled")
+    assert (inc.kind, inc.nodes, inc.ranks) == ("host-contention", ["node-1"], [1])
+    assert "forward_ratio" in inc.evidence and inc.evidence["host"]["evidence"] == "throttled"
+    assert 6 <= inc.first_step <= 10 and 21 <= inc.last_step <= 25
+    make_run(tmp_path / "clean", shape(False), start=6, to=25)
+    assert diagnose(tmp_path / "clean") == []
+
+
 def test_a_throttled_ranks_slow_reads_are_host_contention_not_storage(tmp_path: Path) -> None:
     """A quota slows the rank's reads and loader too (the read loop runs on the CPU it
     withholds): slow reads with no cache misses on a throttled rank are its quota."""
