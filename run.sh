@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # steadytrain quick start. Two commands, each does its own set-up on a fresh machine:
 #   ./run.sh demo [--json]      # tokenize the embedded corpus, train with crashes, report
-#   ./run.sh test [PYTEST ARGS] # the whole test suite
+#   ./run.sh test [PYTEST ARGS] # the whole test suite, on parallel workers
+#   ./run.sh quick [PYTEST ARGS] # the inner loop: all but the node harness, torchrun and packaging
 # Set-up: a virtual environment in .venv with every extra, at the exact versions of
 # constraints.txt (pyproject.toml only declares ranges), reinstalled only when either changes.
 set -euo pipefail
@@ -19,11 +20,21 @@ if [ ! -f "$stamp" ]; then
   rm -f "$VENV"/.installed-*
   touch "$stamp"
 fi
+# Parallel test workers (pytest-xdist; tests/conftest.py groups what must not run side by
+# side). The suite mostly waits on processes and sockets, so more workers than cores pay:
+# docs/testing.md has the measurements. `-n N` or `-p no:xdist` in the arguments wins.
+workers=(-n "${STEADYTRAIN_TEST_WORKERS:-4}")
+for a in "$@"; do
+  case "$a" in -n|-n[0-9]*|--numprocesses*|no:xdist|-pno:xdist|--pdb) workers=() ;; esac
+done
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
   demo) exec "$VENV/bin/steadytrain" demo "$@" ;;
   test) scripts/ensure-slurm.sh || true  # slurm-wlm for tests/nodes/test_nodes_slurm.py; never fatal
-        exec "$VENV/bin/python" -m pytest "$@" ;;
-  *) echo "usage: ./run.sh demo [--json] | ./run.sh test [pytest args]" >&2; exit 64 ;;
+        exec "$VENV/bin/python" -m pytest "${workers[@]}" "$@" ;;
+  # The inner loop: everything but the node harness, the torchrun end-to-end runs and the
+  # fresh-venv packaging test (docs/testing.md).
+  quick) exec "$VENV/bin/python" -m pytest "${workers[@]}" -m "not nodes and not e2e and not packaging" "$@" ;;
+  *) echo "usage: ./run.sh demo [--json] | ./run.sh test [pytest args] | ./run.sh quick [pytest args]" >&2; exit 64 ;;
 esac

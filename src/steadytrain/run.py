@@ -138,6 +138,7 @@ class Run:
         self._state = "new"  # "open" between entry and close, then "closed"
         self._made_group = False
         self._wait_s = 0.0
+        self._save_block_s = 0.0  # blocked by save() since the last step_done
         self._mark = time.perf_counter()
 
     # -- entry -----------------------------------------------------------------------------
@@ -283,10 +284,10 @@ class Run:
         if compute_s is None:
             compute_s = max(0.0, now - self._mark - wait)
         self.tokens_seen = self.tokens_seen + int(tokens) if tokens_seen is None else tokens_seen
-        block = 0.0
+        block, self._save_block_s = self._save_block_s, 0.0  # save()s made for this step
         if self.checkpointer is not None:
             with self.watchdog.phase("checkpoint"):  # a blocking save has its own deadline
-                block = self.checkpointer.maybe_save(
+                block += self.checkpointer.maybe_save(
                     step, self.states, tokens_seen=self.tokens_seen
                 )
         if loader is not None and hasattr(loader, "metrics"):
@@ -304,6 +305,28 @@ class Run:
         self.step = step
         self._mark = time.perf_counter()
         return block
+
+    def save(self, step: int, *, tokens_seen: int | None = None) -> float:
+        """Save ``step`` now, whatever the checkpointer's interval says: a trainer's own
+        decision (Lightning's ``ModelCheckpoint``, HF's ``save_strategy``) carried out by the
+        checkpointer, under the watchdog's checkpoint phase. Call it on every rank, after the
+        step's optimizer update and before its ``step_done``: the seconds it blocked the loop
+        go into that step's record (``checkpoint_block_s``). ``tokens_seen``: the run's tokens
+        through ``step`` (default: through the last ``step_done``). Returns the seconds."""
+        if self.checkpointer is None:
+            return 0.0
+        tokens = self.tokens_seen if tokens_seen is None else int(tokens_seen)
+        t0 = time.perf_counter()
+        with self.watchdog.phase("checkpoint"):
+            self.checkpointer.save(step, self.states, tokens_seen=tokens)
+        block = time.perf_counter() - t0
+        self._save_block_s += block
+        return block
+
+    @property
+    def pending_block_s(self) -> float:
+        """Seconds ``save()`` blocked since the last ``step_done`` (they go into the next)."""
+        return self._save_block_s
 
     def phase(self, name: str) -> Any:
         """A legitimately long part of the loop under its own watchdog deadline, for every

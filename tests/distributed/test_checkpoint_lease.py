@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -21,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from steadytrain.checkpoint.inspect import list_checkpoints
 from steadytrain.checkpoint.raw_records import ShardReader
+from steadytrain.testing import forkserver
 
 HERE = os.path.join(os.path.dirname(__file__), "checkpoint")
 WORKER = os.path.join(HERE, "lease_worker.py")
@@ -28,37 +28,34 @@ WORKER = os.path.join(HERE, "lease_worker.py")
 pytestmark = pytest.mark.dist
 
 
-def _start(root, base: int, *args: str, job: str | None) -> subprocess.Popen:
+def _start(root, base: int, *args: str, job: str | None) -> forkserver.ForkedProcess:
+    """A job: one process, forked from a server that imported torch once."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
     if job is not None:
         env["TORCHELASTIC_RUN_ID"] = job
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.Popen(
-        [sys.executable, WORKER, str(root), "--base", str(base), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    return forkserver.popen(
+        [sys.executable, WORKER, str(root), "--base", str(base), *args], env=env
     )
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+def _finish(proc: forkserver.ForkedProcess, timeout: float = 120) -> tuple[int, str]:
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out
 
 
-def _wait_ready(proc: subprocess.Popen, ready, timeout: float = 120) -> None:
+def _wait_ready(proc: forkserver.ForkedProcess, ready, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not os.path.exists(ready):
         if proc.poll() is not None:
-            raise AssertionError(f"worker exited {proc.returncode}:\n{proc.stdout.read()}")
+            raise AssertionError(f"worker exited {proc.returncode}:\n{proc.communicate()[0]}")
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"worker not ready:\n{proc.communicate()[0]}")
         time.sleep(0.05)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: forkserver.ForkedProcess) -> None:
     proc.kill()
     proc.communicate()
 

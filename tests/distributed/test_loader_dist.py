@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 from steadytrain.data.ingest.writer import DatasetWriter
 from steadytrain.data.read.dataset import TokenDataset
 from steadytrain.data.read.loader import TokenLoader
+from steadytrain.testing import forkserver  # each rank forked: torch imported once
 
 pytestmark = pytest.mark.dist
 RANK_MAIN = os.path.join(os.path.dirname(__file__), "loader", "rank_main.py")
@@ -37,30 +37,14 @@ def launch(tmp_path, world: int, datasets: list[str], steps: int, **opts) -> lis
     for key, value in opts.items():
         flag = "--" + key.replace("_", "-")
         extra += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                RANK_MAIN,
-                "--datasets",
-                *datasets,
-                "--rank",
-                str(r),
-                "--world",
-                str(world),
-                "--init",
-                str(init),
-                "--steps",
-                str(steps),
-                "--out",
-                str(out),
-                *extra,
-            ],
-        )
-        for r in range(world)
-    ]
-    codes = [p.wait(timeout=120) for p in procs]
-    assert codes == [0] * world, f"rank exit codes {codes}"
+    argv = ["--datasets", *datasets, "--world", str(world), "--init", str(init)]
+    argv += ["--steps", str(steps), "--out", str(out), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, RANK_MAIN, *argv]
+    procs = [forkserver.popen([*cmd, "--rank", str(r)], env=env) for r in range(world)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * world, f"rank exit codes {codes}:\n" + "\n".join(outs)
     return json.loads(out.read_text())
 
 

@@ -130,3 +130,43 @@ def assert_finished_without_hang(run_dir: str, steps: int, stderr: str) -> None:
     assert not [r for r in records if r["type"] == "hang"], stderr[-4000:]
     assert [r["reason"] for r in records if r["type"] == "job_end"] == ["finished"]
     assert "[watchdog]" not in stderr and "[reaper]" not in stderr, stderr[-4000:]
+
+
+# The crash inside a save: rank 0 is killed once step SAVE_CRASH's shards are written and
+# the ledger holds the step, before its COMMIT (steadytrain.testing.trainer_faults); the
+# restart must skip that partial checkpoint and resume from step SAVE_CRASH - 4.
+SAVE_CRASH = 8
+
+
+def run_kills(script: str, data: str, tmp: str, nproc: int, *extra: str) -> dict[str, str]:
+    """Three runs of ``script`` side by side: uninterrupted (``ref``), SIGKILLed at the start
+    of step CRASH_AT (``mid_step``) and inside the save of step SAVE_CRASH (``mid_save``);
+    their run dirs by name, once all three finished (torchrun recovered the crashes)."""
+    dirs = {name: os.path.join(tmp, name) for name in ("ref", "mid_step", "mid_save")}
+    procs = {
+        "ref": start_example(script, data, dirs["ref"], 0, nproc, *extra),
+        "mid_step": start_example(script, data, dirs["mid_step"], CRASH_AT, nproc, *extra),
+        "mid_save": start_example(
+            script, data, dirs["mid_save"], 0, nproc, *extra, "--crash-in-save", str(SAVE_CRASH)
+        ),
+    }
+    outs = {name: finish(proc) for name, proc in procs.items()}
+    for name in ("mid_step", "mid_save"):
+        assert "exitcode: -9" in outs[name], outs[name][-4000:]  # the SIGKILL, seen by torchrun
+    return dirs
+
+
+def assert_restored(run_dir: str, steps: tuple[int, ...], skipped: str = "") -> dict[str, Any]:
+    """``steadytrain report``: one crash (attempt 0), one restart, restored from durable
+    storage at one of ``steps``, and, with ``skipped``, that checkpoint named as passed over.
+    Returns the report."""
+    rep = report(run_dir)
+    assert [c["attempt"] for c in rep["crashes"]] == [0], rep["crashes"]
+    assert rep["restarts"] == 1, rep["restarts"]
+    [row] = rep["restores"]
+    assert row["tier"] == "durable" and row["step"] in steps, row
+    if skipped:
+        passed = rep["restores_passed_over"]
+        assert [(k["attempt"], k["path"]) for k in passed] == [(1, skipped)], passed
+    assert rep["last_step"] == STEPS
+    return rep

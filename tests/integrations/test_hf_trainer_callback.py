@@ -1,4 +1,5 @@
-"""examples/hf_trainer_callback.py: ``steadytrain.integrations.hf.SteadytrainCallback`` in a
+"""examples/hf_trainer_callback.py ``--checkpoints hf``:
+``steadytrain.integrations.hf.SteadytrainCallback`` in a
 Hugging Face ``Trainer`` (tiny random-init Llama, 2 CPU ranks under the real torchrun) that
 keeps its own checkpoints and ``resume_from_checkpoint``.
 
@@ -29,10 +30,11 @@ def test_hf_trainer_callback_records_crash_and_resume(dataset: str, tmp_path) ->
     from steadytrain.monitor.ledger import read_ledger
 
     run_dir = str(tmp_path / "hft")
-    out = finish(start_example("hf_trainer_callback.py", dataset, run_dir, CRASH_AT))
+    script = "hf_trainer_callback.py"
+    out = finish(start_example(script, dataset, run_dir, CRASH_AT, 2, "--checkpoints", "hf"))
     assert "exitcode: -9" in out, out[-4000:]  # rank 1's SIGKILL, seen by torchrun
     with open(os.path.join(run_dir, "final.json")) as f:
-        assert json.load(f) == {"step": STEPS}
+        assert json.load(f)["step"] == STEPS
 
     records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
     starts = [r for r in records if r["type"] == "job_start"]

@@ -1,5 +1,6 @@
-"""examples/lightning_callback.py: ``steadytrain.integrations.lightning.SteadytrainCallback``
-and ``ExactResume`` in a Lightning ``Trainer`` (tiny model, DDP on 2 and on 3 CPU ranks under
+"""examples/lightning_callback.py ``--checkpoints lightning``:
+``steadytrain.integrations.lightning.SteadytrainCallback`` and ``ExactResume`` in a Lightning
+``Trainer`` (tiny model, DDP on 2 and on 3 CPU ranks under
 the real torchrun, a ``TokenLoader`` through a plain ``DataLoader``) that keeps its own
 ``ModelCheckpoint`` and ``fit(ckpt_path=...)``.
 
@@ -16,6 +17,7 @@ exception, SIGTERM and a hang.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -34,7 +36,10 @@ from harness import assert_same_run
 
 from steadytrain.testing.incidents.common import report as _report
 
-pytest.importorskip("lightning.pytorch")
+# Looked up, not imported: importing Lightning costs every test worker seconds at collection,
+# and only the worker processes this file starts use it.
+if importlib.util.find_spec("lightning") is None:
+    pytest.skip("lightning is not installed", allow_module_level=True)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -58,7 +63,7 @@ def test_lightning_crash_resume_is_exact_and_recorded(dataset: str, tmp_path, ra
 
     batch = 4 * ranks  # 2 micro-batches of 2 per rank and step
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "pl")
-    extra = ("--global-batch", str(batch))
+    extra = ("--global-batch", str(batch), "--checkpoints", "lightning")
     script = "lightning_callback.py"
     procs = [  # side by side: most of a run is start-up
         start_example(script, dataset, ref_dir, 0, ranks, *extra),

@@ -69,6 +69,18 @@ _LOADER = """
 loader = TokenLoader(ds, seq_len=32, global_batch=8, micro_batch=4, labels="next")
 """
 
+# After a trainer recipe: steadytrain's Checkpointer committed ModelCheckpoint's / save_steps'
+# steps 3 and 6 (keep_last=2), and the ledger booked both saves as checkpoint blocking.
+_TRAINER_SAVED = """
+from steadytrain.checkpoint.inspect import list_checkpoints
+rows = list_checkpoints("{ckpts}")
+assert [r["step"] for r in rows if r["state"] == "committed" and r["verifies"]] == [6, 3], rows
+recs = [json.loads(l) for l in open("{ledger}")]
+assert [r["step"] for r in recs if r["type"] == "step"] == [1, 2, 3, 4, 5, 6], recs
+assert [r["step"] for r in recs if r["type"] == "step" and r.get("checkpoint_block_s")] == [3, 6]
+assert recs[-1]["type"] == "job_end", recs[-1]
+"""
+
 
 @dataclass
 class Sample:
@@ -81,6 +93,7 @@ class Sample:
     check: str = ""
     replace: dict[str, str] = field(default_factory=dict)
     covered_by: str = ""  # another test extracts and runs this very block
+    marks: tuple = ()  # e.g. the node harness: it runs in the suite's machine group
 
 
 SAMPLES = [
@@ -106,6 +119,44 @@ assert step == 0
         "docs/training.md",
         r'TokenWindows\(TokenDataset\.open\("my-dataset"\), seq_len=64\)',
         covered_by="tests/integrations/test_hf_recipe.py",
+    ),
+    Sample(
+        "docs/training.md",
+        r"SteadySingleDeviceStrategy\(\"runs/lt\", loader=loader",
+        prelude=_LOCAL_DS
+        + """
+import torch, lightning as L
+torch.manual_seed(0)
+class LM(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Embedding(5000, 16), torch.nn.Linear(16, 5000))
+    def training_step(self, batch, _):
+        return torch.nn.functional.cross_entropy(
+            self.net(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten())
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+model = LM()
+""",
+        check=_TRAINER_SAVED.format(ckpts="runs/lt/checkpoints", ledger="runs/lt/ledger.jsonl")
+        + "assert trainer.global_step == 6\n",
+        replace={'"my-dataset"': 'os.environ["SAMPLE_DATASET"]'},
+    ),
+    Sample(
+        "docs/training.md",
+        r"SteadytrainTrainer\(model, args, loader=loader",
+        prelude="""
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=5000, n_positions=32, n_embd=32, n_layer=1,
+                                   n_head=2))
+""",
+        check=_TRAINER_SAVED.format(
+            ckpts="out-hf/steadytrain/checkpoints", ledger="out-hf/steadytrain/ledger.jsonl"
+        )
+        + "assert trainer.state.global_step == 6 and not os.path.exists('out-hf/checkpoint-3')\n",
+        replace={'"my-dataset"': 'os.environ["SAMPLE_DATASET"]'},
     ),
     Sample(
         "docs/checkpoint.md",
@@ -246,6 +297,7 @@ tmp_dir, dataset_dir = "harness", os.environ["SAMPLE_DATASET"]
         check="""
 assert h.leftovers() == [], h.leftovers()
 """,
+        marks=(pytest.mark.nodes,),
     ),
     Sample(
         "docs/storage.md",
@@ -272,7 +324,11 @@ def find_sample(file: str, code: str) -> Sample | None:
 
 
 BLOCKS = python_blocks()
-IDS = [f"{f}:{line}" for f, line, _ in BLOCKS]
+
+
+def _param(file: str, line: int, code: str):  # noqa: ANN202 - pytest's ParameterSet
+    sample = find_sample(file, code)
+    return pytest.param(file, line, code, id=f"{file}:{line}", marks=sample.marks if sample else ())
 
 
 def test_every_python_block_has_a_fixture() -> None:
@@ -320,7 +376,7 @@ def remote_dataset(sample_dataset, s3_server) -> str:
     return url
 
 
-@pytest.mark.parametrize("file,line,code", BLOCKS, ids=IDS)
+@pytest.mark.parametrize("file,line,code", [_param(*b) for b in BLOCKS])
 def test_docs_sample_runs(file, line, code, sample_dataset, remote_dataset, s3_server, tmp_path):
     sample = find_sample(file, code)
     if sample is None:

@@ -175,6 +175,27 @@ def test_retention_keeps_last_k_and_milestones_and_drops_old_partials(tmp_path):
     ]
 
 
+def test_retention_keeps_pinned_steps_until_they_are_unpinned(tmp_path):
+    """A trainer's own choice (ModelCheckpoint's best k) outlives keep_last while pinned;
+    unpinned, the next save's retention removes it, but never one of the newest keep_last."""
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, async_mode="sync", keep_last=2)
+    ckpt.pinned_steps = frozenset({1, 3})
+    for s in range(1, 6):
+        ckpt.maybe_save(s, _states(s))
+    assert _committed_steps(tmp_path) == [1, 3, 4, 5]
+    ckpt.pinned_steps = frozenset({3, 6})  # 1 unpinned; 6 pinned as it is saved
+    ckpt.maybe_save(6, _states(6))
+    assert _committed_steps(tmp_path) == [3, 5, 6]
+    ckpt.pinned_steps = frozenset()
+    ckpt.maybe_save(7, _states(7))
+    ckpt.close()
+    assert _committed_steps(tmp_path) == [6, 7]
+
+
+def _committed_steps(root) -> list[int]:
+    return sorted(int(p.name.removeprefix("step-")) for p in root.glob("step-*"))
+
+
 def test_in_flight_policy_waits_for_the_previous_save(tmp_path):
     events: list[dict] = []
     ckpt = Checkpointer(str(tmp_path), every_steps=1, async_mode="thread", on_event=events.append)

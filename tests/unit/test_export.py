@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from steadytrain import Checkpointer
+from steadytrain.testing import forkserver
 
 CLI = os.path.join(os.path.dirname(sys.executable), "steadytrain")
 
@@ -78,7 +79,7 @@ def saved(tmp_path_factory) -> dict:
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, "export", *args], capture_output=True, text=True, timeout=300)
+    return forkserver.run([CLI, "export", *args], timeout=300)
 
 
 def _stock(tmp: Path, body: str) -> str:
@@ -90,9 +91,7 @@ def _stock(tmp: Path, body: str) -> str:
         + "\nassert 'steadytrain' not in sys.modules, 'the reader imported steadytrain'\n"
         + "print('READ OK')\n"
     )
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp
-    )
+    out = forkserver.run([sys.executable, str(script)], timeout=300, cwd=str(tmp))
     assert out.returncode == 0 and "READ OK" in out.stdout, out.stdout + out.stderr[-3000:]
     return out.stdout
 
@@ -120,9 +119,7 @@ def test_stock_dcp_refuses_the_default_format(saved) -> None:
         "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
         f"dcp_to_torch_save({saved['ckpt']!r}, 'x.pt')\n"
     )
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, cwd=saved["tmp"]
-    )
+    out = forkserver.run([sys.executable, str(script)], cwd=str(saved["tmp"]))
     assert out.returncode != 0 and "raw@steadytrain" in out.stderr
 
 
@@ -229,9 +226,9 @@ def test_every_export_follows_the_umask(saved, tmp_path) -> None:
     are 0666 less the umask, and so is it now (a directory and a file DEST)."""
     for to, name in [("dcp", "d"), ("torch", "all.pt"), ("safetensors", "st"),
                      ("safetensors", "one.safetensors")]:  # fmt: skip
-        out = subprocess.run(
+        out = forkserver.run(
             [CLI, "export", saved["root"], "--to", to, "--out", str(tmp_path / name)],
-            capture_output=True, text=True, timeout=300, umask=0o027,
+            timeout=300, umask=0o027,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
     files = ["d/.metadata", "d/__0_0.distcp", "all.pt", "st/model.safetensors", "one.safetensors"]
@@ -281,7 +278,7 @@ def test_safetensors_missing_names_the_extra(saved, tmp_path) -> None:
         "from steadytrain.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     argv = ["export", saved["root"], "--to", "safetensors", "--out", str(tmp_path / "st")]
-    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    out = forkserver.run([sys.executable, "-c", code, *argv])
     assert out.returncode == 2, out.stderr
     assert "pip install 'steadytrain[export]'" in out.stderr
     assert os.listdir(tmp_path) == []

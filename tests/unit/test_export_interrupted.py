@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from steadytrain import Checkpointer
+from steadytrain.testing import forkserver
 
 CLI = os.path.join(os.path.dirname(sys.executable), "steadytrain")
 
@@ -51,10 +52,9 @@ def _temporaries(dest: Path) -> list[str]:
 def _stopped_export(root: str, dest: Path) -> tuple[subprocess.Popen, Path]:
     """``steadytrain export ROOT --to dcp --out DEST``, SIGSTOPped once its temporary beside
     DEST holds a file (the shard being written); the process and the temporary."""
-    p = subprocess.Popen(
-        [CLI, "export", root, "--to", "dcp", "--out", str(dest), "--quiet"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    p = forkserver.popen(
+        [CLI, "export", root, "--to", "dcp", "--out", str(dest), "--quiet"], merge=False
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and p.poll() is None:
         tmps = _temporaries(dest)
@@ -109,10 +109,9 @@ def test_what_sigkill_leaves_is_removed_by_the_next_export_to_that_dest(big, tmp
         (d / "keep").write_text("mine")
     link = dest.parent / f".out.tmp-{socket.gethostname()}-{_dead_pid()}-abcdef01"
     link.symlink_to(victim)
-    out = subprocess.run(
-        [CLI, "export", big, "--to", "dcp", "--out", str(dest), "--quiet"],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    out = forkserver.run(
+        [CLI, "export", big, "--to", "dcp", "--out", str(dest), "--quiet"], timeout=240
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert not killed.exists(), "the killed export's temporary is still there"
     assert not os.path.lexists(link) and (victim / "keep").read_text() == "mine"

@@ -30,6 +30,7 @@ from steadytrain.checkpoint import lease as L
 from steadytrain.checkpoint.commit import seal
 from steadytrain.errors import CheckpointError
 from steadytrain.storage.publish import digest_bytes
+from steadytrain.testing import forkserver
 from steadytrain.train.torch_save import SUM_SUFFIX, TorchSaveCheckpointer
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -43,9 +44,7 @@ TIMEOUT_S = 120  # far beyond a listing of two tiny checkpoints: only a hang rea
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     exe = [CLI] if os.path.exists(CLI) else [sys.executable, "-m", "steadytrain.cli"]
-    return subprocess.run(
-        [*exe, *args], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=str(REPO)
-    )
+    return forkserver.run([*exe, *args], timeout=TIMEOUT_S, cwd=str(REPO))
 
 
 def _reseal(d: pathlib.Path, sizes: dict[str, bytes | None]) -> None:
@@ -167,7 +166,7 @@ def test_train_with_the_torch_save_engine_resumes_weights_only_and_refuses_a_hos
         ]:
             cmd += ["--set", setting]
         env = dict(os.environ, STEADYTRAIN_FAULTS="", OMP_NUM_THREADS="1")
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        return forkserver.run(cmd, env=env, timeout=300)
 
     assert train(4).returncode == 0
     second = train(6)
@@ -242,9 +241,7 @@ def test_a_resume_over_a_fifo_skips_it_instead_of_hanging(tmp_path, what):
         print(json.dumps({{"step": step, "skipped": event["skipped"]}}))
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+    out = forkserver.run([sys.executable, "-c", script], timeout=TIMEOUT_S)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["step"] == 1  # _restore checks the weights are exactly step 1's

@@ -25,6 +25,7 @@ from steadytrain.monitor.alerts import AlertConfig
 from steadytrain.monitor.sinks import ConsoleSink, offscreen_console
 from steadytrain.printable import html_text, printable
 from steadytrain.run_support import say
+from steadytrain.testing import forkserver
 
 sys.path.insert(0, str(Path(__file__).parent))  # the builders of the concrete cases
 import test_straggler  # noqa: E402
@@ -53,9 +54,7 @@ def _run_with_node(run: Path, node: str) -> Path:
 
 
 def _report(run: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(CLI), "report", str(run), *args], capture_output=True, text=True, timeout=240
-    )
+    return forkserver.run([str(CLI), "report", str(run), *args], timeout=240)
 
 
 def test_printable_shows_every_control_character_and_keeps_text() -> None:

@@ -101,11 +101,7 @@ def _tree(run_dir: str) -> dict[str, str]:
             path = os.path.join(top, name)
             rel = os.path.relpath(path, run_dir)
             with open(path, "rb") as f:
-                out[rel] = (
-                    ""
-                    if rel.startswith(LIVE)
-                    else hashlib.sha1(f.read()).hexdigest()
-                )
+                out[rel] = "" if rel.startswith(LIVE) else hashlib.sha1(f.read()).hexdigest()
     return out
 
 

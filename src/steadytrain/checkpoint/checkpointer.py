@@ -165,6 +165,10 @@ class Checkpointer:
         self._committed_here: list[str] = []
         self._last_save_t = time.monotonic()
         self._last_step = -1
+        # Steps retention keeps besides keep_last/keep_every: a trainer's own choice (the
+        # best k of Lightning's ModelCheckpoint, integrations/lightning_steady.py). Replaced
+        # whole, never mutated: the save thread reads it.
+        self.pinned_steps: frozenset[int] = frozenset()
         self._cost_s: float | None = None
         self._durable_s = 0.0
         self.last_event: dict[str, Any] | None = None
@@ -409,7 +413,8 @@ class Checkpointer:
 
     # -- retention -----------------------------------------------------------------------
     def _retain(self) -> None:
-        """Keep the last K committed + every M-th step; drop older partial directories."""
+        """Keep the last K committed + every M-th step + the pinned steps; drop older partial
+        directories."""
         roots = [self.local] if self.group.rank == 0 else []
         if self.remote is not None:
             roots = [self.local] + ([self.remote] if self.group.rank == 0 else [])
@@ -422,6 +427,8 @@ class Checkpointer:
                 keep = {i.name for i in committed[: self.keep_last]}
                 if self.keep_every:
                     keep |= {i.name for i in committed if i.step % self.keep_every == 0}
+                pinned = self.pinned_steps
+                keep |= {i.name for i in committed if i.step in pinned}
                 newest = committed[0].key
                 for i in infos:
                     if i.name in keep or i.name in self._in_flight or i.extra.get("foreign"):

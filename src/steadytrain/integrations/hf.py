@@ -88,25 +88,26 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
 
     # -- open / close ----------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        _check_train_data(kwargs.get("train_dataloader"))
         if self.run is not None:  # a second train() in this process: the first one ended
             self._close(None)
-        step = int(state.global_step)
-        path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{step}") if step else ""
-        self._saves = TrainerSaves(step, path)
-        run_dir = self.run_dir or os.path.join(args.output_dir, "steadytrain")
-        self.run = Run(
-            run_dir,
-            {},
-            rank=args.process_index,
-            world_size=args.world_size,
-            total_steps=int(state.max_steps) or None,
-            checkpoint=self._saves,
-            **self._run_kw,
-        )
-        self.run.__enter__()
-        self._guard = ExitGuard(self._close, "Trainer.train() ended (on_train_end)")
-        self._guard.install()
+        if not self._take_owner_run():  # SteadytrainTrainer feeds its loader itself
+            _check_train_data(kwargs.get("train_dataloader"))
+            step = int(state.global_step)
+            path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{step}") if step else ""
+            self._saves = TrainerSaves(step, path)
+            run_dir = self.run_dir or os.path.join(args.output_dir, "steadytrain")
+            self.run = Run(
+                run_dir,
+                {},
+                rank=args.process_index,
+                world_size=args.world_size,
+                total_steps=int(state.max_steps) or None,
+                checkpoint=self._saves,
+                **self._run_kw,
+            )
+            self.run.__enter__()
+            self._guard = ExitGuard(self._close, "Trainer.train() ended (on_train_end)")
+            self._guard.install()
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self._pending = None
         self._ready = time.perf_counter()
@@ -118,15 +119,13 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
         run = self.run
         if run is None:
             return
-        if self._guard is not None:
-            self._guard.uninstall()
         self._end_phase()
         try:
             self._flush()  # a pending step finished its update (a crash in its save too)
         except BaseException as e:  # recording it failed: still close the Run, as a crash
             exc = exc or e
         self.run = None
-        run.__exit__(None if exc is None else type(exc), exc, None)
+        self._release(run, exc)
 
     # -- steps -----------------------------------------------------------------------------
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -185,8 +184,9 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
         p = self._pending
         if self.run is None or p is None or p["step"] != state.global_step:
             return
-        path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
-        self._saves.saved(state.global_step, time.perf_counter() - p["end"], path)
+        if self._saves is not None:  # the Trainer's own save (else Run.save timed it)
+            path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
+            self._saves.saved(state.global_step, time.perf_counter() - p["end"], path)
         p["wait_save"] = False
         self._maybe_flush()
 

@@ -59,6 +59,7 @@ class CallbackState:
             "backend_timeout_s": backend_timeout_s,
         }
         self.run: Any = None  # the open steadytrain.Run, between train start and end
+        self._owner_run: Any = None  # a Run its owner opens and closes (``attach``)
         self._saves: TrainerSaves | None = None
         self._guard: ExitGuard | None = None
         self._phase: Any = None
@@ -67,6 +68,32 @@ class CallbackState:
 
     def _init_trainer_state(self) -> None:
         """A callback's own per-step state (its timers and counters)."""
+
+    def attach(self, run: Any) -> None:
+        """Record into ``run`` from the next train start on, instead of opening a Run with
+        ``TrainerSaves``: its owner (the steadytrain strategy or Trainer, which save through
+        ``run.save`` and restore through its checkpointer) opens and closes it; a save's
+        blocked time is ``run.save``'s, not this callback's wall clock."""
+        self._owner_run = run
+
+    def _take_owner_run(self) -> bool:
+        """At train start: use the owner's Run (True), or open one (False)."""
+        if self._owner_run is None:
+            return False
+        self.run, self._saves = self._owner_run, None
+        return True
+
+    def pending_tokens(self) -> int:
+        """Tokens of the step that ended and is not recorded yet (0: none): what a save of
+        that step adds to ``run.tokens_seen``."""
+        return int(self._pending["tokens"]) if self._pending else 0
+
+    def _release(self, run: Any, exc: BaseException | None) -> None:
+        """End this callback's part of ``run``: leave it to its owner, or close it."""
+        if self._guard is not None:
+            self._guard.uninstall()
+        if run is not self._owner_run:
+            run.__exit__(None if exc is None else type(exc), exc, None)
 
 
 class TrainerSaves:

@@ -70,20 +70,21 @@ class SteadytrainCallback(CallbackState, Callback):
         if self.run is not None:
             self._close(None)
         step = int(trainer.global_step)
-        self._saves = TrainerSaves(step, str(trainer.ckpt_path or "") if step else "")
-        run_dir = self.run_dir or os.path.join(trainer.default_root_dir, "steadytrain")
-        self.run = Run(
-            run_dir,
-            {},
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
-            total_steps=trainer.max_steps if trainer.max_steps > 0 else None,
-            checkpoint=self._saves,
-            **self._run_kw,
-        )
-        self.run.__enter__()
-        self._guard = ExitGuard(self._close, "Trainer.fit() ended (on_train_end)")
-        self._guard.install()
+        if not self._take_owner_run():
+            self._saves = TrainerSaves(step, str(trainer.ckpt_path or "") if step else "")
+            run_dir = self.run_dir or os.path.join(trainer.default_root_dir, "steadytrain")
+            self.run = Run(
+                run_dir,
+                {},
+                rank=trainer.global_rank,
+                world_size=trainer.world_size,
+                total_steps=trainer.max_steps if trainer.max_steps > 0 else None,
+                checkpoint=self._saves,
+                **self._run_kw,
+            )
+            self.run.__enter__()
+            self._guard = ExitGuard(self._close, "Trainer.fit() ended (on_train_end)")
+            self._guard.install()
         self._pending, self._save_t = None, None
         self._reset_step(step)
 
@@ -99,8 +100,6 @@ class SteadytrainCallback(CallbackState, Callback):
         run, self.run = self.run, None
         if run is None:
             return
-        if self._guard is not None:
-            self._guard.uninstall()
         if exc is not None:
             self._save_t = None  # a save cut short is no checkpoint; its step did finish
         try:
@@ -109,15 +108,16 @@ class SteadytrainCallback(CallbackState, Callback):
             exc = exc or e
         self._end_phase()
         self.on_validation_end(None, None)  # a validation cut short ends its phase too
-        run.__exit__(None if exc is None else type(exc), exc, None)
+        self._release(run, exc)
 
     # -- steps -----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
         if self.run is None:
             return
+        saving = self.run.pending_block_s  # Run.save()s since the step ended: not data wait
         self._flush(self.run)
         now = time.perf_counter()
-        self._wait += max(0.0, now - self._ready)
+        self._wait += max(0.0, now - self._ready - saving)
         self._begin = now
 
     def on_train_batch_end(
@@ -143,8 +143,10 @@ class SteadytrainCallback(CallbackState, Callback):
         self._ready = now
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.run is not None and self._eval is None and not trainer.sanity_checking:
-            self._eval = self.run.phase("eval")
+        # An owner's Run is open from the strategy's setup: the sanity check is inside it.
+        run = self.run or (self._owner_run if trainer.sanity_checking else None)
+        if run is not None and self._eval is None:
+            self._eval = run.phase("eval")
             self._eval.__enter__()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
@@ -153,8 +155,8 @@ class SteadytrainCallback(CallbackState, Callback):
             phase.__exit__(None, None, None)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
-        if self.run is None or self._pending is None:
-            return  # not a save after a step (e.g. on_train_end's): nothing to book
+        if self.run is None or self._pending is None or self._saves is None:
+            return  # not a save after a step, or one Run.save times: nothing to book
         self._save_t = time.perf_counter()
         if self._phase is None:
             self._phase = self.run.phase("checkpoint")

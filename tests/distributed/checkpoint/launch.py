@@ -3,7 +3,8 @@
 The rendezvous store is hosted here, on a port the kernel picks while the store binds it
 (port 0), and every rank connects to it as a client -- what torchrun's agent does
 (``TORCHELASTIC_USE_AGENT_STORE``). Choosing a "free" port and letting rank 0 bind it later
-would race with any other process on the machine that binds in between.
+would race with any other process on the machine that binds in between. Each rank is
+forked from a server that imported torch once (``steadytrain.testing.forkserver``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 from datetime import timedelta
 
 from torch.distributed import TCPStore
+
+from steadytrain.testing import forkserver
 
 
 def launch(script: str, args: list[str], world: int, timeout: float = 120) -> list[str]:
@@ -33,15 +36,7 @@ def launch(script: str, args: list[str], world: int, timeout: float = 120) -> li
             TORCHELASTIC_USE_AGENT_STORE="True",  # every rank is a client of `store`
             OMP_NUM_THREADS="1",
         )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, script, *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+        procs.append(forkserver.popen([sys.executable, script, *args], env=env))
     outs, failed = [], False
     for p in procs:  # `store` serves until the last rank is done (it lives until return)
         try:

@@ -14,6 +14,8 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
+from steadytrain.testing import forkserver
+
 
 class Job:
     """``len(nodes)`` ranks of ``script``; ``nodes[r]`` is rank r's node."""
@@ -36,15 +38,7 @@ class Job:
                 STEADYTRAIN_NODE=node,
                 STEADYTRAIN_MEMORY_DIR=memdirs[node],
             )
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, script, *args],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
+            self.procs.append(forkserver.popen([sys.executable, script, *args], env=env))
 
     def wait(self, timeout: float = 180, check: bool = True) -> list[str]:
         """Every rank's output; raise with all of it if a rank failed (``check``)."""

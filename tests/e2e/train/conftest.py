@@ -6,6 +6,7 @@ import os
 import shutil
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -24,10 +25,14 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def baseline(dataset: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The uninterrupted reference run: 2 ranks, STEPS steps, no faults."""
-    root = tmp_path_factory.mktemp("train-baseline")
-    run_dir = str(root / "run")
-    run_torchrun(2, [f"run_dir={run_dir}", f"data.dataset={dataset}", f"train.max_steps={STEPS}"])
-    yield run_dir
-    shutil.rmtree(root, ignore_errors=True)
+def baseline(shared_dir) -> str:
+    """The uninterrupted reference run: 2 ranks, STEPS steps, no faults. Tests only read it:
+    one torchrun run per test run, shared by every worker (``shared_dir``), on its own
+    dataset (a worker's ``dataset`` goes when that worker ends)."""
+
+    def build(root: Path) -> None:
+        data = make_dataset(str(root / "ds"))
+        settings = [f"run_dir={root / 'run'}", f"data.dataset={data}", f"train.max_steps={STEPS}"]
+        run_torchrun(2, settings)
+
+    return str(shared_dir("train-baseline", build) / "run")

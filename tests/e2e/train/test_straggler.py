@@ -35,7 +35,7 @@ from harness import (  # noqa: E402
     torchrun_cmd,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.machine, pytest.mark.timeout(180)]  # speeds compared
 
 STEPS, SLOW_FROM, SLOW_S = 40, 6, 0.08
 

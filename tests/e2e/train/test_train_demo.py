@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import BASE_SETTINGS, final  # noqa: E402
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
 
 STEPS, EVERY = 30, 5
 

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from conftest import STEPS  # noqa: E402
 from harness import effective, final, ledger, read_trace, run_torchrun  # noqa: E402
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
 
 
 def test_world_size_change_keeps_the_sample_order(dataset: str, baseline: str, tmp_path) -> None:

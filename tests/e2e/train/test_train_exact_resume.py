@@ -37,7 +37,7 @@ from harness import (  # noqa: E402
     wait_torchrun,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
 
 EVERY = 4  # checkpoint.every_steps in harness.BASE_SETTINGS
 

@@ -141,11 +141,19 @@ class IncidentJob:
         rdzv_conf: str = "",
         env: dict[str, str] | None = None,
         module: str = "steadytrain.cli",
+        argv: Sequence[str] | None = None,
     ) -> None:
         self.h, self.nodes, self.run_dir = h, list(nodes), run_dir
         self.logs = run_dir + "-logs"
         os.makedirs(self.logs, exist_ok=True)
-        args = train_args([*TINY_SETTINGS, f"run_dir={run_dir}", *settings], module)
+        # ``argv``: the script and its arguments, when the job is not ``steadytrain train``
+        # (a trainer example); ``settings`` are then not used.
+        args = (
+            list(argv)
+            if argv is not None
+            else (train_args([*TINY_SETTINGS, f"run_dir={run_dir}", *settings], module))
+        )
+        self.argv = args
         self.agents = {
             n.name: h.torchrun(
                 n,

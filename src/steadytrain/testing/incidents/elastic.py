@@ -14,12 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from steadytrain.testing.incidents.common import (
-    TINY_SETTINGS,
     IncidentJob,
     Log,
     read_trace,
     report,
-    train_args,
 )
 from steadytrain.testing.nodes import Node, NodeHarness
 
@@ -80,6 +78,7 @@ class ElasticJob(IncidentJob):
         run_dir: str,
         job_settings: Sequence[str],
         faults: str = FAULTS,
+        argv: Sequence[str] | None = None,
     ) -> None:
         super().__init__(
             h,
@@ -90,6 +89,7 @@ class ElasticJob(IncidentJob):
             max_restarts=3,
             rdzv_conf=RDZV,
             env={"STEADYTRAIN_FAULTS": faults},
+            argv=argv,
         )
         self.settings, self.faults = list(job_settings), faults
 
@@ -100,9 +100,11 @@ def start_job(
     run_dir: str,
     job_settings: Sequence[str],
     faults: str = FAULTS,
+    argv: Sequence[str] | None = None,
 ) -> ElasticJob:
-    """The job on ``nodes`` (the reference runs without the slow reads: timing only)."""
-    return ElasticJob(h, nodes, run_dir, job_settings, faults)
+    """The job on ``nodes`` (the reference runs without the slow reads: timing only);
+    ``argv``: another script than ``steadytrain train`` (its settings then unused)."""
+    return ElasticJob(h, nodes, run_dir, job_settings, faults, argv)
 
 
 def _join(job: ElasticJob, node: Node) -> None:
@@ -111,7 +113,7 @@ def _join(job: ElasticJob, node: Node) -> None:
     job.agents[node.name] = job.h.torchrun(
         node,
         1,
-        train_args([*TINY_SETTINGS, f"run_dir={job.run_dir}", *job.settings]),
+        job.argv,
         run_id=os.path.basename(job.run_dir),
         nnodes=NNODES,
         max_restarts=3,

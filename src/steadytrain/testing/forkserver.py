@@ -1,0 +1,386 @@
+"""Python processes forked from one interpreter that imported torch once (a fork server).
+
+Most of what the suite's processes cost is the interpreter importing torch (and DCP): 3-5
+s of CPU each on a 2-core machine, and the suite starts hundreds of them. A server,
+started once per test process, imports those modules (``PRELOAD``), takes one
+optimizer step (torch imports much of itself on first use), stays single-threaded, and
+forks each process from there. The child is a process of its own (its own pid, sockets,
+memory, files; a SIGKILL ends it alone) that runs ``python SCRIPT ARGS``, ``python -m
+MODULE ARGS`` or ``python -c CODE ARGS`` with the arguments, environment and working
+directory a fresh interpreter would have had, and exits the way one does (threads joined,
+atexit, stdio flushed, the exit status of ``SystemExit`` or 1 after a traceback).
+
+What a fork cannot give, so a test that depends on it starts a fresh Python instead:
+
+- what happens at start-up or import (``import steadytrain`` staying light, a module that
+  reads the environment as it is imported: a preloaded module read the server's);
+- a hash seed of its own: forked processes share the server's, so an order that differs
+  between ranks only through ``PYTHONHASHSEED`` is for fresh processes to catch (the
+  torchrun tests; ``STEADYTRAIN_TEST_FRESH=1`` makes every ``popen``/``run`` here fresh).
+
+Protocol on a Unix socket pair: the client sends one JSON line ``{"argv", "env", "cwd",
+"umask"}`` with the child's stdout and stderr write ends (``SCM_RIGHTS``; one fd when they
+are the same pipe); the server answers ``{"pid"}``, and ``{"exit": pid, "code":
+returncode}`` when that child ends (negative: the signal, as ``subprocess``). The end of the
+socket ends the server, which SIGKILLs the children still running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["PRELOAD", "ForkedProcess", "Forkserver", "popen", "python_argv", "run"]
+
+# What the server imports before it forks: the bulk of any torch process's start-up. Not
+# steadytrain (0.3 s more once torch is in): a stock reader checks that it never imports it.
+PRELOAD = (
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+)
+_MAX_MSG = 1 << 20
+
+
+# -- server ---------------------------------------------------------------------------------
+
+
+def _warm_up(preload: Sequence[str]) -> None:
+    for name in preload:
+        importlib.import_module(name)
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.zeros(2, 8)).sum().backward()
+    optim.step()
+
+
+def _main(argv: list[str]) -> None:
+    """Run ``argv`` (what follows ``python``) as ``__main__``, as the interpreter would."""
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's path in argv[0]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        code = compile(argv[1], "<string>", "exec")
+        exec(code, {"__name__": "__main__", "__builtins__": __builtins__})  # noqa: S102
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def _become(msg: dict[str, Any], fds: list[int]) -> int:
+    """In the forked child: become the process asked for, run it; its exit code. The caller
+    then exits the way a fresh interpreter does (threads joined, atexit, stdio flushed)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # SIGPIPE stays ignored, as
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Python sets it; SIGCHLD was never set
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[-1], 2)
+    for fd in {null, *fds}:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    os.chdir(msg["cwd"])
+    if msg.get("umask") is not None:
+        os.umask(msg["umask"])
+    # A fresh interpreter seeds torch's and numpy's global generators from the OS; a fork
+    # would share the server's state with every sibling (``random`` reseeds itself).
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    try:
+        _main(msg["argv"])
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - the traceback, as a fresh Python prints it
+        import traceback
+
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One request (a JSON line) and the fds sent with it; b"" when the client is gone."""
+    data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 2)
+    while data and not data.endswith(b"\n"):
+        more = sock.recv(_MAX_MSG)
+        if not more:
+            return b"", fds
+        data += more
+    return data, fds
+
+
+def serve(sock: socket.socket, preload: Sequence[str]) -> None:
+    """The server's loop (``python .../forkserver.py FD MODULE,...``)."""
+    _warm_up(preload)
+    children: set[int] = set()
+
+    def reply(msg: dict[str, Any]) -> None:
+        sock.sendall(json.dumps(msg).encode() + b"\n")
+
+    while True:
+        while children:  # report every child that ended
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            reply({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        if not select.select([sock], [], [], 0.02)[0]:
+            continue
+        data, fds = _receive(sock)
+        if not data:  # the client is gone: so are its children
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            raise SystemExit(_become(json.loads(data), fds))
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        reply({"pid": pid})
+
+
+# -- client ---------------------------------------------------------------------------------
+
+
+class _Pipe:
+    """A child's output, read as it comes (a full pipe must never block the child)."""
+
+    def __init__(self, fd: int) -> None:
+        self.chunks: list[bytes] = []
+        self.thread = threading.Thread(target=self._read, args=(fd,), daemon=True)
+        self.thread.start()
+
+    def _read(self, fd: int) -> None:
+        with open(fd, "rb", buffering=0) as f:
+            while chunk := f.read(65536):
+                self.chunks.append(chunk)
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode(errors="replace")
+
+
+class ForkedProcess:
+    """A forked child, with the ``subprocess.Popen`` calls tests use: ``pid``, ``poll``,
+    ``wait``, ``communicate`` (text; stderr is None when it shares stdout's pipe),
+    ``send_signal``, ``kill``, ``returncode``."""
+
+    def __init__(self, server: Forkserver, pid: int, pipes: list[_Pipe], args: list[str]):
+        self.pid, self.args, self.returncode = pid, args, None
+        self._server, self._pipes = server, pipes
+
+    def poll(self) -> int | None:
+        self.returncode = self._server.exit_code(self.pid, timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._server.exit_code(self.pid, timeout=timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self.returncode = code
+        return code
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        self.wait(timeout)
+        for p in self._pipes:  # a child of the child may still hold a pipe open
+            p.thread.join(timeout)
+            if p.thread.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        texts = [p.text() for p in self._pipes]
+        return texts[0], (texts[1] if len(texts) > 1 else None)
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Forkserver:
+    """The client of one server: starts it (its imports and warm-up: seconds, once) and
+    forks processes from it."""
+
+    def __init__(self, preload: Sequence[str]) -> None:
+        self._sock, theirs = socket.socketpair()
+        fd = theirs.fileno()
+        self._proc = subprocess.Popen(
+            # By its path, not `-m`: the server must not import the steadytrain package (a
+            # stock reader checks that it never does; a child imports what it needs).
+            [sys.executable, os.path.abspath(__file__), str(fd), ",".join(preload)],
+            pass_fds=[fd],
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+        theirs.close()
+        self.closed = False
+        self._exits: dict[int, int] = {}
+        self._pids: list[int] = []
+        self._cond = threading.Condition()
+        self._send = threading.Lock()
+        threading.Thread(target=self._listen, daemon=True).start()
+
+    def _listen(self) -> None:
+        buf = b""
+        while chunk := self._sock.recv(65536):
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = json.loads(line)
+                with self._cond:
+                    if "exit" in msg:
+                        self._exits[msg["exit"]] = msg["code"]
+                    else:
+                        self._pids.append(msg["pid"])
+                    self._cond.notify_all()
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def popen(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str | None = None,
+        *,
+        merge: bool = True,
+        umask: int | None = None,
+    ) -> ForkedProcess:
+        """Fork ``python *argv`` with exactly ``env``; output to one pipe (``merge``) or to
+        two (stdout, stderr)."""
+        ends = [os.pipe() for _ in range(1 if merge else 2)]
+        req = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "umask": umask}
+        msg = json.dumps(req).encode() + b"\n"
+        with self._send:
+            try:
+                socket.send_fds(self._sock, [msg], [w for _, w in ends])
+            finally:
+                for _, w in ends:
+                    os.close(w)
+            with self._cond:
+                self._cond.wait_for(lambda: self._pids or self.closed, timeout=300)
+                if not self._pids:
+                    for r, _ in ends:
+                        os.close(r)
+                    raise RuntimeError(f"the fork server is gone (exit {self._proc.poll()})")
+                pid = self._pids.pop(0)
+        return ForkedProcess(self, pid, [_Pipe(r) for r, _ in ends], argv)
+
+    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._exits or self.closed, timeout=timeout)
+            return self._exits.get(pid)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+_SERVER: Forkserver | None = None
+_LOCK = threading.Lock()
+
+
+def python_argv(cmd: Sequence[str]) -> list[str] | None:
+    """What follows ``python`` in ``cmd``, when a fork can run it: ``[sys.executable,
+    SCRIPT | -m MODULE | -c CODE, ...]`` or the ``steadytrain`` console script next to
+    ``sys.executable``; None for anything else (interpreter flags, another program)."""
+    exe, rest = cmd[0], list(cmd[1:])
+    if exe == sys.executable:
+        if rest and (rest[0] in ("-m", "-c") and len(rest) > 1 or not rest[0].startswith("-")):
+            return rest
+        return None
+    if exe == os.path.join(os.path.dirname(sys.executable), "steadytrain"):
+        return ["-m", "steadytrain.cli", *rest]
+    return None
+
+
+def popen(
+    cmd: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    merge: bool = True,
+    umask: int | None = None,
+) -> ForkedProcess | subprocess.Popen:
+    """``subprocess.Popen(cmd, stdout=PIPE, stderr=STDOUT if merge else PIPE, text=True,
+    umask=umask)``, forked from this process's server (started at the first call, closed at
+    exit) when ``python_argv(cmd)`` says a fork can run it; a fresh process otherwise, or
+    with ``STEADYTRAIN_TEST_FRESH=1``."""
+    env = dict(os.environ if env is None else env)
+    argv = python_argv(cmd)
+    if argv is None or os.environ.get("STEADYTRAIN_TEST_FRESH") == "1":
+        return subprocess.Popen(
+            list(cmd), env=env, cwd=cwd, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True,
+            umask=-1 if umask is None else umask,
+        )  # fmt: skip
+    global _SERVER
+    with _LOCK:
+        if _SERVER is None or _SERVER.closed:
+            _SERVER = Forkserver(PRELOAD)
+            atexit.register(_SERVER.close)
+        server = _SERVER
+    return server.popen(argv, env, cwd, merge=merge, umask=umask)
+
+
+def run(
+    cmd: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    timeout: float | None = None,
+    umask: int | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, ...)`` through ``popen``."""
+    proc = popen(cmd, env=env, cwd=cwd, merge=False, umask=umask)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err or "")
+
+
+if __name__ == "__main__":
+    sys.path[0] = os.getcwd()  # not this file's directory (its modules are steadytrain's)
+    serve(socket.socket(fileno=int(sys.argv[1])), [m for m in sys.argv[2].split(",") if m])

@@ -1,0 +1,34 @@
+"""examples/hf_trainer_callback.py (its default, ``SteadytrainTrainer``): Hugging Face
+``Trainer`` trains on a ``TokenLoader``, saves what ``save_strategy`` asks for through
+steadytrain's ``Checkpointer`` and resumes by itself, the loader from its own state.
+
+Under the real torchrun, on 2 and on 3 CPU ranks, three runs side by side: uninterrupted,
+rank 1 SIGKILLed at the start of step 10, and rank 0 SIGKILLed while the checkpoint of step
+8 is written (its shards on disk, its COMMIT not). Each crashed run is restarted by
+torchrun and resumes with no ``resume_from_checkpoint``: from step 4 or 8 after the
+mid-step kill (``save_steps=4``), from step 4 after the mid-save kill, the partial step-8
+directory skipped and named in the report. Every step's sample ids on every rank and its
+logged loss, and the final weights, equal the uninterrupted run's (``exact_ddp`` at 3 ranks);
+no sample is read twice.
+"""
+
+from __future__ import annotations
+
+import pytest
+from example_runs import SAVE_CRASH, STEPS, assert_restored, run_kills
+from harness import assert_same_run
+
+pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_hf_trainer_resumes_exactly_after_kills_mid_step_and_mid_save(
+    dataset: str, tmp_path, ranks: int
+) -> None:
+    dirs = run_kills("hf_trainer_callback.py", dataset, str(tmp_path), ranks)
+    for name in ("mid_step", "mid_save"):
+        assert_same_run(dirs[name], dirs["ref"], STEPS, global_batch=4 * ranks)
+    assert_restored(dirs["mid_step"], (4, 8))
+    assert_restored(dirs["mid_save"], (SAVE_CRASH - 4,), skipped=f"step-{SAVE_CRASH:08d}")

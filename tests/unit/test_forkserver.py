@@ -1,0 +1,87 @@
+"""steadytrain.testing.forkserver: a forked child is the process a fresh ``python`` would
+have been (its arguments, environment, working directory, umask, output and exit status),
+and what a fork cannot run starts fresh."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from steadytrain.testing import forkserver
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    print(json.dumps({
+        "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("FORKED_VALUE"),
+        "umask": os.umask(0), "path0": sys.path[0], "name": __name__,
+        "steadytrain": "steadytrain" in sys.modules, "pid": os.getpid(),
+    }))
+    print("to stderr", file=sys.stderr)
+    sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+def test_a_forked_script_gets_what_a_fresh_python_would(tmp_path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(SCRIPT)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = dict(os.environ, FORKED_VALUE="forty-two")
+    cmd = [sys.executable, str(script), "3", "x y"]
+    assert forkserver.python_argv(cmd) == [str(script), "3", "x y"]
+    out = forkserver.run(cmd, env=env, cwd=str(work), umask=0o027, timeout=120)
+    assert out.returncode == 3, out.stderr
+    got = json.loads(out.stdout)
+    assert got["argv"] == [str(script), "3", "x y"]
+    assert got["cwd"] == str(work) and got["env"] == "forty-two"
+    assert got["umask"] == 0o027
+    assert got["path0"] == str(tmp_path) and got["name"] == "__main__"
+    assert not got["steadytrain"], "the server preloaded steadytrain into its children"
+    assert got["pid"] != os.getpid()
+    assert out.stderr == "to stderr\n"  # its own pipe, not mixed into stdout
+
+
+def test_two_children_are_two_processes_and_a_traceback_exits_1(tmp_path) -> None:
+    pids = set()
+    for _ in range(2):
+        out = forkserver.run([sys.executable, "-c", "import os; print(os.getpid())"])
+        assert out.returncode == 0, out.stderr
+        pids.add(int(out.stdout))
+    assert len(pids) == 2
+    out = forkserver.run([sys.executable, "-c", "raise ValueError('boom')"])
+    assert out.returncode == 1 and "ValueError: boom" in out.stderr
+
+
+def test_a_killed_child_reports_the_signal_and_merged_output_is_one_pipe() -> None:
+    proc = forkserver.popen(
+        [sys.executable, "-c", "import sys, time; print('up', flush=True); "
+         "print('err', file=sys.stderr, flush=True); time.sleep(600)"]
+    )  # fmt: skip
+    assert isinstance(proc, forkserver.ForkedProcess)
+    deadline = time.monotonic() + 120
+    while b"err" not in b"".join(proc._pipes[0].chunks) and time.monotonic() < deadline:
+        time.sleep(0.05)  # until both lines are out: the kill must not cut them off
+    proc.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert err is None and "up" in out and "err" in out
+
+
+def test_what_a_fork_cannot_run_starts_fresh(monkeypatch) -> None:
+    assert forkserver.python_argv([sys.executable, "-X", "dev", "-c", "pass"]) is None
+    assert forkserver.python_argv(["sh", "-c", "true"]) is None
+    cli = os.path.join(os.path.dirname(sys.executable), "steadytrain")
+    assert forkserver.python_argv([cli, "report", "x"]) == ["-m", "steadytrain.cli", "report", "x"]
+    out = forkserver.run(["sh", "-c", "umask; exit 4"], umask=0o077)
+    assert out.returncode == 4 and out.stdout.strip() == "0077"
+    monkeypatch.setenv("STEADYTRAIN_TEST_FRESH", "1")
+    proc = forkserver.popen([sys.executable, "-c", "pass"])
+    assert isinstance(proc, subprocess.Popen)
+    proc.communicate(timeout=120)
