@@ -63,6 +63,10 @@ MIN_WINDOWS = 3  # slow windows an episode needs (persistence: 15 steps)
 # 24-step run at 3.2-4.1x for all four of its judged windows (20 steps), the longest any
 # run measured here could show; so half as long again (30 steps).
 MIN_WINDOWS_UNSPECIFIC = 6
+# ... and a slow loader with no signature of its own on a host no busier (``_loader_lead``):
+# its data wait's lead in clean runs lasted at most three windows (1.6-2.6x), injected data
+# faults led 7-34x in every window.
+MIN_WINDOWS_LOADER = 4
 NOISE_K = 3.0  # a window's excess must exceed this many times the run's own jitter
 MIN_LOST_SHARE = 0.02  # an episode must cost this share of the job's step time
 
@@ -430,8 +434,8 @@ def _loader_lead(ep: _Episode, wins: list[dict[int, Window]], evidence: str,
     """Whether a ``dataloader`` episode (a slow ``next()`` with reads, cache misses and
     memory flat: no signature of its own) is a fault and not the scheduler's: where its
     host is as loaded as the healthy ranks' (or recorded nothing), on CPU, its data wait
-    must lead theirs by ``compute_factor`` (3x) in ``MIN_WINDOWS_UNSPECIFIC`` windows, as a
-    slow forward pass must. A loader is Python on the CPU: in the benchmark's clean runs on
+    must lead theirs by ``compute_factor`` (3x) in ``MIN_WINDOWS_LOADER`` windows, as a
+    slow forward pass must in ``MIN_WINDOWS_UNSPECIFIC``. A loader is Python on the CPU: in the benchmark's clean runs on
     this loaded machine one rank's data wait led the others' 1.6-2.6x for three windows
     (its reads of the object store starved of CPU), while every injected data fault led
     7-34x in every window."""
@@ -444,7 +448,7 @@ def _loader_lead(ep: _Episode, wins: list[dict[int, Window]], evidence: str,
         ref = healthy_ref(_value(w, "data") for w in row.values())
         mine = _value(row[ep.rank], "data") if ep.rank in row else None
         leads += bool(mine is not None and ref and mine >= need * ref)
-    return leads >= MIN_WINDOWS_UNSPECIFIC
+    return leads >= MIN_WINDOWS_LOADER
 
 
 def _median_excess(parts: list[tuple[int, dict[int, Window]]], refs: list[float | None],
