@@ -153,7 +153,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
         def schedule(self) -> None:
             if self.collection is None and self.collection_is_completed:
-                self.units = json.loads(config.stash[_UNITS_PATH].read_text())
+                path = config.stash[_UNITS_PATH]
+                # No file: the workers' collection failed before writing it; xdist then
+                # reports their errors, which a crash here would hide.
+                self.units = json.loads(path.read_text()) if path.exists() else {}
             super().schedule()
 
         def _split_scope(self, nodeid: str) -> str:

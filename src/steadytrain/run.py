@@ -19,6 +19,9 @@ What it owns, and why each is here rather than in the loop (issue 27):
   attempt and book the whole restart gap as 0 and the start-up as "other";
 - the hang watchdog: liveness is ``step_done``; a rank without progress past its deadline
   dumps stacks, is recorded as a ``hang`` and exits 124 so torchrun restarts the job;
+- evaluation accounting: the time inside ``phase("eval")`` is the next step record's
+  ``eval_s`` (the ``eval`` bucket); the data wait and compute are timed on ``clock()``,
+  which stops inside it, so an evaluation is never booked as either (issue 42);
 - crash recording: an exception inside the ``with`` (a gloo "Connection reset by peer"
   after a peer died included) or SIGTERM ends the attempt with ``job_end`` reason
   ``error: ...`` / ``signal: SIGTERM``, which the report lists as a crash, never the clean
@@ -57,7 +60,10 @@ from steadytrain.run_birth import process_start
 from steadytrain.run_identity import establish as establish_identity
 from steadytrain.run_lease import lease_settings, take_run_lease
 from steadytrain.run_support import (
+    EVAL_PHASE,
     DataWait,
+    EvalClock,
+    EvalPhase,
     SignalGuard,
     Terminated,
     agent_store_warning,
@@ -83,7 +89,8 @@ class Run:
     default from torchrun's ``RANK``/``WORLD_SIZE`` (else 0 and 1). ``checkpoint``: a
     ``CheckpointerConfig``, a dict of its keys (None: the defaults, which save by neither
     steps nor time: only the final save), a ready checkpointer (anything with
-    ``restore_latest``/``maybe_save``/``save``/``wait``/``close``/``last_event``), or
+    ``restore_latest``/``maybe_save``/``save``/``wait``/``close``/``last_event``; a
+    ``restore_latest`` that returns None says the restore point is unknown), or
     ``False`` for none (a trainer that checkpoints itself; pass ``restored_step``).
     ``checkpoint_dir``: default ``RUN_DIR/checkpoints``. ``monitor``: a ``MeterConfig`` or
     a dict of its keys (``{"watchdog": {"floor_s": 30}}``). ``config``: what the ledger and
@@ -139,7 +146,11 @@ class Run:
         self._made_group = False
         self._wait_s = 0.0
         self._save_block_s = 0.0  # blocked by save() since the last step_done
-        self._mark = time.perf_counter()
+        # Intervals are timed on a clock that stops inside eval phases (run_support.EvalClock):
+        # an evaluation is the step's eval_s, never its data wait, compute or save.
+        self._eval = EvalClock()
+        self._eval_seen = 0.0  # evaluation seconds booked by the steps so far
+        self._mark = self._eval.outside()
 
     # -- entry -----------------------------------------------------------------------------
     def __enter__(self) -> Run:
@@ -192,6 +203,11 @@ class Run:
         t_restore = time.perf_counter()
         step = ckpt.restore_latest(self.states) if ckpt is not None else self._restored_step
         restore_s = time.perf_counter() - t_restore if ckpt is not None else 0.0
+        if step is None:
+            # The restore point is not known (a trainer that failed before it restored): the
+            # ledger's own position, so this attempt charges nothing as redone; the attempt
+            # that does restore charges the rollback.
+            step = self.meter.position
         self.start_step = self.step = int(step)
         self.tokens_seen = int(getattr(ckpt, "tokens_seen", 0) or 0)
         self.meter.job_start(
@@ -227,7 +243,7 @@ class Run:
             backend_timeout_s=timeout,
             nonce=self.nonce,  # its reaper acts only on decisions that carry it
         )
-        self._mark = time.perf_counter()
+        self._mark = self._eval.outside()
 
     def _make_checkpointer(self, on_event: Callable[[dict[str, Any]], None]) -> Any:
         given = self._checkpoint
@@ -246,7 +262,7 @@ class Run:
         """``with run.data_wait(): batch = next(loader)`` -- counted as this step's data
         wait (or pass ``data_wait_s=`` to ``step_done``)."""
         self._check_open("data_wait")
-        return DataWait(self._add_wait)
+        return DataWait(self._add_wait, self._eval.outside)
 
     def _add_wait(self, seconds: float) -> None:
         self._wait_s += seconds
@@ -268,17 +284,21 @@ class Run:
         ``tokens``: the whole global step's tokens (all ranks). ``loss``: a tensor is fine
         (converted in the meter's thread). ``data_wait_s``: else what ``data_wait()``
         timed. ``compute_s``: else the time since the previous ``step_done`` less the data
-        wait. ``loader``: its ``metrics()`` go into the step record (names the meter owns
-        prefixed). ``tokens_seen``: the run's tokens so far, if you count them (else Run adds
-        up ``tokens``; both go into the checkpoint's COMMIT). ``extra``: more fields for the
-        step record. Returns the seconds the save blocked the loop.
+        wait and the evaluation (time an own ``data_wait_s``/``compute_s`` across an
+        evaluation on ``clock()``). The seconds inside ``phase("eval")`` since the previous
+        ``step_done`` are the record's ``eval_s``. ``loader``: its ``metrics()`` go into the
+        step record (names the meter owns prefixed). ``tokens_seen``: the run's tokens so
+        far, if you count them (else Run adds up ``tokens``; both go into the checkpoint's
+        COMMIT). ``extra``: more fields for the step record. Returns the seconds the save
+        blocked the loop.
 
         ``step``: an integer above the previous step (the first above ``start_step``) and
         below 2**53, else ``TypeError``/``ValueError`` here, before anything is saved or
         recorded (``run_support.check_step``)."""
         self._check_open("step_done")
         step = check_step(step, self.step, self.start_step)
-        now = time.perf_counter()
+        now, evaluated = self._eval.read()
+        eval_s, self._eval_seen = max(0.0, evaluated - self._eval_seen), evaluated
         wait = self._wait_s if data_wait_s is None else float(data_wait_s)
         self._wait_s = 0.0
         if compute_s is None:
@@ -299,11 +319,12 @@ class Run:
             compute_s=compute_s,
             checkpoint_block_s=block,
             loss=loss,
+            eval_s=eval_s,
             **extra,
         )
         self.watchdog.beat(step)  # liveness is loop progress, on every rank
         self.step = step
-        self._mark = time.perf_counter()
+        self._mark = self._eval.outside()
         return block
 
     def save(self, step: int, *, tokens_seen: int | None = None) -> float:
@@ -332,9 +353,21 @@ class Run:
         """A legitimately long part of the loop under its own watchdog deadline, for every
         rank of the job while this rank is inside it: ``with run.phase("eval"): ...``
         (``monitor.watchdog.phases.eval_s``; any identifier, default ``checkpoint_s``).
-        Phases nest; leaving one is progress. Call it on the ranks that do the work."""
+        Phases nest; leaving one is progress. Call it on the ranks that do the work.
+
+        ``"eval"`` is also what the goodput ledger books as evaluation: its seconds are the
+        next step record's ``eval_s`` (the ``eval`` bucket), never data wait, compute or
+        checkpoint time."""
         self._check_open("phase")
-        return self.watchdog.phase(name)
+        phase = self.watchdog.phase(name)
+        return EvalPhase(phase, self._eval) if name == EVAL_PHASE else phase
+
+    def clock(self) -> float:
+        """Seconds on a clock that stops inside ``phase("eval")`` (``time.perf_counter()``
+        less the evaluation so far): an interval timed on it holds no evaluation. For a loop
+        that passes its own ``data_wait_s``/``compute_s`` timed across an evaluation, as the
+        trainer callbacks do."""
+        return self._eval.outside()
 
     def _check_open(self, call: str) -> None:
         if self._state != "open" or self.meter is None:
@@ -364,7 +397,9 @@ class Run:
             if self.watchdog is not None:
                 self.watchdog.close()
             if self.meter is not None:
-                self.meter.close(crash_reason(error, self._signals.pending))
+                # an evaluation after the last step (a final one, or one a crash cut short)
+                tail = max(0.0, self._eval.read()[1] - self._eval_seen)
+                self.meter.close(crash_reason(error, self._signals.pending), eval_s=tail)
             if self._lease is not None:  # after job_end: the next job may start now
                 self._lease.release()
                 self._lease = None

@@ -64,10 +64,13 @@ def take_run_lease(
     job: str,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     say: Callable[[str], None],
+    share: bool = True,
 ) -> Lease | None:
     """Rank 0 takes ``run_dir``'s run lease; every rank of the process group learns the
     verdict. Returns rank 0's lease (None on the other ranks, or when rank 0 could not
-    write one). Raises ``RunDirInUseError`` on every rank when another live job holds it."""
+    write one). Raises ``RunDirInUseError`` on every rank when another live job holds it.
+    ``share=False``: no collective (rank 0's verdict stays its own): for a failure path on
+    which the other ranks may be anywhere."""
     verdict: tuple[str, str] = ("ok", "")
     lease: Lease | None = None
     if rank == 0:
@@ -83,7 +86,7 @@ def take_run_lease(
                 "started on this run directory would not be refused"
             )
     try:
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if share and dist.is_initialized() and dist.get_world_size() > 1:
             box = [verdict]
             dist.broadcast_object_list(box, src=0)
             verdict = box[0]

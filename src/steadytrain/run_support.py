@@ -1,7 +1,7 @@
 """Helpers of ``steadytrain.Run`` (run.py), kept out of its way so it reads top to bottom:
 the rendezvous-store check, fatal signals as exceptions, crash reasons, configs given as
-dicts, the data-wait stopwatch, and the checks of the loop's calls (the step number, a call
-on a Run that is not open)."""
+dicts, the data-wait stopwatch, the evaluation clock, and the checks of the loop's calls (the
+step number, a call on a Run that is not open)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ from steadytrain.printable import printable
 __all__ = [
     "CLEAN_REASONS",
     "DataWait",
+    "EVAL_PHASE",
+    "EvalClock",
+    "EvalPhase",
     "SignalGuard",
     "Terminated",
     "agent_store_warning",
@@ -162,18 +165,85 @@ def checkpointer_config(value: CheckpointerConfig | dict[str, Any] | None) -> Ch
 
 
 class DataWait:
-    """``with run.data_wait():`` -- adds the seconds inside to the step's data wait."""
+    """``with run.data_wait():`` -- adds the seconds inside to the step's data wait, timed on
+    ``clock`` (Run's: evaluation left out)."""
 
-    __slots__ = ("_add", "_t")
+    __slots__ = ("_add", "_clock", "_t")
 
-    def __init__(self, add: Callable[[float], None]) -> None:
-        self._add, self._t = add, 0.0
+    def __init__(
+        self, add: Callable[[float], None], clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self._add, self._clock, self._t = add, clock, 0.0
 
     def __enter__(self) -> None:
-        self._t = time.perf_counter()
+        self._t = self._clock()
 
     def __exit__(self, *_exc: Any) -> None:
-        self._add(time.perf_counter() - self._t)
+        self._add(self._clock() - self._t)
+
+
+# The declared phase whose time is the ledger's ``eval_s`` and the ``eval`` bucket.
+EVAL_PHASE = "eval"
+
+
+class EvalClock:
+    """The seconds spent inside ``eval`` phases, and a clock that leaves them out (issue 42:
+    an evaluation was booked as the next step's data wait, or as checkpoint blocking when it
+    fell on a save step).
+
+    ``read()`` gives ``(outside, inside)``: ``time.perf_counter()`` less every second spent
+    in evaluation so far, and those seconds. An interval timed on ``outside`` holds no
+    evaluation, whichever hooks it spans -- so the trainer callbacks, which time data waits
+    and saves across the Trainer's evaluations, time them on it; ``Run.step_done`` books
+    the ``inside`` seconds since the previous step as the step's ``eval_s``. Nested or
+    overlapping eval phases count once. Loop thread only: a counter and a clock read."""
+
+    __slots__ = ("_depth", "_since", "_done")
+
+    def __init__(self) -> None:
+        self._depth, self._since, self._done = 0, 0.0, 0.0
+
+    def enter(self) -> None:
+        if self._depth == 0:
+            self._since = time.perf_counter()
+        self._depth += 1
+
+    def leave(self) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            self._done += time.perf_counter() - self._since
+
+    def read(self) -> tuple[float, float]:
+        """``(perf_counter less the evaluation so far, the evaluation so far)``, one instant."""
+        now = time.perf_counter()
+        inside = self._done + (now - self._since if self._depth else 0.0)
+        return now - inside, inside
+
+    def outside(self) -> float:
+        return self.read()[0]
+
+
+class EvalPhase:
+    """``run.phase("eval")``: the watchdog's phase (its deadline, its hold on the other
+    ranks) with the evaluation clock running inside it. Left once, however often exited."""
+
+    __slots__ = ("_phase", "_clock", "_open")
+
+    def __init__(self, phase: Any, clock: EvalClock) -> None:
+        self._phase, self._clock, self._open = phase, clock, False
+
+    def __enter__(self) -> None:
+        self._phase.__enter__()
+        self._clock.enter()
+        self._open = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._open:
+            self._open = False
+            self._clock.leave()
+            self._phase.__exit__(*exc)
 
 
 def check_step(value: Any, previous: int, start_step: int) -> int:

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "e2e", "train"))
 
 from harness import REPO, env, kill_tree  # noqa: E402
@@ -130,6 +132,32 @@ def assert_finished_without_hang(run_dir: str, steps: int, stderr: str) -> None:
     assert not [r for r in records if r["type"] == "hang"], stderr[-4000:]
     assert [r["reason"] for r in records if r["type"] == "job_end"] == ["finished"]
     assert "[watchdog]" not in stderr and "[reaper]" not in stderr, stderr[-4000:]
+
+
+def assert_evaluations_are_eval(run_dir: str, evaluated_s: float, each_s: float) -> None:
+    """The ledger, the report and the plan of a run whose evaluations (``evaluated_s`` in
+    all, each at least ``each_s``) fall on its save steps 4 and 8: every evaluated second
+    is in ``eval`` (the eval phase spans the Trainer's own timing of it), none in a data
+    wait or a save, and ``plan --from-run`` plans from the saves' own cost."""
+    from steadytrain.monitor.ledger import read_ledger
+    from steadytrain.planning.from_run import plan_from_run
+
+    records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
+    steps = [r for r in records if r["type"] == "step"]
+    ckpts = [r for r in records if r["type"] == "checkpoint"]
+    assert [r["step"] for r in ckpts] == [4, 8]
+    for r in steps:  # no data wait and no save holds an evaluation
+        assert r["data_wait_s"] < each_s and r["checkpoint_block_s"] < each_s, r
+    rep = report(run_dir)
+    assert rep["badput_s"]["eval"] >= evaluated_s, rep["badput_s"]
+    assert rep["badput_s"]["data_wait"] + rep["badput_s"]["checkpoint_block"] < each_s
+    assert rep["ranks"][0]["data_wait_share"] < 0.5, rep["ranks"]
+    plan = plan_from_run(run_dir, simulate_runs=0)
+    measured = plan["measured"]
+    assert plan["sources"]["ckpt_cost_s"] == "measured"
+    assert plan["ckpt_cost_s"] == pytest.approx(sum(r["block_s"] for r in ckpts) / 2)
+    assert plan["ckpt_cost_s"] < each_s
+    assert measured["badput"]["eval"] == pytest.approx(rep["badput"]["eval"], rel=0.05)
 
 
 # The crash inside a save: rank 0 is killed once step SAVE_CRASH's shards are written and

@@ -6,7 +6,9 @@
 - ``hang``: the step never ends (the watchdog's deadlines are shortened by ``--floor``);
 - ``none``: nothing fails; with ``--eval steps|epoch`` the Trainer evaluates every 4 steps
   (on an 8-sample training set, i.e. at each epoch's end, for ``epoch``), each evaluation
-  taking ``--eval-s`` seconds, and writes its ``log_history`` to RUN_DIR/log_history.json.
+  taking ``--eval-s`` seconds, and saves every 4 steps too (so each evaluation falls on a
+  save step: right before the save for ``steps``, right after it for ``epoch``); its
+  ``log_history`` goes to RUN_DIR/log_history.json.
 
 Usage: python hf_trainer_worker.py DATASET RUN_DIR --fail raise|sigterm|hang|none [--at 3]
            [--eval steps|epoch --eval-s S]
@@ -79,7 +81,7 @@ def main() -> None:
         per_device_train_batch_size=2,
         per_device_eval_batch_size=2,
         logging_steps=1,
-        save_steps=100,
+        save_steps=4 if evaluating else 100,
         eval_strategy=args.eval,
         eval_steps=4,
         use_cpu=True,

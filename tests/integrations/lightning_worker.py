@@ -4,11 +4,15 @@
 - ``raise``: an exception in ``training_step`` (Lightning calls ``on_exception``);
 - ``sigterm``: SIGTERM to itself (Lightning's handler, then its ``SIGTERMException``);
 - ``hang``: the step never ends (the watchdog's deadlines are shortened by ``--floor``);
+- ``setup``: an exception in the module's ``setup`` (before ``on_train_start``);
 - ``none``: nothing fails; with ``--val-s S`` Lightning validates every 4 steps, each
-  validation taking S seconds, and their times go to RUN_DIR/validations.json.
+  validation taking S seconds, and their times go to RUN_DIR/validations.json. That run
+  also accumulates 2 micro-batches a step and saves every 4 steps (``ModelCheckpoint``,
+  on the steps it validates: the save first, then the validation), and the loss
+  ``training_step`` logs at each step's last micro-batch goes to RUN_DIR/losses.json.
 
-Usage: python lightning_worker.py DATASET RUN_DIR --fail raise|sigterm|hang|none [--at 3]
-           [--val-s S]
+Usage: python lightning_worker.py DATASET RUN_DIR --fail raise|sigterm|hang|setup|none
+           [--at 3] [--val-s S]
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning_callback import TinyLM  # noqa: E402
 
 from steadytrain import TokenDataset, TokenWindows  # noqa: E402
@@ -35,6 +40,11 @@ class Failing(TinyLM):
         super().__init__(vocab)
         self.how, self.at, self.val_s = how, at, val_s
         self.validations: list[dict[str, float]] = []
+        self.logged: dict[int, float] = {}  # step -> the loss self.log got last in it
+
+    def setup(self, stage: str) -> None:
+        if self.how == "setup":
+            raise ValueError("injected failure in setup")
 
     def validation_step(self, batch: dict[str, torch.Tensor], idx: int) -> None:
         time.sleep(self.val_s / VAL_BATCHES)  # a validation of val_s seconds in all
@@ -53,7 +63,10 @@ class Failing(TinyLM):
                 os.kill(os.getpid(), signal.SIGTERM)  # Lightning stops after this batch
             if self.how == "hang":
                 time.sleep(600)  # the watchdog ends the process long before
-        return super().training_step(batch, idx)
+        loss = super().training_step(batch, idx)
+        self.log("train_loss", loss)
+        self.logged[self.trainer.global_step + 1] = float(loss)  # the step it belongs to
+        return loss
 
 
 VAL_BATCHES = 2
@@ -63,7 +76,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("data")
     p.add_argument("run_dir")
-    p.add_argument("--fail", choices=["raise", "sigterm", "hang", "none"], required=True)
+    p.add_argument("--fail", choices=["raise", "sigterm", "hang", "setup", "none"], required=True)
     p.add_argument("--at", type=int, default=3)
     p.add_argument("--floor", type=float, default=2.0, help="watchdog deadlines (s)")
     p.add_argument("--val-s", type=float, default=0.0, help="seconds per validation")
@@ -73,18 +86,24 @@ def main() -> None:
     f = args.floor
     watchdog = {"floor_s": f, "init_s": f, "checkpoint_s": f, "poll_s": 0.2, "grace_s": 1.0}
     windows = TokenWindows(ds, 32, labels="next")
-    val: dict = {"limit_val_batches": 0}
+    val: dict = {"limit_val_batches": 0, "enable_checkpointing": False}
+    callbacks: list = [SteadytrainCallback(args.run_dir, monitor={"watchdog": watchdog})]
     if args.val_s:  # every 4 steps; its own deadline, longer than the step's and the save's
         watchdog["phases"] = {"eval_s": 5 * f}
-        val = {"val_check_interval": 4, "limit_val_batches": VAL_BATCHES,
-               "num_sanity_val_steps": 0}  # fmt: skip
+        # 2 micro-batches a step: every 8 batches is every 4 steps
+        val = {"val_check_interval": 8, "limit_val_batches": VAL_BATCHES,
+               "num_sanity_val_steps": 0, "accumulate_grad_batches": 2}  # fmt: skip
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=os.path.join(args.run_dir, "ckpt"), every_n_train_steps=4, save_top_k=-1
+            )
+        )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=8,
-        callbacks=[SteadytrainCallback(args.run_dir, monitor={"watchdog": watchdog})],
+        callbacks=callbacks,
         default_root_dir=args.run_dir,
-        enable_checkpointing=False,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -99,6 +118,8 @@ def main() -> None:
         trainer.fit(model, data)
     with open(os.path.join(args.run_dir, "validations.json"), "w") as out:
         json.dump(model.validations, out)
+    with open(os.path.join(args.run_dir, "losses.json"), "w") as out:
+        json.dump(model.logged, out)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,14 @@ import subprocess
 import sys
 
 import pytest
-from example_runs import CRASH_AT, STEPS, assert_finished_without_hang, finish, start_example
+from example_runs import (
+    CRASH_AT,
+    STEPS,
+    assert_evaluations_are_eval,
+    assert_finished_without_hang,
+    finish,
+    start_example,
+)
 
 from steadytrain.testing.incidents.common import report as _report
 
@@ -75,6 +82,11 @@ def test_hf_trainer_callback_records_crash_and_resume(dataset: str, tmp_path) ->
     assert rep["badput"]["startup"] > 0, rep["badput"]
     assert rep["badput"]["checkpoint_block"] > 0, rep["badput"]
     assert rep["last_step"] == STEPS
+    # The Trainer loaded checkpoint-8 before the callback's Run opened: in the start-up, and
+    # the Restores table says so (issue 42: it read "durable 0.00 s").
+    assert [(r["step"], r["tier"], r["seconds"], r["in_startup"]) for r in rep["restores"]] == [
+        (8, "trainer", None, True)
+    ]
 
 
 WORKER = os.path.join(os.path.dirname(__file__), "hf_trainer_worker.py")
@@ -142,7 +154,12 @@ def test_hf_trainer_evaluation_longer_than_the_step_deadline_is_no_hang(
     both FLOOR_S) every 4 steps used to end the job with exit 124 inside the evaluation:
     ``"epoch"`` evaluates after ``on_epoch_end``, where no phase was declared, ``"steps"``
     under the checkpoint's deadline. Each now runs in the declared ``"eval"`` phase under
-    its own deadline (``phases.eval_s``, 5 x FLOOR_S) and the job finishes."""
+    its own deadline (``phases.eval_s``, 5 x FLOOR_S) and the job finishes.
+
+    Issue 42: the Trainer also saves at each evaluated step (``"steps"``: evaluate, then
+    save; ``"epoch"``: save, then evaluate). The evaluations were booked as the next step's
+    data wait or as the save's blocking; they are now the ``eval`` bucket, and the plan
+    from this run takes the saves' own cost."""
     run_dir = str(tmp_path / strategy)
     cmd = [sys.executable, WORKER, dataset, run_dir, "--fail", "none", "--eval", strategy]
     proc = subprocess.run(
@@ -158,3 +175,4 @@ def test_hf_trainer_evaluation_longer_than_the_step_deadline_is_no_hang(
     assert [h["step"] for h in evals] == [4, 8]
     assert all(h["eval_runtime"] >= 2 * FLOOR_S for h in evals), evals
     assert_finished_without_hang(run_dir, 8, proc.stderr)
+    assert_evaluations_are_eval(run_dir, sum(h["eval_runtime"] for h in evals), 2 * FLOOR_S)

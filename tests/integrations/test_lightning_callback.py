@@ -28,6 +28,7 @@ from example_runs import (
     CRASH_AT,
     EXAMPLES,
     STEPS,
+    assert_evaluations_are_eval,
     assert_finished_without_hang,
     finish,
     start_example,
@@ -100,6 +101,10 @@ def test_lightning_crash_resume_is_exact_and_recorded(dataset: str, tmp_path, ra
     assert rep["badput"]["restart_gap"] > 0, rep["badput"]
     assert rep["badput"]["startup"] > 0, rep["badput"]
     assert rep["last_step"] == STEPS
+    # Lightning loaded last.ckpt before on_train_start: in the start-up, as the table says.
+    assert [(r["step"], r["tier"], r["seconds"], r["in_startup"]) for r in rep["restores"]] == [
+        (8, "trainer", None, True)
+    ]
 
 
 def _worker(dataset: str, run_dir: str, fail: str) -> subprocess.CompletedProcess:
@@ -114,17 +119,26 @@ def _worker(dataset: str, run_dir: str, fail: str) -> subprocess.CompletedProces
 
 @pytest.mark.parametrize(
     ("fail", "reason"),
-    [("raise", "error: ValueError: injected failure at step 3"), ("sigterm", "signal: SIGTERM")],
+    [
+        ("raise", "error: ValueError: injected failure at step 3"),
+        ("sigterm", "signal: SIGTERM"),
+        ("setup", "error: ValueError: injected failure in setup"),
+    ],
 )
 def test_lightning_callback_failure_is_a_crash(dataset, tmp_path, fail, reason) -> None:
+    """An exception in a step, SIGTERM, and (issue 42) an exception in ``setup``, before
+    ``on_train_start`` opened the callback's Run: that one left no ledger at all; now the
+    attempt and its crash are recorded (``on_exception``, ``record_failed_start``)."""
     from steadytrain.monitor.ledger import read_ledger
 
     run_dir = str(tmp_path / fail)
     proc = _worker(dataset, run_dir, fail)
-    assert fail != "raise" or proc.returncode == 1, proc.stderr[-4000:]
+    assert fail == "sigterm" or proc.returncode == 1, proc.stderr[-4000:]
     records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
     ends = [r["reason"] for r in records if r["type"] == "job_end"]
     assert ends == [reason], proc.stderr[-4000:]
+    starts = [r for r in records if r["type"] == "job_start"]
+    assert [(s["attempt"], s["restored_step"]) for s in starts] == [(0, 0)]
     rep = _report(run_dir)
     assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, reason)]
 
@@ -146,7 +160,13 @@ def test_lightning_validation_longer_than_the_step_deadline_is_no_hang(dataset, 
     """Issue 40: a validation of 2x the step deadline (and of the checkpoint deadline, both
     FLOOR_S) every 4 steps used to end the job with exit 124 inside ``validation_step``. It
     now runs in the declared ``"eval"`` phase under its own deadline (``phases.eval_s``,
-    5 x FLOOR_S) and the job finishes."""
+    5 x FLOOR_S) and the job finishes.
+
+    Issue 42, same run: ``ModelCheckpoint`` saves on the validated steps, right before each
+    validation, and each step accumulates 2 micro-batches. The validations were booked as
+    the save's blocking (or the next step's data wait); they are now the ``eval`` bucket,
+    the ranks table's data wait holds none of them, the plan takes the saves' own cost, and
+    the ledger's loss is the loss ``training_step`` logged (it was that loss / 2)."""
     run_dir = str(tmp_path / "val")
     proc = subprocess.run(
         [sys.executable, WORKER, dataset, run_dir, "--fail", "none",
@@ -162,6 +182,14 @@ def test_lightning_validation_longer_than_the_step_deadline_is_no_hang(dataset, 
     assert [v["step"] for v in vals] == [4, 8]
     assert all(v["s"] >= 2 * FLOOR_S for v in vals), vals
     assert_finished_without_hang(run_dir, 8, proc.stderr)
+    assert_evaluations_are_eval(run_dir, 0.99 * sum(v["s"] for v in vals), 2 * FLOOR_S)
+    with open(os.path.join(run_dir, "losses.json")) as f:
+        logged = {int(k): v for k, v in json.load(f).items()}
+    from steadytrain.monitor.ledger import read_ledger
+
+    steps = [r for r in read_ledger(os.path.join(run_dir, "ledger.jsonl")) if r["type"] == "step"]
+    assert sorted(logged) == [r["step"] for r in steps] == list(range(1, 9))
+    assert all(r["loss"] == pytest.approx(logged[r["step"]], rel=1e-6) for r in steps), steps
 
 
 def test_exact_resume_says_when_the_recipe_is_not_followed(dataset, tmp_path) -> None:

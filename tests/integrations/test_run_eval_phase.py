@@ -62,6 +62,17 @@ def test_an_evaluation_on_one_rank_holds_the_job_and_a_stop_inside_it_is_found(
     assert phase["phase"] == "eval" and phase["state"] == "closed"
     assert phase["closed_t"] - phase["entered_t"] >= 2 * FLOOR_S
     assert phase["deadline_s"] == EVAL_S
+    # Issue 42: rank 0's ledger books each evaluation as the next step's eval_s (the eval
+    # bucket), never as its compute, data wait or checkpoint block.
+    steps = {r["step"]: r for r in recs if r["type"] == "step"}
+    after_eval = (EVERY + 1, 2 * EVERY + 1)  # the steps after each evaluation
+    for s in after_eval:
+        r = steps[s]
+        assert r["eval_s"] >= 2 * FLOOR_S, r
+        assert r["data_wait_s"] + r["compute_s"] + r["checkpoint_block_s"] <= (
+            r["step_s"] - r["eval_s"] + 1e-6
+        ), r
+    assert all(r["eval_s"] == 0 for s, r in steps.items() if s not in after_eval), steps
 
     # -- (b) rank 1 stopped inside the evaluation: a hang at the eval deadline -------------
     recs = read_ledger(os.path.join(stopped, "ledger.jsonl"))

@@ -72,6 +72,8 @@ def simulate(fault: str | None) -> Timeline:
             compute += STALL_S  # a throttled device: the step itself is slower
         elif fault == "checkpoint" and n > 0 and step % 2 == 0:
             block, saved = jitter(SAVE_S), True
+        elif fault == "eval" and n > 0 and step % 2 == 0:
+            extra["eval_s"] = jitter(SAVE_S)  # an evaluation before every 2nd step
         tl.step(
             step,
             tokens=BATCH * DIM,
@@ -104,6 +106,14 @@ def run(run_dir, fault: str | None):
 def test_a_healthy_run_raises_no_alert(tmp_path):
     alerts, _, _ = run(tmp_path, None)
     assert alerts == {}
+
+
+def test_evaluations_between_steps_are_no_throughput_drop(tmp_path):
+    """Issue 42: an evaluation (``eval_s``, its own bucket) is no part of the loop's
+    throughput: evaluations 12x a step long before every 2nd step raise no alert."""
+    alerts, meter, _ = run(tmp_path, "eval")
+    assert alerts == {}
+    assert meter.breakdown().badput_s["eval"] > 10 * SAVE_S
 
 
 def test_slow_storage_is_diagnosed_as_storage(tmp_path):

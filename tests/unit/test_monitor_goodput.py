@@ -35,7 +35,7 @@ def start(t, attempt=0, restored=0, startup=0.0, restore=0.0):
     }
 
 
-def step(t, s, step_s=1.0, compute=0.8, dw=0.1, cb=0.0, tokens=100):
+def step(t, s, step_s=1.0, compute=0.8, dw=0.1, cb=0.0, tokens=100, ev=0.0):
     return {
         "type": "step",
         "t": t,
@@ -45,6 +45,7 @@ def step(t, s, step_s=1.0, compute=0.8, dw=0.1, cb=0.0, tokens=100):
         "data_wait_s": dw,
         "compute_s": compute,
         "checkpoint_block_s": cb,
+        "eval_s": ev,
         "loss": None,
     }
 
@@ -165,6 +166,46 @@ def test_productive_time_is_capped_by_the_step():
     assert productive_s(step(0, 1, step_s=1.0, compute=5.0, dw=0.3, cb=0.2)) == pytest.approx(0.5)
     rec = step(0, 1, step_s=1.0, dw=0.3)
     del rec["compute_s"]
+    assert productive_s(rec) == pytest.approx(0.7)
+
+
+def test_evaluation_is_its_own_bucket_never_data_wait_checkpoint_or_goodput():
+    """Issue 42: each 4th step's record carries the evaluation before it (``eval_s``, 3 s)
+    beside its own data wait, compute and save. The 6 s go to ``eval``; data_wait and
+    checkpoint_block hold only what the steps waited; ``other`` only the loop's remainder."""
+    recs = [start(100.0)]
+    t = 100.0
+    for s in range(1, 9):
+        ev = 3.0 if s % 4 == 0 else 0.0
+        t += 1.0 + ev
+        recs.append(step(t, s, step_s=1.0 + ev, compute=0.7, dw=0.1, cb=0.1, ev=ev))
+    b = compute_goodput(recs)
+    assert b.total_s == pytest.approx(14.0)
+    assert b.badput_s["eval"] == pytest.approx(6.0)
+    assert b.badput_s["data_wait"] == pytest.approx(0.8)
+    assert b.badput_s["checkpoint_block"] == pytest.approx(0.8)
+    assert b.goodput_s == pytest.approx(5.6)
+    assert b.badput_s["other"] == pytest.approx(0.8)
+    assert list(BUCKETS).index("eval") < list(BUCKETS).index("other")
+    assert_sums(b)
+    # The live meter's restart snapshot carries it; an older (version 3) state without the
+    # bucket loads with 0 (its records had no eval_s).
+    acc = GoodputAccumulator()
+    for rec in recs:
+        acc.add(rec)
+    sd = json.loads(json.dumps(acc.state_dict()))
+    again = GoodputAccumulator()
+    again.load_state_dict(sd)
+    assert again.breakdown().badput_s["eval"] == pytest.approx(6.0)
+    del sd["sums"]["eval"]
+    old = GoodputAccumulator()
+    old.load_state_dict(sd)
+    assert old.breakdown().badput_s["eval"] == 0.0
+
+
+def test_an_evaluation_caps_the_productive_time_of_its_step():
+    # A caller whose compute_s wrongly spans the evaluation still books no eval as work.
+    rec = step(0, 1, step_s=5.0, compute=4.5, dw=0.2, cb=0.1, ev=4.0)
     assert productive_s(rec) == pytest.approx(0.7)
 
 

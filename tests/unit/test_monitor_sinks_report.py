@@ -24,6 +24,7 @@ from steadytrain.testing.synthetic import Timeline, feed
 
 CFG = AlertConfig(window=6, warmup=2, baseline=8, band_tolerance=0.5, max_recovery_age_s=None)
 STALL_S = 0.03  # the data source stalls from step 28 of the second attempt on
+EVAL_S = 0.05  # an evaluation before steps 15 and 35 (the ``eval`` phase): its own bucket
 
 
 def _attempt(tl: Timeline, steps, restored: int, stall_from: int | None = None) -> None:
@@ -36,6 +37,7 @@ def _attempt(tl: Timeline, steps, restored: int, stall_from: int | None = None) 
             data_wait_s=0.0002 + (STALL_S if stalled else 0.0),
             compute_s=0.006 + 0.0001 * (step % 3),  # a little jitter
             other_s=0.0003,
+            eval_s=EVAL_S if step % 20 == 15 else 0.0,
             loss=1.0 / step,
             cache_misses=0,
             read_p99_s=0.001,
@@ -117,6 +119,9 @@ def test_mlflow_metrics_read_back_from_sqlite(run):
     tps = client.get_metric_history(run_id, "tokens_per_s")
     assert len(tps) == 44 and all(m.value > 0 for m in tps)
     assert len(client.get_metric_history(run_id, "checkpoint_block_s")) == 44
+    evals = {m.step: m.value for m in client.get_metric_history(run_id, "eval_s")}
+    assert {k for k, v in evals.items() if v} == {15, 35}
+    assert evals[15] == pytest.approx(EVAL_S) and evals[35] == pytest.approx(EVAL_S)
     gp = client.get_metric_history(run_id, "goodput")
     assert gp and all(0 < m.value <= 1 for m in gp)
     db = client.get_metric_history(run_id, "dataloader/fetch_seconds/rank_0")
@@ -150,6 +155,9 @@ def test_report_renders_from_the_run(run, tmp_path):
     assert 0 < s["goodput"] < 1
     assert s["attempts"] == 2 and s["steps_lost"] == 4
     assert s["badput_s"]["lost_to_failures"] > 0 and s["badput_s"]["data_wait"] > 0
+    # The evaluations are their own bucket, in the breakdown and on the goodput bar.
+    assert s["badput_s"]["eval"] == pytest.approx(2 * EVAL_S)
+    assert s["plotted"]["goodput"]["segments"]["eval"] == pytest.approx(s["badput"]["eval"])
     # one rank: no straggler incident; the live alert (rank 0's own ledger) is kept
     assert any(i["diagnosis"] == "data loading" for i in s["alerts"])
     html = (tmp_path / "rep" / "report.html").read_text()
@@ -172,11 +180,15 @@ def test_report_cli_json(run, tmp_path, capsys):
         "restore",
         "data_wait",
         "checkpoint_block",
+        "eval",
         "lost_to_failures",
         "restart_gap",
         "other",
     }
     assert out["html"].endswith("report.html")
+    assert main(["report", str(run["dir"]), "--out", str(tmp_path)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] == ["eval"])
+    assert float(line.split("(")[1].split()[0]) == pytest.approx(2 * EVAL_S, abs=0.05)
 
 
 def test_report_cli_missing_ledger_is_a_clear_error(tmp_path, capsys):

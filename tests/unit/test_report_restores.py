@@ -220,6 +220,42 @@ def test_a_refused_snapshot_counts_its_blocking_and_error(tmp_path: Path) -> Non
     assert snaps["block_s"] == pytest.approx(0.05)
 
 
+def test_a_trainers_own_restore_says_its_load_is_in_start_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 42: the HF and Lightning callbacks' restore (``TrainerSaves``: the Trainer loaded
+    its checkpoint before the callback's Run opened, inside the start-up) read "durable
+    0.00 s" in the Restores table. Its record now says tier ``trainer``, and every view says
+    the load is in start-up, with no seconds of its own; it is no durable restore."""
+    from steadytrain.integrations.hooks import TrainerSaves
+
+    tl = Timeline(t0=1_000_000.0)
+    tl.job_start(attempt=0, startup_s=2.0)
+    _steps(tl, 1, 6, memory=False, save_at=(4,))
+    tl.advance(3.0)
+    tl.job_start(attempt=1, restored_step=4, startup_s=5.0)  # the load is in these 5 s
+    saves = TrainerSaves(4, "out/checkpoint-4")
+    saves.on_event = tl.event
+    assert saves.restore_latest({}) == 4
+    _steps(tl, 5, 8, memory=False)
+    run = _write(tmp_path / "run", tl.records)
+    s = json.loads(_cli(capsys, str(run), "--out", str(tmp_path / "out"), "--json"))
+    row = s["restores"][0]
+    assert {k: row[k] for k in KEYS} == {
+        "attempt": 1, "step": 4, "tier": "trainer", "seconds": None, "steps_lost": 2,
+    }  # fmt: skip
+    assert row["in_startup"] is True
+    assert s["restores_by_tier"]["durable"]["count"] == 0
+    assert s["restores_by_tier"]["trainer"] == {"count": 1, "seconds": 0.0, "steps_lost": 2}
+    text = _cli(capsys, str(run), "--out", str(tmp_path / "out"))
+    lines = text.splitlines()
+    at = lines.index("Restores:")
+    assert lines[at + 2].split() == ["1", "4", "trainer", "in", "start-up", "2"]
+    assert "inside the startup bucket" in lines[at + 3]
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "<td>trainer</td><td>in start-up</td><td>2</td>" in page
+
+
 def test_what_each_restore_passed_over_is_in_the_report_fresh_starts_included(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -29,11 +29,15 @@ How the Trainer's hooks map onto ``steadytrain.Run`` (``run.py``):
 - ``on_train_begin`` opens a ``Run`` on every rank (rank and world size from the
   ``TrainingArguments``) with ``TrainerSaves`` as its checkpoint: Run saves nothing, its
   ``start_step`` is the Trainer's restored ``global_step``. The Trainer loaded its
-  checkpoint before this hook, so the load is booked as start-up.
+  checkpoint before this hook, so the load is booked as start-up (the Restores table says
+  "in start-up").
 - a step's data wait is the time from the end of the previous step's hooks (log, save,
   evaluate) to ``on_step_begin`` (the Trainer fetches the step's batches there); its
   compute is ``on_step_begin`` to ``on_step_end``; a save's time (``on_step_end`` to
-  ``on_save``) is its ``checkpoint_block_s`` and a checkpoint record in the ledger.
+  ``on_save``) is its ``checkpoint_block_s`` and a checkpoint record in the ledger. Every
+  interval is timed on ``Run.clock``, which stops inside the ``"eval"`` phase: an
+  evaluation is the ledger's ``eval`` bucket, never the next step's data wait nor, when it
+  falls on a save step, the save's blocking.
 - the step is reported (``Run.step_done``: the ledger record, the watchdog's beat) at
   ``on_step_end``, or, when the Trainer logs or saves at that step, once ``on_log`` brought
   the loss and ``on_save`` the save's time.
@@ -55,7 +59,6 @@ How the Trainer's hooks map onto ``steadytrain.Run`` (``run.py``):
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 from transformers import TrainerCallback
@@ -83,7 +86,7 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
     """
 
     def _init_trainer_state(self) -> None:
-        self._ready = self._begin = time.perf_counter()
+        self._ready = self._begin = self._now()
         self._tokens_seen = 0
 
     # -- open / close ----------------------------------------------------------------------
@@ -110,7 +113,7 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
             self._guard.install()
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self._pending = None
-        self._ready = time.perf_counter()
+        self._ready = self._now()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close(None)
@@ -133,12 +136,12 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
             return
         self._end_phase()
         self._flush()
-        self._begin = time.perf_counter()
+        self._begin = self._now()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.run is None:
             return
-        now = time.perf_counter()
+        now = self._now()
         self._pending = {
             "step": int(state.global_step),
             "tokens": self._step_tokens(state),
@@ -186,7 +189,7 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
             return
         if self._saves is not None:  # the Trainer's own save (else Run.save timed it)
             path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
-            self._saves.saved(state.global_step, time.perf_counter() - p["end"], path)
+            self._saves.saved(state.global_step, self._now() - p["end"], path)
         p["wait_save"] = False
         self._maybe_flush()
 
@@ -212,7 +215,7 @@ class SteadytrainCallback(CallbackState, TrainerCallback):
             data_wait_s=p["data_wait_s"],
             compute_s=p["compute_s"],
         )
-        self._ready = time.perf_counter()
+        self._ready = self._now()
 
     def _end_phase(self) -> None:
         phase, self._phase = self._phase, None

@@ -7,6 +7,8 @@ A callback opens the ``Run`` in one hook and closes it in another, so it cannot 
   nothing; it tells Run the step the trainer restored (Run's ``start_step``), and hands the
   trainer's own saves to Run as checkpoint events whose blocking time goes into the step
   record (``checkpoint_block_s``), exactly as a steadytrain save would.
+- ``record_failed_start``: the attempt of a trainer that failed before the callback's Run
+  opened (Lightning's ``setup`` or sanity check), so the report still shows it and why.
 - ``ExitGuard``: closes the Run as a crash when the process leaves without the trainer's
   end hook: an uncaught exception (``sys.excepthook``: a gloo "Connection reset by peer"
   after a peer died, an OOM), SIGTERM (torchrun stopping the survivors, preemption: Run
@@ -22,12 +24,17 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from steadytrain.run_support import Terminated
+from steadytrain.monitor.meter import GoodputMeter
+from steadytrain.run import PROCESS_START
+from steadytrain.run_identity import establish as establish_identity
+from steadytrain.run_lease import lease_settings, take_run_lease
+from steadytrain.run_support import Terminated, crash_reason, meter_config, say
 
-__all__ = ["CallbackState", "ExitGuard", "TrainerSaves"]
+__all__ = ["CallbackState", "ExitGuard", "TrainerSaves", "record_failed_start"]
 
 
 class CallbackState:
@@ -69,6 +76,13 @@ class CallbackState:
     def _init_trainer_state(self) -> None:
         """A callback's own per-step state (its timers and counters)."""
 
+    def _now(self, run: Any = None) -> float:
+        """The callbacks' one clock: the Run's, which stops inside the ``eval`` phase
+        (``Run.clock``), so a data wait or a save timed across the Trainer's evaluation holds
+        none of it (issue 42); before a Run opens, ``perf_counter`` (the same until then)."""
+        run = run if run is not None else self.run
+        return run.clock() if run is not None else time.perf_counter()
+
     def attach(self, run: Any) -> None:
         """Record into ``run`` from the next train start on, instead of opening a Run with
         ``TrainerSaves``: its owner (the steadytrain strategy or Trainer, which save through
@@ -100,23 +114,32 @@ class TrainerSaves:
     """A ``checkpoint=`` for ``Run`` when the trainer saves and restores by itself.
 
     ``restored_step``/``restored_path``: what the trainer loaded before the callback's Run
-    opened (its load is then part of the start-up: it happened before ``job_start``).
+    opened. Its load is part of the start-up (it happened before ``job_start``), so the
+    ``restore`` record says ``tier: "trainer"`` and the report's Restores table "in
+    start-up", not a durable restore of 0 s. ``restored_step=None``: not known (the trainer
+    failed before it restored): no ``restore`` record, and Run keeps the ledger's position.
     ``saved(step, block_s, path)`` after each of the trainer's saves; Run's next
     ``step_done`` picks it up through ``maybe_save``."""
 
-    def __init__(self, restored_step: int = 0, restored_path: str = "") -> None:
-        self.restored_step, self.restored_path = int(restored_step), restored_path
+    TIER = "trainer"  # the restore record's tier: loaded by the trainer, inside start-up
+
+    def __init__(self, restored_step: int | None = 0, restored_path: str = "") -> None:
+        self.restored_step = None if restored_step is None else int(restored_step)
+        self.restored_path = restored_path
         self.on_event: Callable[[dict[str, Any]], None] | None = None
         self.last_event: dict[str, Any] | None = None
         self.tokens_seen = 0
         self._saved: dict[str, Any] | None = None
 
-    def restore_latest(self, _states: dict[str, Any]) -> int:
+    def restore_latest(self, _states: dict[str, Any]) -> int | None:
+        if self.restored_step is None:
+            return None
         self._emit(
             {
                 "type": "restore",
                 "step": self.restored_step,
-                "restore_s": 0.0,
+                "restore_s": 0.0,  # in the start-up (its tier says so)
+                "tier": self.TIER,
                 "path": self.restored_path,
                 "skipped": [],
                 "tokens_seen": 0,
@@ -212,3 +235,48 @@ class ExitGuard:
             self._fire(Terminated(self.signum))
         else:
             self._fire(RuntimeError(f"the process exited before {self._what}"))
+
+
+def record_failed_start(
+    run_dir: str, rank: int, world_size: int, exc: BaseException, run_kw: dict[str, Any]
+) -> None:
+    """Record the attempt of a trainer that failed before its callback opened the ``Run``
+    (Lightning's ``setup`` or sanity check, before ``on_train_start``): a ``job_start`` and
+    the crash's ``job_end`` in rank 0's ledger, so the report lists the attempt and its
+    reason (issue 42: such a crash left no ledger at all). ``run_kw``: the callback's
+    ``monitor``/``config``/``device``.
+
+    Not through ``Run``: its entry is collective (the lease verdict, the attempt id) and
+    after a failure the other ranks may be anywhere, so rank 0 alone records, under the run
+    lease taken without a collective (another live job's directory gets nothing). The
+    restore point is unknown: ``job_start`` keeps the ledger's own position, so nothing is
+    charged as redone here (the attempt that does restore charges it). The start-up is the
+    process's whole life so far. Never raises: the trainer's exception is what matters."""
+    if rank != 0:
+        return
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        job, timeout_s = lease_settings(None)
+        lease = take_run_lease(run_dir, 0, job=job, timeout_s=timeout_s, say=say, share=False)
+    except Exception as e:  # noqa: BLE001 - another live job holds RUN_DIR: nothing there
+        say(f"warning: the failed start is not recorded in {run_dir} ({e})")
+        return
+    try:
+        meter = GoodputMeter(
+            run_dir, rank=0, world_size=world_size, config=meter_config(run_kw.get("monitor"))
+        )
+        try:
+            meter.job_start(
+                restored_step=meter.position,
+                startup_s=max(0.0, time.time() - PROCESS_START),
+                config=run_kw.get("config"),
+                device=run_kw.get("device"),
+                run_nonce=establish_identity(run_dir).nonce,
+            )
+        finally:
+            meter.close(crash_reason(exc))
+    except Exception as e:  # noqa: BLE001 - recording is best effort on a failure path
+        say(f"warning: the failed start could not be recorded in {run_dir} ({e})")
+    finally:
+        if lease is not None:
+            lease.release()

@@ -265,7 +265,8 @@ class AlertEngine:
     def _step(self, rec: dict[str, Any]) -> list[dict[str, Any]]:
         c = self.cfg
         s = {
-            "step_s": float(rec.get("step_s") or 0.0),
+            # an evaluation between steps is not the loop's throughput (issue 42)
+            "step_s": max(0.0, float(rec.get("step_s") or 0.0) - float(rec.get("eval_s") or 0)),
             "tokens": int(rec.get("tokens") or 0),
             "data_wait_s": float(rec.get("data_wait_s") or 0.0),
             "checkpoint_block_s": float(rec.get("checkpoint_block_s") or 0.0),

@@ -3,7 +3,8 @@
 Definitions follow the buckets of Google's ml-goodput-measurement
 (https://github.com/AI-Hypercomputer/ml-goodput-measurement, ``goodput_utils.BadputType``:
 PROGRAM_STARTUP, TRAINING_PREP, DATA_LOADING, UNPRODUCTIVE_CHECKPOINT_SAVE_TIME,
-UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME, WASTED_PROGRESS_FROM_DISRUPTION, OTHER), where
+UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME, WASTED_PROGRESS_FROM_DISRUPTION, CUSTOM_BADPUT_EVENTS,
+OTHER), where
 "goodput is the share of wall-clock time spent on preserved, productive work: training
 steps that completed and were not lost to a restart or rollback".
 
@@ -12,7 +13,8 @@ Over the whole job (every attempt in the ledger):
 * ``total_s`` = end - start, where start is the first attempt's process start
   (``job_start.t - startup_s - restore_s``) and end is the last record (or ``now``).
 * productive time of a step = ``compute_s`` (forward, backward, optimizer), capped at
-  ``step_s - data_wait_s - checkpoint_block_s``; if a record has no ``compute_s``, that cap.
+  ``step_s - data_wait_s - checkpoint_block_s - eval_s``; if a record has no ``compute_s``,
+  that cap.
 * ``goodput_s`` = productive time of the steps that were **kept**. A step ``s`` recorded by
   attempt ``a`` is superseded when a later attempt restores a step ``< s`` and redoes it.
 * badput buckets (seconds; they and ``goodput_s`` sum to ``total_s``):
@@ -23,6 +25,12 @@ Over the whole job (every attempt in the ledger):
   - ``checkpoint_block``: ``checkpoint_block_s`` of every step record (the part of a save
     the loop waited for; the background part of an async save is charged under ``slowdown``
     when it slows the steps that run beside it);
+  - ``eval``: ``eval_s`` of every step record (time inside the declared ``eval`` phase since
+    the previous step: ``with run.phase("eval")``, the trainer callbacks' evaluations) and of
+    a ``job_end`` (an evaluation after the last step). Badput,
+    as Google's library books an evaluation (a ``CUSTOM_BADPUT_EVENTS`` entry such as
+    ``EVAL_STEP``): it does not advance the model, so it is not goodput; it is a bucket of its
+    own so that it is never read as data wait or checkpoint time (issue 42);
   - ``slowdown``: productive time a background checkpoint write cost the steps beside it
     (the one that found it finished pro rata): ``max(0, their productive sum - n x
     baseline)`` per write, against the attempt's baseline step (``monitor/slowdown.py``
@@ -36,8 +44,8 @@ Over the whole job (every attempt in the ledger):
     the next one (failure detection, rescheduling, queueing); a ``hang`` record is not a
     "last record": a hung attempt's gap starts at its last step, so the time the watchdog
     took to detect the hang is charged here too;
-  - ``other``: the rest (loop overhead between ``next()`` and the step, logging, eval, the
-    tail after the last step).
+  - ``other``: the rest (loop overhead between ``next()`` and the step, logging, the tail
+    after the last step).
 
 Waits of superseded steps stay in their own buckets: they were waits either way.
 ``recovery_point_age_s`` = end - time of the newest committed (``ok``) checkpoint (end -
@@ -73,6 +81,7 @@ BUCKETS = (
     "restore",
     "data_wait",
     "checkpoint_block",
+    "eval",
     "slowdown",
     "lost_to_failures",
     "restart_gap",
@@ -90,6 +99,9 @@ _MAX_CHECKPOINTS = 64
 # unmeasured count (a version-2 state loads with both empty).
 STATE_VERSION = 3
 _LOADABLE_VERSIONS = (2, 3)
+# Buckets added since a loadable version: an older state has none of their seconds (its
+# records had no such field), so they load as 0 rather than forcing a full replay.
+_ADDED_BUCKETS = ("eval",)
 
 
 def _sec(v: Any) -> float:
@@ -115,6 +127,7 @@ def productive_s(rec: dict[str, Any]) -> float:
     """Productive seconds of one step record (see module docstring)."""
     step_s = _sec(rec.get("step_s"))
     waits = _sec(rec.get("data_wait_s")) + _sec(rec.get("checkpoint_block_s"))
+    waits += _sec(rec.get("eval_s"))
     cap = max(0.0, step_s - waits)
     compute = rec.get("compute_s")
     if compute is None:
@@ -243,8 +256,10 @@ class GoodputAccumulator:
             self._step(rec)
         elif kind == "checkpoint" and rec.get("ok", True):
             self._checkpoint(_int(rec.get("step")), t)
-        elif kind == "job_end" and self._attempt is not None:
-            self._attempt["reason"] = rec.get("reason", "finished")
+        elif kind == "job_end":
+            self.sums["eval"] += _sec(rec.get("eval_s"))  # an evaluation after the last step
+            if self._attempt is not None:
+                self._attempt["reason"] = rec.get("reason", "finished")
         elif kind == "hang":
             # Its attempt ended at the hang's onset (its last step), so the time from there to
             # the next process start is restart_gap: its t (detection) must not move the end.
@@ -326,6 +341,7 @@ class GoodputAccumulator:
         self.productive_all += p
         self.sums["data_wait"] += _sec(rec.get("data_wait_s"))
         self.sums["checkpoint_block"] += block
+        self.sums["eval"] += _sec(rec.get("eval_s"))
         self.steps_recorded += n
         c, tokens = self.cum, _int(rec.get("tokens"))
         self.cum = (c[0] + p, c[1] + tokens, c[2] + n)
@@ -413,7 +429,10 @@ class GoodputAccumulator:
 
         self.start = sd["start"]
         self.last_t = sd["last_t"]
-        self.sums = {k: float(sd["sums"][k]) for k in BUCKETS}
+        sums = sd["sums"]
+        self.sums = {
+            k: float(sums.get(k, 0.0) if k in _ADDED_BUCKETS else sums[k]) for k in BUCKETS
+        }
         self.productive_all = float(sd["productive_all"])
         self.attempts = int(sd["attempts"])
         self.steps_recorded = int(sd["steps_recorded"])
@@ -499,7 +518,8 @@ def data_stall_share(b: Breakdown) -> float:
     is stalled like one waiting for data: the planner's model has one term for all.
 
     This is the planner's ``s`` (docs/planning.md): its model charges checkpoint blocks,
-    restarts and lost work separately, so they stay out of the denominator. 0 when no step
+    restarts and lost work separately, so they stay out of the denominator; so does
+    evaluation (``eval``), which the model has no term for. 0 when no step
     was recorded.
     """
     wait = sum(b.badput_s.get(k, 0.0) for k in STALLS)

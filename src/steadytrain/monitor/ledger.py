@@ -268,6 +268,7 @@ def step_record(
     compute_s: float | None,
     checkpoint_block_s: float,
     loss: float | None,
+    eval_s: float = 0.0,
 ) -> dict[str, Any]:
     """The ledger's ``step`` record (docs/format.md, part E): the one place it is built."""
     return {
@@ -279,5 +280,6 @@ def step_record(
         "data_wait_s": data_wait_s,
         "compute_s": compute_s,
         "checkpoint_block_s": checkpoint_block_s,
+        "eval_s": eval_s,
         "loss": loss,
     }

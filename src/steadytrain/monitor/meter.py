@@ -271,9 +271,13 @@ class GoodputMeter:
         compute_s: float,
         checkpoint_block_s: float = 0.0,
         loss: Any = None,
+        eval_s: float = 0.0,
         **extra: Any,
     ) -> None:
         """Record one finished global step (``tokens``: tokens of the step over all ranks).
+        ``eval_s``: seconds spent evaluating since the previous step (``Run`` passes the time
+        inside its ``eval`` phases), kept out of ``data_wait_s``, ``compute_s`` and
+        ``checkpoint_block_s``: the goodput breakdown books it as ``eval``.
         ``step`` is an integer (a numpy or torch integer too): anything else is refused here,
         in the caller's thread, not by a traceback in the meter's."""
         try:
@@ -285,13 +289,14 @@ class GoodputMeter:
         now = time.monotonic()
         if self._last_mono is None:  # job_start() was not called: start the clock here
             self.job_start(restored_step=max(0, step - 1))
-            step_s = data_wait_s + compute_s + checkpoint_block_s
+            step_s = data_wait_s + compute_s + checkpoint_block_s + eval_s
         else:
             step_s = now - self._last_mono
         self._last_mono = now
         self._last_step = step
+        t = time.time()
         rec = step_record(
-            time.time(), step, tokens, step_s, data_wait_s, compute_s, checkpoint_block_s, loss
+            t, step, tokens, step_s, data_wait_s, compute_s, checkpoint_block_s, loss, eval_s
         )
         if extra:
             rec.update(extra)
@@ -331,8 +336,10 @@ class GoodputMeter:
                 return False
             time.sleep(0.002)  # the loop records the step right after maybe_save returns
 
-    def close(self, reason: str = "finished") -> None:
-        """Write ``job_end``, drain the queue, fsync the ledger, close every sink."""
+    def close(self, reason: str = "finished", eval_s: float = 0.0) -> None:
+        """Write ``job_end``, drain the queue, fsync the ledger, close every sink.
+        ``eval_s``: seconds evaluated after the last step (in the ``job_end``: no step
+        record follows to carry them)."""
         if not getattr(self, "recording", False) or getattr(self, "_closed", True):
             return
         self._closed = True
@@ -343,12 +350,19 @@ class GoodputMeter:
         # drain: closing must then be a no-op, not an AttributeError at interpreter exit.
         writer = getattr(self, "_writer", None)
         if writer is not None:
-            writer.put(
-                {"type": "job_end", "t": time.time(), "step": self._last_step, "reason": reason}
-            )
+            end = {"type": "job_end", "t": time.time(), "step": self._last_step, "reason": reason}
+            if eval_s > 0:
+                end["eval_s"] = float(eval_s)
+            writer.put(end)
             writer.close()
         if hasattr(self, "_rss"):
             self._rss.close()
+
+    @property
+    def position(self) -> int:
+        """The step the job's timeline is at: on rank 0 the newest step of the ledger's
+        history that is still kept (after rollbacks), elsewhere this rank's last step."""
+        return self._acc.last_step if self.enabled else self._last_step
 
     def breakdown(self, now: float | None = None) -> Breakdown:
         """Goodput so far, all attempts included (consistent after ``flush``/``close``)."""

@@ -109,8 +109,9 @@ class MlflowSink:
     Default store: ``sqlite:///RUN_DIR/mlflow.db``. The MLflow run id is kept in
     ``RUN_DIR/mlflow_run.json`` so every attempt of a job logs into the same MLflow run.
     Per step (or, when steps are faster than ``every_s``, one point per ``every_s`` holding
-    the mean per step; ``checkpoint_block_s`` summed): ``loss``, ``tokens_per_s``,
-    ``fetch_seconds``, ``checkpoint_block_s``, ``step_s``, ``compute_s``, ``rss_bytes``,
+    the mean per step; ``checkpoint_block_s`` and ``eval_s`` summed): ``loss``,
+    ``tokens_per_s``, ``fetch_seconds``, ``checkpoint_block_s``, ``eval_s`` (the seconds
+    spent evaluating: the ``eval`` bucket), ``step_s``, ``compute_s``, ``rss_bytes``,
     ``shm_bytes``, ``goodput`` (the run's goodput so far, all attempts); every
     ``window_s``: the Databricks DataLoader names ``dataloader/fetch_seconds/rank_{R}`` and
     ``dataloader/between_next_seconds/rank_{R}`` (window means) with ``..._variance``
@@ -128,11 +129,13 @@ class MlflowSink:
         "loss": "loss",
         "data_wait_s": "fetch_seconds",
         "checkpoint_block_s": "checkpoint_block_s",
+        "eval_s": "eval_s",
         "step_s": "step_s",
         "compute_s": "compute_s",
         "rss_bytes": "rss_bytes",
         "shm_bytes": "shm_bytes",
     }
+    SUMMED = ("checkpoint_block_s", "eval_s")
 
     def __init__(
         self,
@@ -252,7 +255,7 @@ class MlflowSink:
         a["n"] += 1
         a["step"] = int(r.get("step", 0))
         a["t"] = r["t"]
-        for key in ("loss", "data_wait_s", "checkpoint_block_s", "step_s", "compute_s"):
+        for key in ("loss", "data_wait_s", "checkpoint_block_s", "eval_s", "step_s", "compute_s"):
             v = r.get(key)
             if v is not None:
                 a[key] = a.get(key, 0.0) + float(v)
@@ -287,7 +290,8 @@ class MlflowSink:
                 if key in a:
                     out.append(Metric(name, a[key], ts, step))
             elif key in a:
-                value = a[key] if key == "checkpoint_block_s" else a[key] / a[key + "#n"]
+                summed = key in self.SUMMED  # occasional events: the point's total
+                value = a[key] if summed else a[key] / a[key + "#n"]
                 out.append(Metric(name, value, ts, step))
         if a.get("step_s"):
             out.append(Metric("tokens_per_s", a["tokens"] / a["step_s"], ts, step))

@@ -99,6 +99,7 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "step_s": "dur?",
         "data_wait_s": "dur?",
         "checkpoint_block_s": "dur?",
+        "eval_s": "dur?",  # time inside declared eval phases since the previous step
         # written back at start-up (monitor/recovered.py); a summary stands for ``steps``
         "recovered": "bool?",
         "steps": "int?",
@@ -151,7 +152,8 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "node": "str?",
         "evidence": "dict?",
     },
-    "job_end": {"t": "time?", "step": "int?", "reason": "str?"},
+    # eval_s: an evaluation after the last step (no step record follows to carry it)
+    "job_end": {"t": "time?", "step": "int?", "reason": "str?", "eval_s": "dur?"},
     "hang": {"t": "time?", "attempt": "int?", "step": "int?", "stuck_ranks": "ints?"},
 }
 # Any other type (keys may be added, docs/format.md part E): only these common fields.
@@ -177,6 +179,7 @@ RANK_FIELDS: dict[str, dict[str, str]] = {
         "between_next_s": "dur?",
         "forward_s": "dur?",
         "checkpoint_block_s": "dur?",
+        "eval_s": "dur?",
         **_STEP_METRICS,
         # host signals (rank_recorder.HostSampler), sampled about once a second: runnable
         # tasks, usable cores, shares of the sample interval stolen / cgroup-throttled
@@ -185,7 +188,13 @@ RANK_FIELDS: dict[str, dict[str, str]] = {
         "host_steal": "nonneg?",
         "host_throttled": "nonneg?",
     },
-    "rank_end": {"t": "time?", "attempt": "int?", "step": "int?", "reason": "str?"},
+    "rank_end": {
+        "t": "time?",
+        "attempt": "int?",
+        "step": "int?",
+        "reason": "str?",
+        "eval_s": "dur?",
+    },
     "hang": LEDGER_FIELDS["hang"],
 }
 # A step trace line (RUN_DIR/trace-rank{R}.jsonl, train/support.py StepTrace): no "type";

@@ -27,6 +27,7 @@ _COLORS = {
     "restore": "#607d8b",
     "data_wait": "#ef6c00",
     "checkpoint_block": "#6a1b9a",
+    "eval": "#1565c0",
     "slowdown": "#ab47bc",
     "lost_to_failures": "#c62828",
     "restart_gap": "#424242",

@@ -8,8 +8,12 @@ it read locally and from a peer. ``RestoreLog`` reads them in ledger order, besi
 goodput accumulator, and gives the report:
 
 * ``restores``: one row per attempt that restored a step > 0: ``{"attempt", "step", "tier",
-  "seconds", "steps_lost", "bytes_local", "bytes_peer"}``. ``steps_lost`` is the ledger's
-  last step before that attempt minus the restored step (>= 0). The "last step" is the
+  "seconds", "steps_lost", "bytes_local", "bytes_peer", "in_startup"}``. A trainer that
+  restores by itself (the HF and Lightning callbacks: ``tier`` ``trainer``) loads before
+  the attempt's ``job_start``, so its load is inside ``startup``: ``seconds`` is None and
+  ``in_startup`` true, and the table says "in start-up" (it said "durable 0.00 s").
+  ``steps_lost`` is the ledger's last step before that attempt minus the restored step
+  (>= 0). The "last step" is the
   timeline's position: the newest ``step`` record, or, when an attempt recorded no step, the
   step that attempt restored -- so a failure in a warm-up is not charged the same lost steps
   twice, and the rows sum to the work the restarts threw away in steps.
@@ -52,6 +56,8 @@ __all__ = [
 ]
 
 TIERS = ("local-memory", "peer-memory", "durable")
+# A trainer's own restore (integrations/hooks.py TrainerSaves): timed inside start-up.
+IN_STARTUP_TIER = "trainer"
 PASSED_PER_RESTORE = 20  # entries of one restore's ``skipped`` the report keeps
 PASSED_MAX = 200  # and of the whole run
 _TEXT_MAX = 400  # characters of a reason or path (records are untrusted input)
@@ -194,18 +200,21 @@ class RestoreLog:
         if step <= 0:
             return None  # a fresh start: nothing was restored
         tier = rest.get("tier")
+        # An older ledger's restore (or none at all) was durable: the only tier then.
+        tier = tier if isinstance(tier, str) and tier else "durable"
+        in_startup = tier == IN_STARTUP_TIER
         seconds = _num(rest.get("restore_s"))
         if seconds is None:
             seconds = _num(start.get("restore_s")) or 0.0
         return {
             "attempt": o["attempt"],
             "step": step,
-            # An older ledger's restore (or none at all) was durable: the only tier then.
-            "tier": tier if isinstance(tier, str) and tier else "durable",
-            "seconds": seconds,
+            "tier": tier,
+            "seconds": None if in_startup else seconds,  # not timed apart from start-up
             "steps_lost": max(0, o["before"] - step),
             "bytes_local": _num(rest.get("bytes_local")),
             "bytes_peer": _num(rest.get("bytes_peer")),
+            "in_startup": in_startup,
         }
 
     def rows(self) -> list[dict[str, Any]]:
@@ -230,7 +239,7 @@ class RestoreLog:
         for r in self.rows():
             e = out.setdefault(r["tier"], {"count": 0, "seconds": 0.0, "steps_lost": 0})
             e["count"] += 1
-            e["seconds"] += r["seconds"]
+            e["seconds"] += r["seconds"] or 0.0
             e["steps_lost"] += r["steps_lost"]
         return out
 
@@ -260,8 +269,10 @@ def restore_lines(summary: dict[str, Any]) -> list[str]:
         for r in rows:
             out.append(
                 f"  {r['attempt']!s:>7}  {r['step']:>8}  {r['tier']:<13} "
-                f"{r['seconds']:>8.2f}  {r['steps_lost']:>10}"
+                f"{_seconds(r):>8}  {r['steps_lost']:>10}"
             )
+        if any(r.get("in_startup") for r in rows):
+            out.append(f"  {IN_STARTUP_NOTE}")
     if passed:
         out.append("  passed over at restore (not restored, and why):")
         out += [f"    {_passed_line(p)}" for p in passed]
@@ -283,6 +294,17 @@ def restore_lines(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+IN_STARTUP_NOTE = (
+    "in start-up: the trainer loaded its own checkpoint before the attempt's first record, "
+    "so the load is inside the startup bucket"
+)
+
+
+def _seconds(row: dict[str, Any]) -> str:
+    """A row's restore time as the tables print it: "in start-up" for a trainer's own."""
+    return "in start-up" if row.get("in_startup") else f"{row['seconds']:.2f}"
+
+
 def _passed_line(p: dict[str, Any]) -> str:
     """One passed-over entry: which attempt, what (on which node), why."""
     where = f"{p['node']}:{p['path']}" if p.get("node") else p["path"]
@@ -298,12 +320,14 @@ def restores_html(summary: dict[str, Any]) -> str:
     if rows:
         body = "".join(
             f"<tr><td>{e(r['attempt'])}</td><td>{e(r['step'])}</td><td>{e(r['tier'])}</td>"
-            f"<td>{r['seconds']:.2f} s</td><td>{r['steps_lost']}</td></tr>"
+            f"<td>{_seconds(r)}{'' if r.get('in_startup') else ' s'}</td>"
+            f"<td>{r['steps_lost']}</td></tr>"
             for r in rows
         )
+        note = f"<p>{e(IN_STARTUP_NOTE)}</p>" if any(r.get("in_startup") for r in rows) else ""
         part = (
             '<h2>Restores</h2><table class="restores"><tr><th>attempt</th><th>step</th>'
-            f"<th>tier</th><th>seconds</th><th>steps lost</th></tr>{body}</table>"
+            f"<th>tier</th><th>seconds</th><th>steps lost</th></tr>{body}</table>{note}"
         )
     passed = summary.get("restores_passed_over") or []
     if passed:

@@ -9,7 +9,8 @@ skipped by both), the same buckets and the same goodput. Each model input is tie
 bucket:
 
 * ``C`` = mean ``block_s`` of the committed (``ok``) ``checkpoint`` records: one save's share
-  of the ``checkpoint_block`` bucket;
+  of the ``checkpoint_block`` bucket (never an evaluation beside it: the trainer callbacks
+  time a save on ``Run.clock``, which stops inside the ``eval`` phase);
 * ``L`` = mean ``durable_s`` of the same records (the writer measures it from the start of
   the save, so it includes ``block_s``);
 * an attempt is *up* (exposed to failures) from the start of its restore (``job_start.t -
@@ -106,7 +107,8 @@ def model_badput(badput_s: dict[str, float], total_s: float) -> dict[str, float]
 
     The model has one restart cost ``R``, so ``restart`` = ``startup + restore +
     restart_gap`` (the first attempt's start-up included: a long run amortises it).
-    ``other`` (loop overhead, the tail after the last step) has no term in the model.
+    ``eval`` (evaluation) and ``other`` (loop overhead, the tail after the last step) have no
+    term in the model: they are shown so the run's goodput can be read against the plan's.
     """
     folded = {
         "data_wait": badput_s.get("data_wait", 0.0),
@@ -118,6 +120,7 @@ def model_badput(badput_s: dict[str, float], total_s: float) -> dict[str, float]
         # Waiting for a slower rank (the report's charges): in the stall share too.
         "straggler": badput_s.get("straggler_wait", 0.0) + badput_s.get("straggler_compute", 0.0),
         "lost_to_failures": badput_s.get("lost_to_failures", 0.0),
+        "eval": badput_s.get("eval", 0.0),
         "other": badput_s.get("other", 0.0),
     }
     return {k: (v / total_s if total_s > 0 else 0.0) for k, v in folded.items()}
@@ -150,8 +153,9 @@ class _Attempts:
             return  # records before the first job_start belong to no attempt
         elif kind == "step" and self.starts[-1]["first_step"] is None:
             # Where the first step's work began: what its step_s holds beyond compute, data
-            # wait and block is the attempt's warm-up (the other ranks still starting).
+            # wait, evaluation and block is the attempt's warm-up (the other ranks starting).
             work = productive_s(rec) + float(rec.get("data_wait_s") or 0.0)
+            work += float(rec.get("eval_s") or 0.0)
             self.starts[-1]["first_step"] = t - work - float(rec.get("checkpoint_block_s") or 0)
         elif kind == "checkpoint" and rec.get("ok", True):
             self.blocks.append(float(rec.get("block_s") or 0.0))

@@ -36,8 +36,8 @@ class Timeline:
 
     Each record's ``t`` is the moment it would be written: ``job_start`` after start-up and
     restore, a step at its end (``step_s`` = data wait + compute + checkpoint block +
-    ``other_s``), a synchronous save's ``checkpoint`` record when the save returns, before
-    the step record, as the reference loop writes them.
+    evaluation + ``other_s``), a synchronous save's ``checkpoint`` record when the save
+    returns, before the step record, as the reference loop writes them.
     """
 
     def __init__(self, t0: float = 0.0) -> None:
@@ -79,14 +79,16 @@ class Timeline:
         compute_s: float = 0.0,
         checkpoint_block_s: float = 0.0,
         other_s: float = 0.0,
+        eval_s: float = 0.0,
         saved: bool = False,
         loss: float | None = None,
         **extra: Any,
     ) -> dict[str, Any]:
         """One finished step; ``saved``: a synchronous save that blocked for
-        ``checkpoint_block_s`` and committed (its ``checkpoint`` record comes first)."""
-        start = self.t
-        step_s = data_wait_s + compute_s + checkpoint_block_s + other_s
+        ``checkpoint_block_s`` and committed (its ``checkpoint`` record comes first);
+        ``eval_s``: an evaluation since the previous step (the ``eval`` phase)."""
+        start = self.t + eval_s
+        step_s = eval_s + data_wait_s + compute_s + checkpoint_block_s + other_s
         if saved:
             self.records.append(
                 {
@@ -100,10 +102,18 @@ class Timeline:
                     "error": None,
                 }
             )
-        self.t = start + step_s
+        self.t = self.t + step_s
         rec: dict[str, Any] = {
             **step_record(
-                self.t, step, tokens, step_s, data_wait_s, compute_s, checkpoint_block_s, loss
+                self.t,
+                step,
+                tokens,
+                step_s,
+                data_wait_s,
+                compute_s,
+                checkpoint_block_s,
+                loss,
+                eval_s,
             ),
             **extra,
         }

@@ -335,8 +335,8 @@ def run_training(
             trace.write(step, global_loss, float(local_loss), sched.get_last_lr()[0])
             if eval_set and step % cfg.train.eval_every == 0:
                 # A legitimately long part of the loop: the watchdog gives it the eval
-                # phase's deadline (phases.eval_s, default checkpoint_s). TODO(issue 42,
-                # section 2): the ledger's eval bucket books this time.
+                # phase's deadline (phases.eval_s, default checkpoint_s), and the ledger
+                # books its seconds in the eval bucket (Run.phase).
                 with run.phase("eval"):
                     eval_loss = evaluate(model, eval_set, device, shift_labels=shift_labels,
                                          autocast=autocast)  # fmt: skip
