@@ -164,11 +164,15 @@ def run_demo(
         crashes=t.get("crashes"),
         restored_steps=t.get("restored_steps"),
         breakdown=t.get("breakdown"),
+        job_state=t.get("job_state"),
         training_wall_s=t.get("wall_s"),
         mlflow=t.get("mlflow"),
     )
-    say("[demo] 3/4 goodput: where the wall time went (from the run's ledger)")
+    # The report's numbers (steadytrain report of this run), not a second computation.
+    say("[demo] 3/4 goodput: where the wall time went (the run's report)")
     b = t.get("breakdown") or {}
+    if t.get("job_state"):
+        say(f"[demo]     {t['job_state']['text']}")
     say(f"[demo]     {'goodput':<18} {100 * (t['goodput'] or 0):5.1f} %  (productive steps kept)")
     for name, share in sorted((b.get("badput") or {}).items(), key=lambda kv: -kv[1]):
         say(f"[demo]     {name:<18} {100 * share:5.1f} %  ({b['badput_s'][name]:.1f} s)")

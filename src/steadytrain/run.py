@@ -203,7 +203,8 @@ class Run:
         t_restore = time.perf_counter()
         step = ckpt.restore_latest(self.states) if ckpt is not None else self._restored_step
         restore_s = time.perf_counter() - t_restore if ckpt is not None else 0.0
-        if step is None:
+        unknown = step is None
+        if unknown:
             # The restore point is not known (a trainer that failed before it restored): the
             # ledger's own position, so this attempt charges nothing as redone; the attempt
             # that does restore charges the rollback.
@@ -218,6 +219,8 @@ class Run:
             config=self._config,
             device=self._device,
             run_nonce=self.nonce,
+            restored_from=next((e for e in held if e.get("type") == "restore"), None),
+            restore_unknown=unknown,
         )
         for event in held:
             self.meter.event(event)

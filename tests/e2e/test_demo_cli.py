@@ -2,14 +2,17 @@
 
 Compares the JSON the command prints with the run's own files: it tokenized and verified the
 corpus, trained every step under torchrun through two injected crashes (two automatic
-restarts), its goodput equals the ledger's, the report it names exists, and the planner's
-recommendation was computed from the costs measured in that ledger.
+restarts), the goodput it prints and returns is the one ``steadytrain report`` gives for the
+same run (one number: the report's breakdown, ``straggler_wait`` included), the report it
+names exists and says the job finished, and the planner's recommendation was computed from
+the costs measured in that ledger.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,7 +22,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_demo_command_reduced(tmp_path) -> None:
-    from steadytrain.monitor.goodput import compute_goodput
     from steadytrain.monitor.ledger import read_ledger
 
     run_dir = str(tmp_path / "demo")
@@ -34,8 +36,23 @@ def test_demo_command_reduced(tmp_path) -> None:
     records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
     assert sum(r["type"] == "job_start" for r in records) == 3
     assert 0.0 < out["goodput"] < 1.0
-    assert out["goodput"] == pytest.approx(compute_goodput(records).goodput)
     assert os.path.getsize(out["report"]) > 0
+    # One number: `steadytrain report` of the same run says what the demo printed.
+    rep = subprocess.run(
+        [sys.executable, "-m", "steadytrain.cli", "report", run_dir, "--json",
+         "--out", str(tmp_path / "report")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    report = json.loads(rep.stdout)
+    assert out["goodput"] == report["goodput"]
+    assert out["breakdown"]["badput_s"] == pytest.approx(report["badput_s"])
+    printed = re.search(r"\[demo\] +goodput +([\d.]+) %", proc.stderr)
+    assert printed and printed[1] == f"{100 * report['goodput']:.1f}", proc.stderr[-2000:]
+    for name, share in report["badput"].items():  # every bucket the report has, as printed
+        assert re.search(rf"\[demo\] +{name} +{100 * share:5.1f} %", proc.stderr), name
+    assert out["job_state"]["state"] == "finished" == report["job_state"]["state"]
+    assert "job finished at step 40 of 40" in proc.stderr
     plan = out["plan"]
     assert plan["measured"]["ckpt_cost_s"] > 0 and plan["measured"]["interruptions_per_day"] > 0
     assert plan["this_run"]["optimal_interval_min"] > 0

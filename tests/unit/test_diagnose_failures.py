@@ -19,6 +19,7 @@ import pytest
 from steadytrain.diagnose.failures import detect
 from steadytrain.diagnose.failures_attempts import Words
 from steadytrain.diagnose.inputs import load
+from steadytrain.diagnose.job_state import job_state
 from steadytrain.monitor.hangs import hang_dir
 from steadytrain.monitor.ledger import Ledger
 from steadytrain.monitor.rank_recorder import RankRecorder
@@ -506,3 +507,113 @@ def test_rank_start_records_the_host_addresses(tmp_path: Path) -> None:
     [entry] = load(tmp_path).view.ranks[0].attempts
     assert entry["addrs"] == host_addrs()
     assert all(isinstance(a, str) and not a.startswith("127.") for a in entry["addrs"])
+
+
+# gloo's words for one lost peer, as the survivor's error says it from attempt to attempt
+GLOO_WORDINGS = (
+    GLOO,
+    "error: RuntimeError: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+    "Read error [{ip}]:2391: Connection reset by peer",
+    "error: DistBackendError: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/"
+    "unbound_buffer.cc:81] Timed out waiting 30000ms for recv operation to complete",
+    "error: RuntimeError: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:598] "
+    "Connection reset by peer [{ip}]:40212",
+)
+LOOP_TOTAL = 20
+
+
+def restart_loop_run(tmp_path: Path, restarts: int = 3) -> RunBuilder:
+    """The issue-42 restart loop: rank 1 on node-1 dies without a word at step 5 in every
+    attempt; step 4's checkpoint committed in attempt 0, but the attempt died before its
+    ``checkpoint`` record reached the ledger, so only the restores of step 4 (with the
+    COMMIT's time) prove it; torchrun gives up after ``restarts`` restarts. Rank 0's error
+    is a different gloo wording each time."""
+    b = RunBuilder(tmp_path)
+    for i in range(restarts + 1):
+        err = GLOO_WORDINGS[i % len(GLOO_WORDINGS)].format(ip="10.0.0.2")
+        b.attempt({0: "node-0", 1: "node-1"}, 5, restored=0 if i == 0 else 4, stop={1: 5},
+                  ends={0: err, 1: None}, job_end=err)  # fmt: skip
+    commit_t = next(r["t"] for r in b.ledger if r.get("step") == 4 and r["type"] == "step")
+    ledger = []
+    for r in b.ledger:
+        if r["type"] == "job_start":
+            r["total_steps"] = LOOP_TOTAL
+        ledger.append(r)
+        if r["type"] == "job_start" and r["restored_step"]:
+            ledger.append({"type": "restore", "t": r["t"], "step": 4, "tier": "durable",
+                           "restore_s": 0.0, "commit_t": commit_t + 0.05})  # fmt: skip
+    b.ledger = ledger
+    return b
+
+
+def test_restart_loop_of_one_silent_rank_is_one_incident_in_its_own_words(
+    tmp_path: Path,
+) -> None:
+    """gloo's several wordings of one lost peer are one cause, the culprit's own ("rank 1
+    died without a word"), and the first attempt's crash at the same step is the loop's
+    first time, not an incident of its own; the advice knows the job has stopped."""
+    incs = detect(load(restart_loop_run(tmp_path).write()))
+    [loop] = incs
+    assert loop.kind == "restart-loop", [i.message for i in incs]
+    assert loop.evidence["attempts"] == [0, 1, 2, 3] and loop.evidence["first_time"] == 0
+    assert loop.evidence["repeats"] == 4
+    assert loop.evidence["reason"].startswith("crash: rank 1 on node-1 died without a word")
+    assert "peer" not in loop.evidence["reason"] and "4 of 4" in loop.message
+    assert (loop.ranks, loop.nodes, loop.first_step, loop.last_step) == ([1], ["node-1"], 4, 5)
+    assert "is stopped" in loop.advice and "stop the job first" not in loop.advice
+    _no_ip(incs)
+
+
+def test_restart_loop_still_restarting_says_stop_it(tmp_path: Path) -> None:
+    b = restart_loop_run(tmp_path)
+    b.attempt({0: "node-0", 1: "node-1"}, 5, restored=4, ends={}, job_end=None)  # running
+    [loop] = detect(load(b.write()))
+    assert loop.kind == "restart-loop" and "stop the job first" in loop.advice
+
+
+def test_crash_not_restarted_is_not_told_it_resumed(tmp_path: Path) -> None:
+    b = RunBuilder(tmp_path)
+    b.attempt({0: "node-0", 1: "node-1"}, 6, stop={1: 5}, saves={4: None},
+              ends={0: GLOO.format(ip="10.0.0.2"), 1: None}, job_end=GLOO.format(ip="10.0.0.2"))  # fmt: skip
+    [inc] = detect(load(b.write()))
+    assert inc.kind == "crash" and inc.evidence["restarted"] is False
+    assert "resumed" not in inc.advice and "did not restart" in inc.advice
+    # restarted, it says so
+    b2 = RunBuilder(tmp_path / "again")
+    b2.attempt({0: "node-0", 1: "node-1"}, 6, stop={1: 5}, saves={4: None},
+               ends={0: GLOO.format(ip="10.0.0.2"), 1: None}, job_end=GLOO.format(ip="10.0.0.2"))  # fmt: skip
+    b2.attempt({0: "node-0", 1: "node-1"}, 12, restored=4)
+    [inc2] = detect(load(b2.write()))
+    assert "restarted from step 4 in attempt 1" in inc2.advice
+
+
+def test_job_state_finished_stopped_running(tmp_path: Path) -> None:
+    """The report's first line: stopped by failures at step N of M, still running as of
+    the last record, finished, stopped by a signal."""
+    st = job_state(load(restart_loop_run(tmp_path / "loop").write()))
+    assert (st["state"], st["cause"], st["step"], st["total_steps"], st["attempts"]) == (
+        "stopped", "failures", 5, LOOP_TOTAL, 4)  # fmt: skip
+    assert st["text"].startswith(f"job stopped by failures at step 5 of {LOOP_TOTAL}")
+
+    b = RunBuilder(tmp_path / "running")
+    b.attempt({0: "node-0", 1: "node-1"}, 7, ends={}, job_end=None)
+    st = job_state(load(b.write()))
+    assert st["state"] == "running" and "still running as of the last record" in st["text"]
+
+    b = RunBuilder(tmp_path / "killed")  # rank 0 killed: no job_end, rank 1 saw it go
+    b.attempt({0: "node-0", 1: "node-1"}, 7, ends={1: GLOO.format(ip="10.0.0.1")}, job_end=None)
+    assert job_state(load(b.write()))["state"] == "stopped"
+
+    b = RunBuilder(tmp_path / "done")
+    b.attempt(
+        {0: "node-0", 1: "node-1"}, 6, ends={0: "error: boom", 1: None}, job_end="error: boom"
+    )
+    b.attempt({0: "node-0", 1: "node-1"}, 30, restored=4)
+    st = job_state(load(b.write()))
+    assert (st["state"], st["step"], st["attempts"]) == ("finished", 30, 2)
+
+    b = RunBuilder(tmp_path / "cancelled")
+    b.attempt({0: "node-0", 1: "node-1"}, 9, ends={0: "signal: SIGTERM", 1: "signal: SIGTERM"},
+              job_end="signal: SIGTERM")  # fmt: skip
+    st = job_state(load(b.write()))
+    assert (st["state"], st["cause"]) == ("stopped", "signal") and "signal" in st["text"]

@@ -80,10 +80,11 @@ def test_single_attempt_buckets():
     b = compute_goodput(recs)
     assert b.total_s == pytest.approx(31.0)  # from 90 (start - startup) to 121
     assert b.goodput_s == pytest.approx(12.0)
-    assert b.badput_s["startup"] == pytest.approx(10.0)
+    # step 1's 0.3 s beyond its data wait and compute is the set-up since job_start
+    assert b.badput_s["startup"] == pytest.approx(10.3)
     assert b.badput_s["data_wait"] == pytest.approx(5.0)
     assert b.badput_s["checkpoint_block"] == pytest.approx(0.3)
-    assert b.badput_s["other"] == pytest.approx(3.7)
+    assert b.badput_s["other"] == pytest.approx(3.4)
     assert b.badput_s["lost_to_failures"] == 0 and b.badput_s["restart_gap"] == 0
     assert b.goodput == pytest.approx(12.0 / 31.0)
     assert b.steps_kept == 10 and b.steps_lost == 0 and b.tokens_kept == 1000
@@ -107,10 +108,11 @@ def test_restart_with_redone_steps():
     assert b.total_s == pytest.approx(39.0)
     assert b.badput_s["restart_gap"] == pytest.approx(13.0)  # 10 -> 23 (= 30 - 5 - 2)
     assert b.badput_s["lost_to_failures"] == pytest.approx(1.6)  # steps 9, 10 of attempt 0
-    assert b.badput_s["startup"] == pytest.approx(10.0)
+    # each attempt's first step: 0.1 s beyond its data wait and compute (set-up)
+    assert b.badput_s["startup"] == pytest.approx(10.2)
     assert b.badput_s["restore"] == pytest.approx(2.0)
     assert b.badput_s["data_wait"] == pytest.approx(1.4)
-    assert b.badput_s["other"] == pytest.approx(1.4)
+    assert b.badput_s["other"] == pytest.approx(1.2)
     assert b.goodput_s == pytest.approx(12 * 0.8)
     assert b.steps_lost == 2 and b.steps_kept == 12 and b.last_step == 12
     assert b.attempts == 2
@@ -185,7 +187,7 @@ def test_evaluation_is_its_own_bucket_never_data_wait_checkpoint_or_goodput():
     assert b.badput_s["data_wait"] == pytest.approx(0.8)
     assert b.badput_s["checkpoint_block"] == pytest.approx(0.8)
     assert b.goodput_s == pytest.approx(5.6)
-    assert b.badput_s["other"] == pytest.approx(0.8)
+    assert b.badput_s["other"] == pytest.approx(0.7)  # the first step's 0.1 s set-up is startup
     assert list(BUCKETS).index("eval") < list(BUCKETS).index("other")
     assert_sums(b)
     # The live meter's restart snapshot carries it; an older (version 3) state without the

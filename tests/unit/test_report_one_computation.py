@@ -202,4 +202,6 @@ def test_records_lost_time_is_a_bucket_of_its_own(tmp_path: Path, capsys) -> Non
     assert "records_lost" in s["plotted"]["goodput"]["segments"]
     rows = _html_buckets(Path(s["html"]).read_text())
     assert "records_lost" in rows
-    assert sum(v for k, v in rows.items() if k != "total") == pytest.approx(100, abs=0.1)
+    # each share is shown rounded to 0.1 %: their sum is 100 within half of that per row
+    shown = [v for k, v in rows.items() if k != "total"]
+    assert sum(shown) == pytest.approx(100, abs=0.05 * len(shown))

@@ -245,6 +245,8 @@ def restore_latest(
                 "path": root.path(cand["name"]),
                 "skipped": skipped,
                 "tokens_seen": int(cand["manifest"]["tokens_seen"]),
+                # when it committed: a commit the ledger lost is recorded at this start
+                "commit_t": cand["manifest"].get("wall_time"),
                 "changes": S.json_state_changes(states),
             }
         touched = any(t for _, _, t in gathered)

@@ -28,8 +28,10 @@ def run(args: argparse.Namespace) -> int:
         bucket_rows,
         build_report,
         capped_lines,
+        checkpoint_words,
         rejected_lines,
         slowdown_note,
+        state_text,
     )
     from steadytrain.monitor.report_ranks import node_rows, where
     from steadytrain.monitor.report_restores import restore_lines
@@ -44,7 +46,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(s)
         return 0
-    say(f"goodput {s['goodput']:.1%} of {s['total_s'] / 60:.1f} min, {s['attempts']} attempt(s)")
+    say(state_text(s))  # finished / stopped / still running, at step N of M
+    say(
+        f"goodput {s['goodput']:.1%} of {s['total_s'] / 60:.1f} min, {s['attempts']} attempt(s), "
+        f"{s['steps_kept']} steps kept, {s['steps_lost']} redone, {checkpoint_words(s)}"
+    )
     for line in lost_warning(s.get("records_lost") or []):  # a failing disk's gaps
         say(f"  {line}")
     # The report's one breakdown: every bucket, zero ones too, and their sum.

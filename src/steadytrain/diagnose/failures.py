@@ -44,6 +44,7 @@ from steadytrain.diagnose.failures_more import (
 )
 from steadytrain.diagnose.incident import Incident
 from steadytrain.diagnose.inputs import RunRecords
+from steadytrain.diagnose.job_state import state_advice
 
 __all__ = ["detect"]
 
@@ -68,6 +69,8 @@ def detect(rec: RunRecords) -> list[Incident]:
             or _crash(a, nxt, step_s, words)
         )
         if inc is not None:
+            # the advice fits what happened next: restarted, or stopped there (issue 42)
+            inc.advice = f"{inc.advice} {state_advice(a, nxt, atts[-1])}"
             failures[a.index] = inc
     folded = fold_saves(atts, failures, words)
     out = list(failures.values())
@@ -198,6 +201,9 @@ def _crash(a: Attempt, nxt: Attempt | None, step_s: float | None, words: Words) 
         "culprit": how,
         "culprit_last_recorded_step": min(own, default=None),
         "reason": said,
+        # the fault in the culprit's own terms, what a restart loop counts (issue 42): a
+        # survivor's socket error (gloo words one lost peer several ways) is not a cause
+        "cause": f"{what}: {said}" if how == "raised" and said else what,
         "ranks_ended": {str(r): words.line(_reason(e)) or None for r, e in sorted(a.ranks.items())},
         "peer_nodes": _peer_nodes(a, words),
     }

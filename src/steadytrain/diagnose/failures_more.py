@@ -8,8 +8,10 @@
   (``save_cause``: disk, store, lease, peer gone, else the error's first line, redacted);
   consecutive failures of one cause (no successful save between them) are one incident.
 - ``restart_loops``: three or more failed attempts in a row, none of which got past its
-  restored step by more than ``LOOP_STEPS`` or committed anything new: one
-  ``restart-loop`` incident that replaces their crash/hang incidents.
+  restored step by more than ``LOOP_STEPS`` or committed anything new (the attempt before
+  them counts when the same fault struck it at the same step): one ``restart-loop``
+  incident that replaces their crash/hang incidents, counted by the culprit's own cause,
+  its advice by how the loop ended (stopped, still restarting, got past it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from steadytrain.diagnose.failures_attempts import Attempt, Words, is_peer_error
 from steadytrain.diagnose.incident import KINDS, Incident
+from steadytrain.diagnose.job_state import loop_advice
 
 __all__ = ["LOOP_MIN", "LOOP_STEPS", "checkpoint_incidents", "fold_saves", "restart_loops",
            "save_cause"]  # fmt: skip
@@ -163,11 +166,19 @@ def _stuck(a: Attempt, nxt: Attempt | None) -> bool:
     return progress <= LOOP_STEPS or (nxt is not None and nxt.restored_step <= a.restored_step)
 
 
+def _cause(i: Incident) -> str:
+    """What a loop counts: the culprit's own words (``cause``), never a survivor's."""
+    return f"{i.kind}: {i.evidence.get('cause') or i.evidence.get('reason') or i.message}"
+
+
 def restart_loops(
     atts: list[Attempt], incidents: list[Incident], failures: dict[int, Incident], words: Words
 ) -> list[Incident]:
     """``incidents`` with each run of ``LOOP_MIN``+ stuck failed attempts as one
-    ``restart-loop`` in place of their crash/hang incidents (node losses stay)."""
+    ``restart-loop`` in place of their crash/hang incidents (node losses stay). The failed
+    attempt just before such a run joins it when it failed at the step they fail at, with
+    the cause they repeat: the first time the fault struck is the loop's first, not an
+    incident of its own (issue 42), and it counts towards ``LOOP_MIN``."""
     runs: list[list[Attempt]] = []
     cur: list[Attempt] = []
     for a in atts:
@@ -175,27 +186,53 @@ def restart_loops(
         if a.index in failures and _stuck(a, nxt):
             cur.append(a)
             continue
-        if len(cur) >= LOOP_MIN:
-            runs.append(cur)
-        cur = []
-    if len(cur) >= LOOP_MIN:
         runs.append(cur)
-    if not runs:
+        cur = []
+    runs.append(cur)
+    loops = []
+    for run in runs:
+        if not run:
+            continue
+        first = _first_time(atts, run, failures)
+        if len(run) + (first is not None) >= LOOP_MIN:
+            loops.append((first, run))
+    if not loops:
         return incidents
     replaced: set[int] = set()
     out_loops = []
-    for run in runs:
+    for first, run in loops:
         parts = [failures[a.index] for a in run]
         replaced |= {id(i) for i in parts if i.kind in ("crash", "hang")}
-        out_loops.append(_loop_incident(run, parts, atts))
+        if first is not None:
+            replaced.add(id(failures[first.index]))
+        out_loops.append(_loop_incident(run, parts, atts, first, failures))
     return [i for i in incidents if id(i) not in replaced] + out_loops
 
 
-def _loop_incident(run: list[Attempt], parts: list[Incident], atts: list[Attempt]) -> Incident:
-    reasons = [
-        f"{i.kind}: {i.evidence.get('reason') or i.evidence.get('cause') or i.message}"
-        for i in parts
-    ]
+def _first_time(
+    atts: list[Attempt], run: list[Attempt], failures: dict[int, Incident]
+) -> Attempt | None:
+    """The failed attempt before ``run`` when the same fault struck it at the same step."""
+    i = run[0].index - 1
+    if i < 0 or i not in failures or failures[i].kind not in ("crash", "hang"):
+        return None
+    p = atts[i]
+    causes = {_cause(failures[a.index]) for a in run}
+    steps = {a.last_step for a in run}
+    if causes == {_cause(failures[i])} and p.last_step in steps:
+        return p
+    return None
+
+
+def _loop_incident(
+    run: list[Attempt],
+    parts: list[Incident],
+    atts: list[Attempt],
+    first: Attempt | None,
+    failures: dict[int, Incident],
+) -> Incident:
+    every = ([failures[first.index]] if first is not None else []) + parts
+    reasons = [_cause(i) for i in every]
     common, times = Counter(reasons).most_common(1)[0]
     last = run[-1]
     after = atts[last.index + 1] if last.index + 1 < len(atts) else None
@@ -204,20 +241,31 @@ def _loop_incident(run: list[Attempt], parts: list[Incident], atts: list[Attempt
         if after is not None
         else float((last.end or {}).get("t") or last.last_t or last.start["t"])
     )
-    nodes = sorted({n for i in parts for n in i.nodes})
-    ranks = sorted({r for i in parts for r in i.ranks})
-    numbers = [a.number for a in run]
+    nodes = sorted({n for i in every for n in i.nodes})
+    ranks = sorted({r for i in every for r in i.ranks})
+    numbers = ([first.number] if first is not None else []) + [a.number for a in run]
+    stuck_at = {a.last_step for a in run}
+    at = f" at step {stuck_at.pop()}" if len(stuck_at) == 1 else ""
     msg = (
-        f"restart loop: attempts {numbers[0]}..{numbers[-1]} ({len(run)}) each failed without "
-        f"progress past step {max(a.restored_step for a in run)}; {times} of them: {common}"
+        f"restart loop: attempts {numbers[0]}..{numbers[-1]} ({len(numbers)}) failed{at}; "
+        f"{len(run)} of them restarted from step {max(a.restored_step for a in run)} and got "
+        f"no further; {times} of {len(numbers)}: {common}"
     )
+    # from the loop's first failure (the first time's last progress, its redone steps)
+    lost_s = max(0.0, end_t - run[0].began)
+    t = run[0].began
+    if first is not None:
+        ev = failures[first.index].evidence
+        since = float(ev.get("last_progress_t") or run[0].began)
+        lost_s = max(0.0, end_t - since) + float(ev.get("redone_s") or 0.0)
+        t = since
     return Incident(
         kind="restart-loop",
         nodes=nodes,
         ranks=ranks,
         first_step=min(a.restored_step for a in run),
         last_step=max((a.last_step or a.restored_step) for a in run),
-        lost_s=max(0.0, end_t - run[0].began),
+        lost_s=lost_s,
         evidence={
             "attempts": numbers,
             "reason": common,
@@ -225,8 +273,10 @@ def _loop_incident(run: list[Attempt], parts: list[Incident], atts: list[Attempt
             "reasons": reasons,
             "restored_steps": [a.restored_step for a in run],
             "last_steps": [a.last_step for a in run],
+            "first_time": None if first is None else first.number,
         },
+        advice=f"{KINDS['restart-loop']} {loop_advice(last, after, atts[-1])}",
         message=msg,
-        t=run[0].began,
+        t=t,
         attempt=numbers[0],
     )

@@ -50,15 +50,13 @@ KINDS: dict[str, str] = {
         "A node left the job: check its health (dmesg, the scheduler's node state) before it "
         "rejoins; keep a staged spare (`steadytrain stage`) so the seat is filled at once."
     ),
+    # crash, hang and node-loss advice then says what happened after (the job restarted,
+    # or it stopped there: diagnose/job_state.state_advice)
     "hang": (
         "A rank stopped making progress: read its stack under RUN_DIR/hangs/, check the named "
-        "node for a stopped process, a dead link or a stuck device; the watchdog restarted "
-        "the job before the backend timeout."
+        "node for a stopped process, a dead link or a stuck device."
     ),
-    "crash": (
-        "A rank died: read the named rank's log on the named node for the exception; the job "
-        "resumed from the newest committed checkpoint."
-    ),
+    "crash": "A rank died: read the named rank's log on the named node for the exception.",
     "checkpoint": (
         "A checkpoint save failed or blocked the loop: see the cause in the evidence (a peer "
         "gone, the disk, the store); when saves block, use async_mode='thread' and "
@@ -69,9 +67,10 @@ KINDS: dict[str, str] = {
         "is read in order: shuffle globally (shuffle='global') or pre-shuffle the dataset "
         "offline (`steadytrain shuffle`)."
     ),
+    # then how the loop ended: the job stopped, is still restarting, or got past it
     "restart-loop": (
-        "The job restarts again and again without progress: the same fault recurs at start; "
-        "stop the job, fix the cause named in the evidence, then resume."
+        "The job restarted again and again without getting past the same fault: restarting "
+        "does not help; fix the cause named in the evidence, then resume."
     ),
 }
 

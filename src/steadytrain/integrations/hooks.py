@@ -272,6 +272,7 @@ def record_failed_start(
                 config=run_kw.get("config"),
                 device=run_kw.get("device"),
                 run_nonce=establish_identity(run_dir).nonce,
+                restore_unknown=True,
             )
         finally:
             meter.close(crash_reason(exc))

@@ -19,7 +19,11 @@ Over the whole job (every attempt in the ledger):
   attempt ``a`` is superseded when a later attempt restores a step ``< s`` and redoes it.
 * badput buckets (seconds; they and ``goodput_s`` sum to ``total_s``):
 
-  - ``startup``: ``job_start.startup_s`` (process start, imports, model build, compile);
+  - ``startup``: ``job_start.startup_s`` (process start, imports, model build, compile),
+    plus what the attempt's first step record holds beyond its data wait, checkpoint block
+    and productive time: the set-up between ``job_start`` and the loop's first step (the
+    meter's sinks opening, the watchdog, the loop's own preparation, the other ranks
+    still starting), which is start-up, not ``other`` (issue 42);
   - ``restore``: ``job_start.restore_s`` (loading the checkpoint);
   - ``data_wait``: ``data_wait_s`` of every step record (time blocked in ``next()``);
   - ``checkpoint_block``: ``checkpoint_block_s`` of every step record (the part of a save
@@ -50,6 +54,14 @@ Over the whole job (every attempt in the ledger):
 Waits of superseded steps stay in their own buckets: they were waits either way.
 ``recovery_point_age_s`` = end - time of the newest committed (``ok``) checkpoint (end -
 start when none): the work a failure at ``end`` would throw away.
+
+Restores reconcile the checkpoints (issue 42): a restored step is a recovery point whatever
+the ledger holds of it, so a second restore of the same step (a restart loop) keeps the
+steps up to it; and a durable ``restore`` of a step newer than every commit the ledger
+recorded proves that commit (an attempt killed right after COMMIT, before its ``checkpoint``
+record reached the ledger): it is counted in ``checkpoints`` (and
+``checkpoints_reconciled``) and dated by the restore's ``commit_t`` (the COMMIT's time),
+else by the restoring attempt's process start, the latest it can have been.
 
 Streaming: ``GoodputAccumulator`` consumes records one at a time in O(1) memory per step
 (it remembers the cumulative kept time at each committed checkpoint and the steps since the
@@ -157,6 +169,10 @@ class Breakdown:
     # Charges ``charged`` could not make in full (what they were to take out of goodput or
     # a bucket exceeded what it held): {bucket: {"measured_s", "charged_s", "source"}}.
     capped: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Committed checkpoints: ``ok`` checkpoint records, plus those only a restore proves
+    # (``checkpoints_reconciled``: the ledger lost their records; module docstring).
+    checkpoints: int = 0
+    checkpoints_reconciled: int = 0
 
     @property
     def goodput(self) -> float:
@@ -215,6 +231,8 @@ class Breakdown:
             "slowdown_unmeasured_steps": self.slowdown_unmeasured_steps,
             "overbooked_s": self.overbooked_s,
             "capped": {k: dict(v) for k, v in self.capped.items()},
+            "checkpoints": self.checkpoints,
+            "checkpoints_reconciled": self.checkpoints_reconciled,
         }
 
 
@@ -238,6 +256,11 @@ class GoodputAccumulator:
         # then records the step): its kept total is taken when that step arrives.
         self._pending: list[int] = []
         self.last_ckpt_t: float | None = None
+        # Committed checkpoints (records, and restores that prove one: ``_restored``), and
+        # the newest committed step any record showed.
+        self.commits = 0
+        self.commits_reconciled = 0
+        self.commit_step = 0
         self._attempt: dict[str, Any] | None = None
         self.attempt_summaries: list[dict[str, Any]] = []
         self._slow = SlowdownTracker()  # the slowdown bucket's open write and baselines
@@ -256,6 +279,8 @@ class GoodputAccumulator:
             self._step(rec)
         elif kind == "checkpoint" and rec.get("ok", True):
             self._checkpoint(_int(rec.get("step")), t)
+        elif kind == "restore":
+            self._restored(rec)
         elif kind == "job_end":
             self.sums["eval"] += _sec(rec.get("eval_s"))  # an evaluation after the last step
             if self._attempt is not None:
@@ -288,7 +313,17 @@ class GoodputAccumulator:
         # The attempt died mid-write: charge what its steps showed.
         self._book_slowdown(self._slow.write_ended(None))
         self._slow.attempt_started()
-        self._rollback(_int(rec.get("restored_step")))
+        restored = _int(rec.get("restored_step"))
+        self._rollback(restored)
+        # The restored step is a recovery point whatever the ledger holds of it: a second
+        # restore of it (a restart loop) must keep the steps up to it, not fall back to an
+        # older commit (issue 42: "1 steps kept, 7 redone" after three restores of step 4).
+        # Not so a start whose restore point was unknown (``restore_unknown``): its
+        # restored_step is only the ledger's position, and a later attempt may roll back
+        # past it to a step the ledger never saw committed (a trainer's own checkpoint).
+        real = not rec.get("restore_unknown")
+        if real and 0 < restored == self.last_step and restored not in self._ckpt:
+            self._commit(restored, self.cum)  # the timeline stands at it now
         self._attempt = {
             "attempt": rec.get("attempt", self.attempts - 1),
             "start_t": began,
@@ -325,6 +360,21 @@ class GoodputAccumulator:
         for s in [s for s in self._ckpt if s > restored]:
             del self._ckpt[s]  # checkpoints of the abandoned timeline
 
+    def _restored(self, rec: dict[str, Any]) -> None:
+        """A ``restore`` record: a durable restore of a step newer than every commit the
+        ledger recorded proves that commit (module docstring); memory-tier restores prove
+        no durable commit."""
+        step = _int(rec.get("step"))
+        if step <= self.commit_step or (rec.get("tier") or "durable") != "durable":
+            return
+        self.commits += 1
+        self.commits_reconciled += 1
+        self.commit_step = step
+        # its COMMIT's time, else this process's start: it committed before that
+        when = _sec(rec.get("commit_t")) or (self._attempt or {}).get("start_t")
+        if when:
+            self.last_ckpt_t = when if self.last_ckpt_t is None else max(self.last_ckpt_t, when)
+
     def _step(self, rec: dict[str, Any]) -> None:
         step = _int(rec.get("step"), self.last_step + 1)
         # A recovered summary stands for ``steps`` steps (monitor/recovered.py): steps
@@ -333,6 +383,12 @@ class GoodputAccumulator:
         p = productive_s(rec)
         block = _sec(rec.get("checkpoint_block_s"))
         t, step_s = rec.get("t"), _sec(rec.get("step_s"))
+        a = self._attempt
+        if a is not None and not a["steps"] and not rec.get("recovered"):
+            # The attempt's first step: its time beyond data wait, block, evaluation and
+            # productive time is the set-up since job_start (module docstring): start-up.
+            waits = _sec(rec.get("data_wait_s")) + block + _sec(rec.get("eval_s"))
+            self.sums["startup"] += max(0.0, step_s - waits - p)
         # A recovered record's timing is unknown: it is neither a baseline sample nor a
         # measured step beside a write.
         closed = 0.0
@@ -357,7 +413,6 @@ class GoodputAccumulator:
             if step in self._pending:
                 self._commit(step)
             self._pending = [s for s in self._pending if s > step]
-        a = self._attempt
         if a is not None:
             a["steps"] += n
             a["last_step"] = step
@@ -374,6 +429,8 @@ class GoodputAccumulator:
 
     def _checkpoint(self, step: int, t: float) -> None:
         self.last_ckpt_t = t if self.last_ckpt_t is None else max(self.last_ckpt_t, t)
+        self.commits += 1
+        self.commit_step = max(self.commit_step, step)
         if step == 0:
             return
         if step > self.last_step:
@@ -409,6 +466,7 @@ class GoodputAccumulator:
             "pending": list(self._pending),
             "ckpt": [[s, *c] for s, c in self._ckpt.items()],
             "last_ckpt_t": self.last_ckpt_t,
+            "commits": [self.commits, self.commits_reconciled, self.commit_step],
             # The open attempt is the last summary (the same dict object while live).
             "attempt_open": self._attempt is not None,
             "attempt_summaries": [dict(a) for a in self.attempt_summaries],
@@ -443,6 +501,11 @@ class GoodputAccumulator:
         self._pending = [int(x) for x in sd.get("pending", [])]
         self._ckpt = OrderedDict((int(r[0]), cum(r[1:])) for r in sd["ckpt"])
         self.last_ckpt_t = sd["last_ckpt_t"]
+        # An older snapshot has no commit counts: the newest remembered checkpoint stands
+        # for the newest commit (the report replays the whole ledger and counts them all).
+        self.commits, self.commits_reconciled, self.commit_step = (
+            int(v) for v in sd.get("commits", [0, 0, max(self._ckpt, default=0)])
+        )
         self.attempt_summaries = [dict(a) for a in sd["attempt_summaries"]]
         self._attempt = (
             self.attempt_summaries[-1] if sd["attempt_open"] and self.attempt_summaries else None
@@ -475,6 +538,8 @@ class GoodputAccumulator:
             attempt_summaries=[dict(a) for a in self.attempt_summaries],
             slowdown_unmeasured_steps=self._slow.unmeasured,
             overbooked_s=overbooked,
+            checkpoints=self.commits,
+            checkpoints_reconciled=self.commits_reconciled,
         )
 
 

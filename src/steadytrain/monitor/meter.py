@@ -54,7 +54,7 @@ from steadytrain.monitor.memory import RssReader, shm_used_bytes
 from steadytrain.monitor.meter_config import MeterConfig
 from steadytrain.monitor.rank_recorder import RankPoller, RankRecorder, rank_windows
 from steadytrain.monitor.records import MAX_INT, Rejects, finite_tree
-from steadytrain.monitor.recovered import recovered_steps
+from steadytrain.monitor.recovered import recovered_commit, recovered_steps
 from steadytrain.monitor.sinks import BackgroundWriter, JsonlSink, make_sink
 from steadytrain.monitor.straggler_live import StragglerCheck
 from steadytrain.settings import merge
@@ -224,12 +224,19 @@ class GoodputMeter:
         device: str | None = None,
         attempt: int | None = None,
         run_nonce: str | None = None,
+        restored_from: dict[str, Any] | None = None,
+        restore_unknown: bool = False,
     ) -> None:
         """Mark the start of this attempt (after start-up and restore, before step 1).
         ``device`` ("cpu", "cuda"): what the ranks run on, so advice fits the hardware.
         ``attempt``: rank 0's ``meter.attempt`` broadcast to the other ranks (rank 0 counts
         attempts from the ledger; without it another rank uses torchrun's restart count).
-        ``run_nonce``: the run's identity (``steadytrain.run_identity``), in rank 0's record."""
+        ``run_nonce``: the run's identity (``steadytrain.run_identity``), in rank 0's record.
+        ``restored_from``: the checkpointer's ``restore`` event: a commit it proves that the
+        ledger lacks is written back first (``monitor/recovered.py``).
+        ``restore_unknown``: ``restored_step`` is the ledger's own position because the
+        restore point is not known (a trainer that failed before it restored), not a step
+        this attempt restored: no recovery point is made of it."""
         if not self.recording:
             return
         self._last_mono = time.monotonic()
@@ -241,7 +248,10 @@ class GoodputMeter:
             self._writer.put(self._ranks.start_record(time.time(), device))
             return
         self._ranks.attempt = self.attempt
-        for rec in recovered_steps(self._acc, int(restored_step)):  # what a SIGKILL took
+        # what a SIGKILL took: the steps a restored checkpoint covers, and its commit
+        for rec in recovered_steps(self._acc, int(restored_step)):
+            self._writer.put(rec)
+        for rec in recovered_commit(self._acc, restored_from):
             self._writer.put(rec)
         band = self._band
         self._writer.put(
@@ -256,6 +266,8 @@ class GoodputMeter:
                 "config": dict(config or {}),
                 "device": device,
                 "run_nonce": run_nonce,
+                "total_steps": self.total_steps,  # the job's state says "step N of M"
+                **({"restore_unknown": True} if restore_unknown else {}),
                 # JSON has no infinity: an open upper bound is stored as null.
                 "expected_tokens_per_s": None
                 if band is None
@@ -399,7 +411,7 @@ class GoodputMeter:
     def _process(self, batch: list[dict[str, Any]]) -> None:
         out: list[dict[str, Any]] = []
         for rec in batch:
-            if rec.get("type") == "step" and rec.get("recovered"):
+            if rec.get("recovered") and rec.get("type") in ("step", "checkpoint"):
                 # written back at start-up, without timing: the ledger and goodput only
                 self._acc.add(rec)
                 out.append(rec)

@@ -91,6 +91,8 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "expected_tokens_per_s": "band?",
         "device": "str?",
         "run_nonce": "str?",
+        "total_steps": "int?",
+        "restore_unknown": "bool?",
     },
     "step": {
         "t": "!time",
@@ -113,6 +115,7 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "ok": "bool?",
         "path": "str?",
         "error": "str?",
+        "recovered": "bool?",  # written back at the next start (monitor/recovered.py)
     },
     # ``tier``: "local-memory", "peer-memory" or "durable" (issue 28); an older ledger's
     # restore has none and was a durable one. Bytes read from the node's own memory and
@@ -126,6 +129,7 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "bytes_peer": "nonneg?",
         "bytes_remote": "nonneg?",
         "skipped": "list?",  # what the restore passed over: [{"path", "step", "reason"}]
+        "commit_t": "time?",  # the restored checkpoint's COMMIT wall_time
     },
     # One generation of the memory tier (checkpoint/memory/): the loop's blocking (staging,
     # and waiting for the previous generation), the background write and peer transfer.

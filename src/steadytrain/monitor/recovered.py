@@ -27,6 +27,15 @@ carry nothing the summary does not, and a gap of 2,000,000 steps (a checkpoint o
 step, a ledger lost with its disk) took 1 min 50 s and 930 MB to fill one by one
 (issue 40, 3). The goodput arithmetic counts a summary as its ``steps`` steps
 (``goodput.GoodputAccumulator``), so both forms give the same figures.
+
+The commit itself can be lost the same way: an attempt killed right after COMMIT, before
+its ``checkpoint`` record left the queue (issue 42: a restart loop restored step 4 three
+times while its report said "0 checkpoints committed"). The next attempt knows that commit
+from its restore (a durable restore of step ``r``, with the COMMIT's ``wall_time`` as the
+restore event's ``commit_t``): when the ledger recorded no commit at or after ``r``,
+``recovered_commit`` writes it back as a ``checkpoint`` record with ``"recovered": true``
+(``t``: the COMMIT's time), after the recovered steps and before the new ``job_start``.
+Readers that average save costs leave it out: its block and write times are unknown.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from steadytrain.monitor.goodput import GoodputAccumulator
 from steadytrain.monitor.ledger import step_record
 from steadytrain.monitor.records import MAX_INT
 
-__all__ = ["PER_STEP_LIMIT", "recovered_steps"]
+__all__ = ["PER_STEP_LIMIT", "recovered_commit", "recovered_steps"]
 
 PER_STEP_LIMIT = 16  # a larger gap is one summary record
 
@@ -63,3 +72,33 @@ def recovered_steps(acc: GoodputAccumulator, restored_step: int) -> list[dict[st
         rec["recovered"] = True
         out.append(rec)
     return out
+
+
+def recovered_commit(
+    acc: GoodputAccumulator, restored: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """The ``checkpoint`` record of the commit this attempt restored (``restored``: the
+    checkpointer's ``restore`` event), when the ledger (``acc``) recorded no commit at or
+    after its step; none for a memory-tier restore (no durable commit) or a ledger without
+    history."""
+    if acc.start is None or not isinstance(restored, dict):
+        return []
+    step, tier = restored.get("step"), restored.get("tier") or "durable"
+    if tier != "durable" or not isinstance(step, int) or isinstance(step, bool):
+        return []
+    if step <= acc.commit_step or step > MAX_INT:
+        return []
+    when = restored.get("commit_t")
+    ok_time = isinstance(when, (int, float)) and not isinstance(when, bool) and 0 < when < 1e11
+    t = float(when) if ok_time else (acc.last_t if acc.last_t is not None else acc.start)
+    path = restored.get("path")
+    return [
+        {
+            "type": "checkpoint",
+            "t": t,
+            "step": step,
+            "ok": True,
+            "recovered": True,
+            "path": path if isinstance(path, str) else "",
+        }
+    ]

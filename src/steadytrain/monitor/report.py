@@ -32,6 +32,7 @@ from typing import Any
 from steadytrain.diagnose.engine import diagnose
 from steadytrain.diagnose.incident import Incident
 from steadytrain.diagnose.inputs import load
+from steadytrain.diagnose.job_state import job_state
 from steadytrain.errors import SteadyError
 from steadytrain.monitor.goodput import Breakdown, GoodputAccumulator
 from steadytrain.monitor.ledger import iter_ledger, ledger_path
@@ -60,7 +61,9 @@ __all__ = [
     "bucket_rows",
     "build_report",
     "capped_lines",
+    "checkpoint_words",
     "incident_rows",
+    "state_text",
     "data_bound",
     "goodput_class",
     "rejected_lines",
@@ -117,7 +120,6 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
     # back from its throughput alert). Shading one band across every attempt would
     # contradict the incidents of the others.
     bands: list[dict[str, Any] | None] = []
-    checkpoints = 0
     ends: dict[int, dict[str, Any]] = {}  # attempt index -> its job_end
     world = 1
     band = None
@@ -156,8 +158,6 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
                     bands[-1] = {"band": learned, "kind": "learned"}
                 if band is None and band_learned is None:
                     band_learned = learned
-        elif kind == "checkpoint" and rec.get("ok", True):
-            checkpoints += 1
     if not starts:
         refused = rejects.to_dict().get(path.name)
         why = (
@@ -176,7 +176,6 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
         "series": s,
         "starts": starts,
         "alerts": alerts,
-        "checkpoints": checkpoints,
         "records_lost": lost.spans,
         "restores": restores,
         "band": band or band_learned,
@@ -325,6 +324,29 @@ def _steps(a: dict[str, Any]) -> str:
     return str(first) if last in (None, first) else f"{first}-{last}"
 
 
+def state_text(summary: dict[str, Any]) -> str:
+    """The report's first line: the job's state (``job_state``)."""
+    state = summary.get("job_state") or {}
+    return str(state.get("text") or "job state unknown (no attempt in the records)")
+
+
+def state_class(summary: dict[str, Any]) -> str:
+    """The state line's colour: a job stopped by failures is red, a running one amber."""
+    state = summary.get("job_state") or {}
+    if state.get("state") == "stopped" and state.get("cause") == "failures":
+        return "poor"
+    return "fair" if state.get("state") == "running" else "good"
+
+
+def checkpoint_words(summary: dict[str, Any]) -> str:
+    """ "12 checkpoints committed", and how many of them only a restore proves."""
+    n, k = summary.get("checkpoints") or 0, summary.get("checkpoints_reconciled") or 0
+    out = f"{n} checkpoint{'' if n == 1 else 's'} committed"
+    if k:
+        out += f" ({k} known from a restore: the ledger lost {'its' if k == 1 else 'their'} record)"
+    return out
+
+
 def goodput_class(goodput: float) -> str:
     """The heading's colour class: "good" (green) from GOODPUT_GOOD, "fair" (amber) from
     GOODPUT_FAIR, else "poor" (red): 4.5 % is never shown in green."""
@@ -385,10 +407,11 @@ table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;paddi
 vertical-align:top;font-size:14px}}img{{max-width:100%}}.good{{color:#2e7d32}}
 .fair{{color:#ef6c00}}.poor{{color:#c62828}}</style>
 </head><body>
+<p class="job-state {state_class(summary)}"><b>{e(state_text(summary))}</b></p>
 <h1>Goodput <span class="{goodput_class(summary["goodput"])}">{summary["goodput"]:.1%}</span></h1>
 <p>{e(summary["run_dir"])}: {summary["total_s"] / 60:.1f} min of wall time,
 {summary["attempts"]} attempt(s), {summary["steps_kept"]} steps kept,
-{summary["steps_lost"]} redone after failures, {summary["checkpoints"]} checkpoints committed;
+{summary["steps_lost"]} redone after failures, {checkpoint_words(summary)};
 recovery point age at the end {summary["recovery_point_age_s"] or 0:.0f} s.</p>
 {"".join(f'<p class="poor">{e(w)}</p>' for w in lost_warning(summary["records_lost"]))}
 {img("goodput")}
@@ -432,7 +455,8 @@ def build_report(
     # The incidents: the diagnosis engine's, from the run's own records (diagnose/); the
     # plots mark these, numbered as in the table. The engine reads the records again: its
     # skipped lines were already warned about and counted above, so it only counts.
-    incidents = diagnose(load(run, Rejects(warn=False)))
+    records = load(run, Rejects(warn=False))
+    incidents = diagnose(records)
     # The one computation every view prints (heading, table, plots, JSON); a slow rank's
     # compute is charged as the engine measured it.
     ledger = data["ledger_breakdown"]
@@ -446,8 +470,10 @@ def build_report(
     summary.update(
         {
             "run_dir": str(run),
+            # finished / stopped (by failures or a signal) / still running as of the last
+            # record, at step N of M: the first line of every view (diagnose/job_state.py)
+            "job_state": job_state(records),
             "attempts_detail": b.attempt_summaries,
-            "checkpoints": data["checkpoints"],
             "expected_tokens_per_s": data["band"],
             # per attempt: {"band": [low, high or null], "kind": "expected" | "learned"} or
             # null, as the throughput plot shades it

@@ -157,7 +157,8 @@ class _Attempts:
             work = productive_s(rec) + float(rec.get("data_wait_s") or 0.0)
             work += float(rec.get("eval_s") or 0.0)
             self.starts[-1]["first_step"] = t - work - float(rec.get("checkpoint_block_s") or 0)
-        elif kind == "checkpoint" and rec.get("ok", True):
+        elif kind == "checkpoint" and rec.get("ok", True) and not rec.get("recovered"):
+            # a commit written back at the next start has no measured costs (recovered.py)
             self.blocks.append(float(rec.get("block_s") or 0.0))
             self.durables.append(float(rec.get("durable_s") or 0.0))
 

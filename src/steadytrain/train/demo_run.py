@@ -189,29 +189,53 @@ class _Presenter:
 
 
 def _summarise(run_dir: str, wall_s: float, crashes: list[int]) -> dict[str, Any]:
-    from steadytrain.monitor.goodput import compute_goodput
+    """What happened, in the report's own numbers: ``goodput`` and ``breakdown`` are
+    ``steadytrain report``'s (its one ``Breakdown``, ``straggler_wait`` and the other
+    buckets only the report sees included), so the demo never prints a second figure."""
     from steadytrain.monitor.ledger import read_ledger
 
     path = os.path.join(run_dir, "ledger.jsonl")
     records = read_ledger(path)
     starts = [r for r in records if r.get("type") == "job_start"]
-    steps = max((r["step"] for r in records if r.get("type") == "step"), default=0)
-    breakdown = compute_goodput(records)
     report = _write_report(run_dir)
     return {
         "run_dir": run_dir,
-        "steps": steps,
+        "steps": report["last_step"],
         "restarts": max(0, len(starts) - 1),
         "restored_steps": [r.get("restored_step", 0) for r in starts[1:]],
         "crashes": crashes,
-        "goodput": breakdown.goodput,
-        "breakdown": breakdown.to_dict(),
+        "goodput": report["goodput"],
+        "breakdown": {k: report[k] for k in BREAKDOWN_KEYS if k in report},
+        "job_state": report.get("job_state"),
         "report": report.get("html") or report.get("json"),
         "report_json": report.get("json"),
         "ledger": path,
         "wall_s": wall_s,
         "mlflow": _mlflow_info(run_dir),
     }
+
+
+# The report's breakdown keys the demo returns (``Breakdown.to_dict``'s, less the per-attempt
+# detail: the report's JSON has that).
+BREAKDOWN_KEYS = (
+    "goodput",
+    "goodput_s",
+    "total_s",
+    "badput_s",
+    "badput",
+    "attempts",
+    "restarts",
+    "steps_recorded",
+    "steps_kept",
+    "steps_lost",
+    "tokens_kept",
+    "last_step",
+    "recovery_point_age_s",
+    "slowdown_unmeasured_steps",
+    "overbooked_s",
+    "checkpoints",
+    "checkpoints_reconciled",
+)
 
 
 def _mlflow_info(run_dir: str) -> dict[str, str] | None:
