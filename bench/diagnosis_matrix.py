@@ -2,7 +2,8 @@
 
 Runs every case of ``steadytrain.testing.incidents.matrix`` on one node harness: each kind
 alone (storage, loader-memory, node-loss, hang, data-order), two kinds at once on different
-nodes, storage on 2 of 3 nodes, and ``--clean`` clean multi-node runs (alternating 2 and 3
+nodes, storage on 2 of 3 nodes, a CPU-quota straggler (one node held to a tenth of a core),
+an evaluation-heavy clean run, and ``--clean`` clean multi-node runs (alternating 2 and 3
 nodes), one after another. The faults are injected by the harness; the incidents are
 ``steadytrain report --json``'s alone (steadytrain.diagnose). Each case's incidents are
 paired with what was injected (``expect.check``: kind, nodes, ranks, step range):
@@ -37,10 +38,11 @@ from collections import Counter
 from typing import Any
 
 from steadytrain.testing.incidents.expect import score
-from steadytrain.testing.incidents.matrix import CASES, run_cases
+from steadytrain.testing.incidents.matrix import CASES, CLEAN_CASES, run_cases
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FAULT_CASES = [n for n, c in CASES.items() if not c.clean]
+# Every case once (the evaluation-heavy clean run included); the plain clean runs repeat.
+FAULT_CASES = [n for n in CASES if n not in CLEAN_CASES]
 
 
 def per_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -93,6 +95,9 @@ def case_row(c: dict[str, Any], workdir: str) -> dict[str, Any]:
             {k: i.get(k) for k in ("kind", "nodes", "ranks", "first_step", "last_step", "lost_s")}
             for i in c["incidents"]
         ],
+        # what the report charged to slower ranks (a straggler's cost leaves goodput)
+        "goodput": c.get("goodput"),
+        "badput_s": c.get("badput_s") or {},
     }
 
 
@@ -111,7 +116,7 @@ def _git_rev() -> str | None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default=",".join(FAULT_CASES), help="fault cases, comma-separated")
+    p.add_argument("--cases", default=",".join(FAULT_CASES), help="cases, comma-separated")
     p.add_argument("--clean", type=int, default=10, help="clean multi-node runs (default 10)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--keep", action="store_true", help="keep the run directories")
@@ -122,7 +127,7 @@ def main() -> int:
     args = p.parse_args()
     names = [n for n in args.cases.split(",") if n]
     # Clean runs interleaved with the fault cases, so that both see the same machine.
-    clean = ["clean-2" if i % 2 == 0 else "clean-3" for i in range(args.clean)]
+    clean = [CLEAN_CASES[i % len(CLEAN_CASES)] for i in range(args.clean)]
     order: list[str] = []
     while names or clean:
         if names:

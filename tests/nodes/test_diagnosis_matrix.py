@@ -10,7 +10,12 @@ replay's test checks its runs with ``expect.verify``). Here: the combined cases 
 - ``storage+loader-memory``: node-1's storage link slows while node-2's rank runs the
   growing-index loader: two incidents, each on its own node, each of the right kind;
 - ``storage-2-of-3``: node-1's and node-2's links slow: both named ``storage`` (the healthy
-  node-0 is the minority, so a baseline that is the median of the ranks fails here).
+  node-0 is the minority, so a baseline that is the median of the ranks fails here);
+- ``cpu-quota`` (2 nodes): node-1's processes are held to a tenth of a core from step 4 (a
+  cgroup quota, ``NodeHarness.cpu_quota``): ``host-contention`` on node-1, its rank's own
+  cgroup throttling in the evidence (the node sees ``/sys/fs/cgroup``), and what the other
+  rank waited charged as ``straggler_compute``. It used to be no incident at all: every
+  rank's host on this one machine was as loaded, and the rank read the root's cgroup.
 
 Each case asserts kind, nodes, ranks and step range, and no other incident. The first tests
 check the scoring itself (no harness). ``bench/diagnosis_matrix.py`` runs every case and 10
@@ -86,7 +91,25 @@ def test_the_ci_cases_inject_two_kinds_on_two_nodes_and_one_kind_on_two_of_three
         ("loader-memory", ["node-2"]),
     ]
     assert kinds["storage-2-of-3"] == [("storage", ["node-1", "node-2"])]
-    assert all(CASES[n].nodes == 3 for n in CI_CASES)
+    assert kinds["cpu-quota"] == [("host-contention", ["node-1"])]
+    assert [CASES[n].nodes for n in CI_CASES] == [3, 3, 2]
+    # The evaluation-heavy run is clean: every incident there is a false alarm.
+    assert CASES["eval-heavy"].clean and CASES["eval-heavy"].eval_every > 0
+
+
+def test_every_case_builds_its_job_settings() -> None:
+    """Each case's ``--set`` settings and job keywords build without a harness (the
+    node-loss case once named two constants its replay module no longer had, and only a
+    benchmark run found out: every fault it injected counted as missed)."""
+    from steadytrain.testing.incidents.matrix import EVAL_BATCHES, _settings
+
+    for name, case in CASES.items():
+        settings, kw = _settings(case, "s3://bucket/ds", "/ordered" if case.data_order else None)
+        assert f"train.max_steps={case.steps}" in settings, name
+        if case.kill:
+            assert kw["nnodes"] == f"1:{case.nodes}" and "last_call_timeout" in kw["rdzv_conf"]
+        if case.eval_every:
+            assert f"train.eval_batches={EVAL_BATCHES}" in settings, settings
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +143,14 @@ def test_matrix_case_is_diagnosed_by_the_report(matrix, name) -> None:
     )
     assert all(inc["lost_s"] > 0 for _, m in result["matched"]
                for inc in (m if isinstance(m, list) else [m])), result["matched"]  # fmt: skip
+    if CASES[name].cpu_quota:
+        [(_, inc)] = result["matched"]
+        # The throttled rank read its own cgroup inside its node: the cause is its quota.
+        assert inc["evidence"]["host"]["throttled_share"] >= 0.05, inc["evidence"]
+        # What the other rank waited left goodput (straggler_compute), as the engine
+        # measured it (the incident's lost_s; a data-wait part of it is straggler_wait).
+        charged = case["badput_s"]["straggler_compute"] + case["badput_s"]["straggler_wait"]
+        assert charged > 0.5 * inc["lost_s"] > 0, (case["badput_s"], inc["lost_s"])
 
 
 def test_demo_prints_the_reports_incident_and_the_check() -> None:

@@ -88,6 +88,61 @@ def test_a_spare_node_is_staged(harness: NodeHarness, dataset: str) -> None:
     assert probe(harness, spare)["rdzv"] == "ok"
 
 
+# Inside a node: this process's own cgroup as the rank recorder reads it, every 0.3 s of
+# busy work (a line per sample), until stdin closes.
+_CGROUP_PROBE = """
+import json, sys, threading, time
+from steadytrain.monitor.rank_recorder import HostSampler
+h = HostSampler(every_s=0.0)
+go = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), go.set()), daemon=True).start()
+while not go.is_set():
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.3:
+        pass
+    s = h.sample()
+    print(json.dumps({"dirs": h.cgroup and h.cgroup.dirs, "quota": h.quota,
+                      "throttled": s.get("host_throttled")}), flush=True)
+"""
+
+
+def test_a_cpu_quota_holds_one_node_and_its_process_sees_it(harness: NodeHarness) -> None:
+    """``cpu_quota`` puts one node's processes in a cgroup of their own with a CPU quota;
+    inside the node ``/sys/fs/cgroup`` is visible (``ip netns exec`` remounts ``/sys``), so
+    the process reads its quota and how long it was throttled, as a rank's recorder does;
+    the other node is untouched. Lifting it lets the process run freely again."""
+    import json
+
+    node0, node1 = harness.nodes[:2]
+    procs = {
+        n.name: harness.popen(
+            n, [sys.executable, "-c", _CGROUP_PROBE], stdin=-1, stdout=-1, text=True
+        )  # fmt: skip
+        for n in (node0, node1)
+    }
+
+    def lines(name: str, k: int) -> list[dict]:
+        return [json.loads(procs[name].stdout.readline()) for _ in range(k)]
+
+    try:
+        before = lines("node-1", 2)[-1]
+        assert before["dirs"], before  # the node sees a cgroup tree (it used to see none)
+        moved = harness.cpu_quota(node1, 0.1)
+        assert procs["node-1"].pid in moved and procs["node-0"].pid not in moved
+        after = lines("node-1", 4)[-2:]
+        quiet = lines("node-0", 3)[-1]
+    finally:
+        harness.cpu_quota(node1, None)
+        for p in procs.values():
+            p.stdin.close()
+            p.wait(timeout=30)
+    cg = after[-1]["dirs"][0]
+    assert cg.endswith(f"steadytrain-{harness.tag}/node-1") and cg != before["dirs"][0]
+    assert all(a["quota"] == pytest.approx(0.1) for a in after)
+    assert all(a["throttled"] > 0.3 for a in after), after  # a tenth of a core, busy
+    assert quiet["quota"] is None and not quiet["throttled"], quiet
+
+
 @pytest.fixture
 def weed() -> None:
     if find_weed() is None:
@@ -114,9 +169,14 @@ def test_teardown_is_clean_and_kills_a_stuck_process(weed, tmp_path) -> None:
         names = [n.netns for n in h.nodes]
         caches = [n.cache_dir for n in h.nodes]
         assert all(f" {c} tmpfs " in _mounts() for c in caches)
+        h.cpu_quota(h.nodes[1], 0.5)  # its cgroup must go with it
+        cgroup = h._quotas["node-1"].path
+        assert stuck.pid in h._quotas["node-1"].pids()
     finally:
         h.close()
     assert h.leftovers() == []
+    assert not os.path.exists(cgroup) and h.cgroup_view is not None
+    assert f" {h.cgroup_view} " not in _mounts()  # the cgroup view is unmounted
     # SIGTERM stays ignored across exec: the grandchild is as stuck as its parent.
     assert ("node-1", stuck.pid) in [k[:2] for k in h.killed_at_teardown]
     assert {k[0] for k in h.killed_at_teardown} == {"node-1"}  # node-0's process exited

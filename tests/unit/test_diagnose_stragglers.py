@@ -8,6 +8,7 @@ included. Three nodes, one rank each; faults from ``FROM`` to ``TO``.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,27 @@ def test_dataloader_when_storage_and_memory_are_flat(tmp_path: Path) -> None:
     assert (inc.kind, inc.nodes, inc.ranks) == ("dataloader", ["node-0"], [0])
 
 
+def test_a_slow_loader_the_scheduler_explains_is_no_incident(tmp_path: Path) -> None:
+    """Every host as loaded and reads, misses and memory flat: a loader (Python on the CPU)
+    the scheduler starves leads the others' data wait by a little for a few windows -- in
+    the benchmark's clean runs 1.6-2.6x for three -- and that is no fault. A loader that
+    leads by far for as long as a slow forward pass must (3x, four windows) still is."""
+
+    def lead(factor: float, steps: range) -> Tweak:
+        def tweak(rank: int, step: int, rec: dict[str, Any]) -> None:
+            rec.update(SHARED_HOST, step_s=0.1, data_wait_s=0.014)
+            if rank == 2 and step in steps:
+                rec["data_wait_s"] = 0.014 * factor
+
+        return tweak
+
+    make_run(tmp_path / "noise", lead(2.6, range(31, 46)), start=1, to=STEPS)
+    assert diagnose(tmp_path / "noise") == []
+    make_run(tmp_path / "fault", lead(10.0, range(FROM, TO + 1)), start=1, to=STEPS)
+    [inc] = diagnose(tmp_path / "fault")
+    assert (inc.kind, inc.nodes, inc.ranks) == ("dataloader", ["node-2"], [2])
+
+
 def _slow_forward(rank_: int, factor: float, host: dict[str, float] | None = None) -> Tweak:
     def tweak(rank: int, step: int, rec: dict[str, Any]) -> None:
         rec["step_s"] = 0.1 + 0.03 * (factor - 1)
@@ -197,21 +219,172 @@ def test_host_contention_when_the_run_queue_exceeds_the_cores(tmp_path: Path) ->
     assert "run queue" in inc.message
 
 
-def test_one_shared_contended_machine_is_no_incident(tmp_path: Path) -> None:
-    """Every 'node' on one loaded machine (this 2-core host under the test suite): the same
-    run queue everywhere does not set rank 0's host apart. Healthy rank 0 of a clean
-    2-node run here ran its forward pass 1.9x and once 3.7x slower: no incident."""
+SHARED_HOST = {"host_run_queue": 7.0, "host_cpus": 2.0, "host_throttled": 0.0}
 
-    def everywhere(factor: float) -> Tweak:
+
+def _forward_by_step(slow: dict[int, dict[int, float]]) -> Tweak:
+    """Every rank on one loaded machine (the same run queue on every host, no throttling),
+    forward passes ``slow[rank][step]`` x the healthy 30 ms; the step at the slowest's."""
+
+    def tweak(rank: int, step: int, rec: dict[str, Any]) -> None:
+        rec.update(SHARED_HOST)
+        worst = max((f.get(step, 1.0) for f in slow.values()), default=1.0)
+        rec["step_s"] = 0.1 + 0.03 * (worst - 1) * 3  # its backward is as slow
+        rec["forward_s"] = 0.03 * slow.get(rank, {}).get(step, 1.0)
+
+    return tweak
+
+
+def test_the_schedulers_noise_on_one_loaded_machine_is_no_incident(tmp_path: Path) -> None:
+    """What clean runs on this loaded 2-core machine showed (12 runs of 2 and 3 ranks, 24
+    steps): one healthy rank steadily 2.1-2.5x the fastest for 20 steps, and leads of
+    3.6-5.8x that lasted one or two 5-step windows and moved from rank to rank. Every
+    host is as loaded: only the rank's lead sets it apart, and a lead this short (or this
+    small) is noise."""
+    steady = {0: dict.fromkeys(range(FROM, TO + 1), 2.4)}
+    # Windows are steps 6-10, 11-15, ...: leads of two windows as measured, and one of
+    # three (15 steps).
+    bursts = {
+        0: {**dict.fromkeys(range(31, 41), 4.2), **dict.fromkeys(range(61, 71), 3.6)},
+        2: dict.fromkeys(range(41, 46), 5.8),
+        1: dict.fromkeys(range(46, 61), 3.5),
+    }
+    # bench/straggler_noise.py at load 10-15: one rank of a clean 3-rank run at 3.5, 3.2,
+    # 4.0 and 4.1x for all four judged windows of its 24 steps (it was named compute).
+    starved = {
+        2: {
+            **dict.fromkeys(range(6, 11), 3.5),
+            **dict.fromkeys(range(11, 16), 3.2),
+            **dict.fromkeys(range(16, 21), 4.0),
+            **dict.fromkeys(range(21, 26), 4.1),
+        }
+    }
+    for name, slow in (("steady", steady), ("bursts", bursts), ("starved", starved)):
+        make_run(tmp_path / name, _forward_by_step(slow), start=1, to=STEPS)
+        assert diagnose(tmp_path / name) == [], name
+
+
+def test_a_slow_rank_nothing_on_its_host_explains_is_compute(tmp_path: Path) -> None:
+    """The same loaded machine, but rank 2's forward pass 3.7x the others' for 41 steps
+    (eight windows): longer than any noise lasted, so a fault of the rank, named
+    ``compute`` (it used to be dropped "whatever the ratio", its host as loaded as the
+    others')."""
+    make_run(tmp_path, _forward_by_step({2: dict.fromkeys(range(FROM, TO + 1), 3.7)}))
+    [inc] = diagnose(tmp_path)
+    assert (inc.kind, inc.nodes, inc.ranks) == ("compute", ["node-2"], [2])
+    assert (inc.first_step, inc.last_step) == (FROM, TO)
+    assert inc.evidence["host"]["evidence"] == "shared"
+    assert "no more loaded than the healthy ranks'" in inc.message
+    # The others waited its whole step's slowdown, not only the forward's excess: the
+    # step less its data wait x (1 - 1/3.7) a step.
+    step = 0.1 + 0.03 * 2.7 * 3
+    want = (step - 0.002) * (1 - 1 / 3.7) * (TO - FROM + 1)
+    assert want * 0.9 <= inc.lost_s <= want * 1.1
+    assert inc.lost_s > 2 * 0.03 * 2.7 * (TO - FROM + 1)  # more than the forward excess
+
+
+def _throttled(rank_: int, share: float, rng_seed: int = 3) -> Tweak:
+    """A rank held by its own cgroup's CPU quota, on a machine as loaded as the others:
+    a CFS period's stall lands in its forward pass on some steps and not on others (a
+    fifth of a core here ran it in 5 ms one step and 185 ms the next)."""
+    rng = random.Random(rng_seed)
+
+    def tweak(rank: int, step: int, rec: dict[str, Any]) -> None:
+        rec.update(SHARED_HOST)
+        rec["step_s"] = 0.35
+        if rank == rank_:
+            stalled = rng.random() < 0.7
+            rec["forward_s"] = 0.03 * (rng.uniform(3, 7) if stalled else 1.0)
+            rec["host_throttled"] = share
+
+    return tweak
+
+
+def test_a_throttled_rank_on_an_equally_loaded_host_is_host_contention(tmp_path: Path) -> None:
+    """Its cgroup throttled it 30 % of the time; every host's run queue the same. It used
+    to be no incident: its host was "no more loaded" than the others' and its bursts hid
+    behind its own jitter."""
+    make_run(tmp_path, _throttled(1, 0.3))
+    [inc] = diagnose(tmp_path)
+    assert (inc.kind, inc.nodes, inc.ranks) == ("host-contention", ["node-1"], [1])
+    assert FROM <= inc.first_step <= FROM + 5 and TO - 5 <= inc.last_step <= TO
+    host = inc.evidence["host"]
+    assert host["evidence"] == "throttled" and 0.25 <= host["throttled_share"] <= 0.3
+    assert host["run_queue"] == host["healthy_run_queue"]
+    assert re.search(r"its cgroup throttled 2\d% of the time", inc.message), inc.message
+    assert inc.lost_s > 0.5 * 0.35 * (TO - FROM + 1)  # most of each step was waiting
+    assert inc.evidence["wait_s_per_step"]  # what the report charges
+
+
+def test_a_throttled_rank_is_found_when_the_healthy_level_jumps(tmp_path: Path) -> None:
+    """The benchmark's machine at 11-26 runnable tasks on 2 cores: the healthy ranks'
+    forward pass jumped 5-31 ms from window to window, and the rank held to a tenth of a
+    core ran 2.2-5.5x theirs, throttled 44-73 % of the time. Three times that jitter hid
+    it; its own cgroup's count is the cause, so the jitter floors do not apply to it."""
+    levels = [0.022, 0.009, 0.031, 0.005]  # the healthy level of each 5-step window
+    ratios = [3.3, 5.5, 2.2, 3.2]
+
+    def tweak(rank: int, step: int, rec: dict[str, Any]) -> None:
+        i = ((step - 6) // 5) % 4
+        rec.update(SHARED_HOST, step_s=0.3, forward_s=levels[i])
+        if rank == 1:
+            rec.update(forward_s=levels[i] * ratios[i], host_throttled=0.6)
+
+    make_run(tmp_path, tweak, start=6, to=STEPS)
+    [inc] = diagnose(tmp_path)
+    assert (inc.kind, inc.nodes, inc.ranks) == ("host-contention", ["node-1"], [1])
+    assert inc.evidence["host"]["evidence"] == "throttled" and "forward_ratio" in inc.evidence
+    assert inc.lost_s > 0.3 * 0.3 * (STEPS - 6)  # it cost the others most of each step
+
+
+def test_a_throttled_rank_is_found_though_its_throttling_shows_two_windows_late(
+    tmp_path: Path,
+) -> None:
+    """bench/straggler_noise.py's throttled runs (24 steps, windows of about a second):
+    the sampler needs two reads in the new cgroup for a throttled share, so the rank's
+    first two slow windows (2.0-2.5x) read 0 % and sit under the unspecific 3x; then
+    10x, throttled 42-70 %. Window by window that is two slow windows, no incident; over
+    the run its own cgroup throttled it: host-contention from its first slow window. The
+    same run with nobody throttled stays noise (two windows of a lead)."""
+    ratios, shares = [2.2, 2.6, 10.0, 10.0], [0.0, 0.0, 0.5, 0.7]
+
+    def shape(throttled: bool) -> Tweak:
         def tweak(rank: int, step: int, rec: dict[str, Any]) -> None:
-            _slow_forward(0, factor)(rank, step, rec)
-            rec.update(host_run_queue=7.0, host_cpus=2.0)
+            i = (step - 6) // 5
+            rec.update(SHARED_HOST, step_s=0.3)
+            if rank == 1:
+                rec["forward_s"] *= ratios[i]
+                rec["host_throttled"] = shares[i] if throttled else 0.0
 
         return tweak
 
-    for factor in (1.9, 3.7):
-        make_run(tmp_path / str(factor), everywhere(factor))
-        assert diagnose(tmp_path / str(factor)) == []
+    make_run(tmp_path / "throttled", shape(True), start=6, to=25)
+    [inc] = diagnose(tmp_path / "throttled")
+    assert (inc.kind, inc.nodes, inc.ranks) == ("host-contention", ["node-1"], [1])
+    assert "forward_ratio" in inc.evidence and inc.evidence["host"]["evidence"] == "throttled"
+    assert 6 <= inc.first_step <= 10 and 21 <= inc.last_step <= 25
+    make_run(tmp_path / "clean", shape(False), start=6, to=25)
+    assert diagnose(tmp_path / "clean") == []
+
+
+def test_a_throttled_ranks_slow_reads_are_host_contention_not_storage(tmp_path: Path) -> None:
+    """A quota slows the rank's reads and loader too (the read loop runs on the CPU it
+    withholds): slow reads with no cache misses on a throttled rank are its quota."""
+
+    def tweak(rank: int, step: int, rec: dict[str, Any]) -> None:
+        rec.update(SHARED_HOST)
+        rec["step_s"] = 0.16
+        if rank == 1:
+            rec.update(data_wait_s=0.06, read_p99_s=0.5, host_throttled=0.4)
+
+    make_run(tmp_path, tweak)
+    [inc] = diagnose(tmp_path)
+    assert (inc.kind, inc.nodes) == ("host-contention", ["node-1"])
+    assert re.search(r"its cgroup throttled it 3\d% of the time", inc.message), inc.message
+    # cache misses are storage's own signature, whatever the quota
+    make_run(tmp_path / "misses", lambda r, s, rec: (tweak(r, s, rec),
+             rec.update(cache_misses=3) if r == 1 else None))  # fmt: skip
+    assert [i.kind for i in diagnose(tmp_path / "misses")] == ["storage"]
 
 
 def test_steal_is_host_contention_too(tmp_path: Path) -> None:
@@ -326,6 +499,21 @@ def test_live_check_says_host_contention_on_a_contended_host(tmp_path: Path) -> 
     [a] = check.check()
     assert (a["rank"], a["diagnosis"]) == (0, "host contention")
     assert "run queue 12.0 on 2 cores" in a["message"] and "not a hardware" in a["next"].lower()
+
+
+def test_live_check_names_a_throttled_rank_on_an_equally_loaded_host(tmp_path: Path) -> None:
+    """The live check shares the window rule: a throttled rank whose host is as loaded as
+    the others' is host contention there too (it used to raise nothing, and the issue's
+    run got a shared slowdown "with no rank standing out")."""
+    from steadytrain.monitor.alerts import AlertConfig
+    from steadytrain.monitor.straggler_live import StragglerCheck
+
+    check = StragglerCheck(tmp_path, AlertConfig())
+    check.check()
+    make_run(tmp_path, _throttled(2, 0.5), to=STEPS)  # still throttled at the end
+    [a] = check.check()
+    assert (a["rank"], a["node"], a["diagnosis"]) == (2, "node-2", "host contention")
+    assert re.search(r"its cgroup throttled \d+% of the time", a["message"]), a["message"]
 
 
 def test_rank_recorder_writes_host_signals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ from steadytrain.demo import demo_plan
 from steadytrain.monitor.goodput import compute_goodput
 from steadytrain.monitor.ledger import Ledger, read_ledger
 from steadytrain.planning import goodput_first_order, measure_run, optimal_interval_s
+from steadytrain.report.build import build_report
 
 
 def plan_json(capsys, *argv: str) -> dict:
@@ -239,10 +240,15 @@ def test_from_run_measures_costs(tmp_path):
 def test_measured_costs_are_the_reports_buckets(tmp_path):
     # The planner reads the ledger through monitor: its goodput and buckets are the ones
     # `steadytrain report` computes, and each model input adds up to its bucket.
+    # That is the report's own breakdown: rank 0's ledger with what the report charges
+    # (the straggler buckets: none waited here).
     make_run(tmp_path)
     m = measure_run(tmp_path)
     b = compute_goodput(read_ledger(tmp_path / "ledger.jsonl"))
-    assert m.goodput == b.goodput and m.total_s == b.total_s and m.badput_s == b.badput_s
+    s = build_report(tmp_path, tmp_path / "report")
+    assert m.goodput == s["goodput"] == b.goodput and m.total_s == s["total_s"] == b.total_s
+    assert m.badput_s == s["badput_s"]
+    assert m.badput_s == {**b.badput_s, "straggler_wait": 0.0, "straggler_compute": 0.0}
     assert m.wall_days == pytest.approx(b.total_s / 86400)
     bad = b.badput_s
     first_start = LedgerRun.STARTUP  # the first attempt restored nothing

@@ -83,6 +83,8 @@ def test_packaged_configs_load_with_overrides() -> None:
         ("bogus.x=1", "unknown section 'bogus'"),
         ("novalue", "expected key=value"),
         ("train.deterministic=maybe", "expected bool"),
+        ("train.eval_every=-1", "train.eval_every = -1 is invalid: use 0 (off) or more steps"),
+        ("train.eval_batches=0", "train.eval_batches = 0 is invalid: use at least 1"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(override: str, needle: str) -> None:

@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from steadytrain.report.build import (
         bucket_rows,
         build_report,
+        capped_lines,
         checkpoint_words,
         rejected_lines,
         slowdown_note,
@@ -62,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if note := slowdown_note(s):
         say(f"  {note}")
+    for line in capped_lines(s):  # a charge larger than what it came out of
+        say(f"  {line}")
     # The diagnosis engine's incidents (one per fault): kind, where, steps, cost, what, advice.
     if not s["incidents"]:
         say("incidents: none")

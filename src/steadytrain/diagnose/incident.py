@@ -33,15 +33,18 @@ KINDS: dict[str, str] = {
         "batches), watch /dev/shm and worker RSS; memory must not grow with steps."
     ),
     "compute": (
-        "The step itself got slower on the named rank with data wait flat and the host not "
-        "contended: check GPU clocks and thermal throttling (nvidia-smi -q -d PERFORMANCE), "
-        "ECC/Xid errors in dmesg and NCCL bandwidth on that node."
+        "The named rank's own compute got slower (its forward pass, data wait flat) while "
+        "nothing on its host set it apart (no CPU quota throttled it, its host no busier "
+        "than the others'): check GPU clocks and thermal throttling (nvidia-smi -q -d "
+        "PERFORMANCE), ECC/Xid errors in dmesg and NCCL bandwidth on that node; on a CPU "
+        "run, the rank's threads and core affinity and the CPU's frequency."
     ),
     "host-contention": (
-        "The host's CPUs were oversubscribed (run queue above the core count, steal or "
-        "throttling): look for other processes on the node (top), more threads than cores "
-        "(ranks per node x OMP_NUM_THREADS) and a throttled virtual machine. Not a hardware "
-        "fault of the rank."
+        "The rank's CPUs were withheld: its own cgroup's CPU quota throttled it (a Slurm "
+        "job's or a container's limit: raise it, or run fewer threads), or its host was "
+        "busier than the other ranks' (run queue above the core count, steal): look for "
+        "other processes on the node (top), more threads than cores (ranks per node x "
+        "OMP_NUM_THREADS) and a throttled virtual machine. Not a hardware fault of the rank."
     ),
     "node-loss": (
         "A node left the job: check its health (dmesg, the scheduler's node state) before it "

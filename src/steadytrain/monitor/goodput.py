@@ -166,6 +166,9 @@ class Breakdown:
     # Seconds the records claimed beyond the wall time (durations that cannot all have
     # happened between the first and last timestamps): the figures were scaled to fit.
     overbooked_s: float = 0.0
+    # Charges ``charged`` could not make in full (what they were to take out of goodput or
+    # a bucket exceeded what it held): {bucket: {"measured_s", "charged_s", "source"}}.
+    capped: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Committed checkpoints: ``ok`` checkpoint records, plus those only a restore proves
     # (``checkpoints_reconciled``: the ledger lost their records; module docstring).
     checkpoints: int = 0
@@ -189,17 +192,25 @@ class Breakdown:
         (``"goodput"`` or a bucket, e.g. ``"other"``) into ``bucket``, appended after the
         others. The report charges what rank 0's ledger cannot see this way
         (``straggler_wait``, ``records_lost``), so every view prints one breakdown that
-        still sums to ``total_s``."""
+        still sums to ``total_s``. A charge larger than ``source`` holds is capped, and
+        the copy's ``capped`` says so: the measured and the charged seconds (a goodput of
+        0.0 % from a capped charge is not left unexplained)."""
         bad = dict(self.badput_s)
         good = self.goodput_s
         held = good if source == "goodput" else bad.get(source, 0.0)
-        move = min(max(0.0, _sec(seconds)), held)
+        asked = max(0.0, _sec(seconds))
+        move = min(asked, held)
         if source == "goodput":
             good -= move
         else:
             bad[source] = held - move
         bad[bucket] = bad.get(bucket, 0.0) + move
-        return replace(self, goodput_s=good, badput_s=bad)
+        capped = dict(self.capped)
+        if asked - move > 1e-9 * max(1.0, asked):
+            was = capped.get(bucket, {"measured_s": 0.0, "charged_s": 0.0})
+            capped[bucket] = {"measured_s": was["measured_s"] + asked,
+                              "charged_s": was["charged_s"] + move, "source": source}  # fmt: skip
+        return replace(self, goodput_s=good, badput_s=bad, capped=capped)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -219,6 +230,7 @@ class Breakdown:
             "attempt_summaries": list(self.attempt_summaries),
             "slowdown_unmeasured_steps": self.slowdown_unmeasured_steps,
             "overbooked_s": self.overbooked_s,
+            "capped": {k: dict(v) for k, v in self.capped.items()},
             "checkpoints": self.checkpoints,
             "checkpoints_reconciled": self.checkpoints_reconciled,
         }
@@ -556,18 +568,25 @@ def compute_goodput(records: Iterable[dict[str, Any]], now: float | None = None)
     return acc.breakdown(now)
 
 
+# Buckets of time inside steps that did no work (``data_stall_share``): the report's
+# breakdown adds the two straggler buckets (rank 0 waiting for a slower rank's data or
+# compute); rank 0's ledger alone has neither.
+STALLS = ("data_wait", "slowdown", "straggler_wait", "straggler_compute")
+
+
 def data_stall_share(b: Breakdown) -> float:
     """Share of the loop's time in steps, outside checkpoint blocks, that did no work:
-    ``(data_wait + slowdown) / (data_wait + slowdown + productive time of every recorded
-    step)``, kept or redone (``goodput_s + lost_to_failures``: redone steps waited too). A
-    step slowed by a background write is stalled like one waiting for data: the planner's
-    model has one term for both.
+    ``(stalls) / (stalls + productive time of every recorded step)``, kept or redone
+    (``goodput_s + lost_to_failures``: redone steps waited too), where the stalls are
+    ``data_wait + slowdown`` and, in the report's breakdown, ``straggler_wait +
+    straggler_compute``. A step slowed by a background write, or waiting for a slower rank,
+    is stalled like one waiting for data: the planner's model has one term for all.
 
     This is the planner's ``s`` (docs/planning.md): its model charges checkpoint blocks,
     restarts and lost work separately, so they stay out of the denominator; so does
     evaluation (``eval``), which the model has no term for. 0 when no step
     was recorded.
     """
-    wait = b.badput_s.get("data_wait", 0.0) + b.badput_s.get("slowdown", 0.0)
+    wait = sum(b.badput_s.get(k, 0.0) for k in STALLS)
     busy = wait + b.goodput_s + b.badput_s.get("lost_to_failures", 0.0)
     return wait / busy if busy > 0 else 0.0

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.monitor.appender import open_regular
+from steadytrain.monitor.cgroup import cpu_quota, own_cpu_cgroup, read_text, throttled_s
 from steadytrain.monitor.ranks import (
     RankFile,
     host_addrs,
@@ -37,59 +38,42 @@ log = logging.getLogger("steadytrain.monitor")
 Consumer = Callable[[dict[int, list[dict[str, Any]]]], list[dict[str, Any]]]
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read(4096)
-    except OSError:
-        return None
-
-
-def _usable_cpus() -> int:
-    """Cores this process may use: its affinity, capped by a cgroup CPU quota."""
+def _usable_cpus(quota: float | None) -> int:
+    """Cores this process may use: its affinity, capped by its cgroup's CPU quota."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
-    quota = None
-    text = _read("/sys/fs/cgroup/cpu.max")  # cgroup v2: "max 100000" or "200000 100000"
-    if text and not text.startswith("max"):
-        with contextlib.suppress(ValueError, IndexError):
-            q, p = text.split()[:2]
-            quota = float(q) / float(p)
-    else:
-        q1, p1 = (
-            _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
-            _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
-        )
-        with contextlib.suppress(ValueError, TypeError):
-            if q1 and p1 and float(q1) > 0:
-                quota = float(q1) / float(p1)
     if quota is not None and quota > 0:
         n = min(n, max(1, math.ceil(quota)))
     return max(1, n)
 
 
 class HostSampler:
-    """The host's CPU pressure, sampled at most once per ``every_s`` (cheap: three small
+    """The host's CPU pressure, sampled at most once per ``every_s`` (cheap: a few small
     /proc and cgroup reads): ``host_run_queue`` (runnable tasks, /proc/loadavg, less the
     sampling thread itself), ``host_cpus`` (usable cores), ``host_steal`` (share of CPU
     time the hypervisor stole since the last sample) and ``host_throttled`` (share of the
-    interval the cgroup was throttled). A signal that cannot be read is left out: the
-    diagnosis then treats the host as unknown, never as idle."""
+    interval this process's own cgroup, or an ancestor's, was throttled: monitor/cgroup.py,
+    from ``/proc/self/cgroup``, so a job's quota counts, not the machine root's). A signal
+    that cannot be read is left out: the diagnosis then treats the host as unknown, never
+    as idle. The cgroup and its quota are found again at every sample: a process can be
+    moved to another cgroup, and a quota changed, while it runs. ``proc`` and
+    ``cgroup_root`` stand for ``/proc`` and ``/sys/fs/cgroup`` (tests pass a fake tree)."""
 
-    def __init__(self, every_s: float = 1.0) -> None:
+    def __init__(
+        self, every_s: float = 1.0, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup"
+    ) -> None:
         self.every_s = every_s
-        self.cpus = _usable_cpus()
+        self.proc, self.cgroup_root = proc, cgroup_root
         self._due = 0.0
         self._stat: tuple[float, float] | None = self._cpu_stat()
-        self._thr: tuple[float, float] | None = self._throttled()
+        self._thr: tuple[float, dict[str, float]] = self._throttled()
         self.last: dict[str, float] = {}
 
-    @staticmethod
-    def _cpu_stat() -> tuple[float, float] | None:
+    def _cpu_stat(self) -> tuple[float, float] | None:
         """(total, steal) jiffies of all CPUs from /proc/stat."""
-        text = _read("/proc/stat")
+        text = read_text(os.path.join(self.proc, "stat"))
         if not text or not text.startswith("cpu "):
             return None
         try:
@@ -99,21 +83,13 @@ class HostSampler:
         # user nice system idle iowait irq softirq steal (guest time is inside user)
         return sum(v[:8]), (v[7] if len(v) > 7 else 0.0)
 
-    @staticmethod
-    def _throttled() -> tuple[float, float] | None:
-        """(monotonic s, throttled s) of this cgroup, or None where it is not readable."""
-        text = _read("/sys/fs/cgroup/cpu.stat")  # v2: throttled_usec
-        scale, key = 1e-6, "throttled_usec"
-        if text is None:
-            text, scale, key = _read("/sys/fs/cgroup/cpu/cpu.stat"), 1e-9, "throttled_time"
-        if not text:
-            return None
-        for line in text.splitlines():
-            parts = line.split()
-            if len(parts) == 2 and parts[0] == key:
-                with contextlib.suppress(ValueError):
-                    return time.monotonic(), float(parts[1]) * scale
-        return None
+    def _throttled(self) -> tuple[float, dict[str, float]]:
+        """(monotonic s, {cgroup dir: throttled s}) of this process's cgroup and its
+        ancestors (empty where none is readable); sets ``cgroup``, ``quota`` and ``cpus``."""
+        self.cgroup = own_cpu_cgroup(self.proc, self.cgroup_root)
+        self.quota = cpu_quota(self.cgroup)  # cores, or None
+        self.cpus = _usable_cpus(self.quota)
+        return time.monotonic(), throttled_s(self.cgroup)
 
     def sample(self) -> dict[str, float]:
         """The newest sample (taken now when the last is ``every_s`` old)."""
@@ -121,8 +97,9 @@ class HostSampler:
         if now < self._due and self.last:
             return self.last
         self._due = now + self.every_s
+        thr = self._throttled()
         out: dict[str, float] = {"host_cpus": float(self.cpus)}
-        text = _read("/proc/loadavg")  # "0.5 0.4 0.3 3/145 6555": 3 runnable
+        text = read_text(os.path.join(self.proc, "loadavg"))  # "0.5 0.4 0.3 3/145 6555": 3 runnable
         if text:
             with contextlib.suppress(ValueError, IndexError):
                 out["host_run_queue"] = max(0.0, float(text.split()[3].split("/")[0]) - 1)
@@ -130,11 +107,17 @@ class HostSampler:
         if stat is not None and self._stat is not None and stat[0] > self._stat[0]:
             out["host_steal"] = max(0.0, (stat[1] - self._stat[1]) / (stat[0] - self._stat[0]))
         self._stat = stat or self._stat
-        thr = self._throttled()
-        if thr is not None and self._thr is not None and thr[0] > self._thr[0]:
-            share = (thr[1] - self._thr[1]) / (thr[0] - self._thr[0])
-            out["host_throttled"] = min(1.0, max(0.0, share))
-        self._thr = thr or self._thr
+        # The largest share over the cgroup and its ancestors (a quota anywhere above this
+        # process stops it when that cgroup runs out); a directory new since the last
+        # sample (the process was moved) counts from the next one.
+        shares = [
+            (v - self._thr[1][d]) / (thr[0] - self._thr[0])
+            for d, v in thr[1].items()
+            if d in self._thr[1] and thr[0] > self._thr[0]
+        ]
+        if shares:
+            out["host_throttled"] = min(1.0, max(0.0, max(shares)))
+        self._thr = thr
         self.last = out
         return out
 

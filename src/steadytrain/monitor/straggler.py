@@ -16,11 +16,11 @@ slow nodes of three are both named; the median of the others would itself be slo
   ``straggler_memory_bytes`` more than the others', ``data loading`` on that rank otherwise.
   When every rank of one node straggles (and only those), one alert names the node.
 * **compute straggler**: its forward time is ``straggler_compute_factor`` x the healthy
-  ranks' (and at least ``straggler_min_s`` more per step); ``host contention`` instead when
-  its host's run queue exceeded its cores or the host was stolen from / throttled, more
-  than the healthy ranks' hosts; nothing when every rank's host was as contended (one
-  shared machine), nor on a CPU rank without host signals under twice that factor
-  (``monitor.windows.compute_kind``).
+  ranks' (and at least ``straggler_min_s`` more per step), twice that factor on a CPU rank
+  whose host does not set it apart (every host as loaded, or no host signals:
+  ``monitor.windows.compute_factor``); ``host contention`` when its own cgroup throttled
+  it or its host was more loaded than the healthy ranks' hosts, ``compute/hardware``
+  otherwise (``monitor.windows.compute_kind``).
 * **shared slowdown**: no rank stands out, but every rank's step time is up by
   ``shared_slowdown`` over its own baseline: the cause is one they share (storage every
   node reads, data loading, compute on every rank, or the collectives / host work between).
@@ -45,10 +45,12 @@ from steadytrain.monitor.ranks import RanksView
 from steadytrain.monitor.windows import (
     LEGACY_DIAGNOSIS,
     Window,
+    compute_factor,
     compute_kind,
     data_cause,
     fold,
     healthy_ref,
+    host_evidence,
     median,
 )
 
@@ -117,14 +119,16 @@ def classify(
             common["baseline_data_wait_s_per_step"] = base[r].per(base[r].data_wait_s)
         if wait is not None and h_wait is not None and wait - h_wait >= floor:
             data[r] = {**common, "excess_s_per_step": wait - h_wait, "threshold_s": floor}
-        elif fwd is not None and h_fwd and fwd >= cfg.straggler_compute_factor * h_fwd:
-            if fwd - h_fwd >= cfg.straggler_min_s:
-                ratio = fwd / h_fwd
-                peers = [w for o, w in recent.items() if o != r]
-                kind, host = compute_kind(recent[r], peers, ratio, device, cfg)
-                if kind is not None:
-                    compute[r] = {**common, "forward_ratio": ratio, "host": host,
-                                  "contended": kind == "host-contention"}  # fmt: skip
+        elif fwd is not None and h_fwd and fwd - h_fwd >= cfg.straggler_min_s:
+            # the factor its host's evidence asks for (monitor.windows.compute_factor):
+            # the base one where the host names a cause or could explain nothing, more
+            # where every host is as loaded (the scheduler's noise)
+            peers = [w for o, w in recent.items() if o != r]
+            evidence, _ = host_evidence(recent[r], peers)
+            if fwd >= compute_factor(evidence, device, cfg) * h_fwd:
+                kind, host = compute_kind(recent[r], peers)
+                compute[r] = {**common, "forward_ratio": fwd / h_fwd, "host": host,
+                              "contended": kind == "host-contention"}  # fmt: skip
     out = []
     # The ranks of one node that all straggle (and nothing else does) make one node finding.
     by_node: dict[str | None, list[int]] = {}
@@ -144,6 +148,14 @@ def classify(
         # its cause against the healthy ranks (those not waiting), when there are any
         peers = {o: w for o, w in recent.items() if o not in data} or dict(recent)
         diagnosis, ev = _data_cause(r, {**peers, r: recent[r]}, base, cfg)
+        if diagnosis == "data loading":
+            # no signature of its own: as for a slow forward pass, on a host no busier than
+            # the others' the scheduler could explain a lead below the unspecific factor
+            evidence, _ = host_evidence(recent[r], [w for o, w in peers.items() if o != r])
+            need = compute_factor(evidence, device, cfg)
+            h = data[r]["healthy_data_wait_s_per_step"] or 0.0
+            if need > cfg.straggler_compute_factor and data[r]["data_wait_s_per_step"] < need * h:
+                continue
         node = nodes.get(r)
         cause = {
             "storage": f"storage on node {node}" if node else f"storage of rank {r}",
@@ -165,7 +177,10 @@ def classify(
             h = d["host"]
             diagnosis = LEGACY_DIAGNOSIS["host-contention"]
             cause = f"host CPU contention on node {node}" if node else f"host of rank {r}"
-            why = f" (run queue {h['run_queue']:.1f} on {h['cores']:.0f} cores)"
+            why = f" (run queue {h['run_queue']:.1f} on {h['cores']:.0f} cores"
+            if h.get("throttled_share"):  # its own cgroup's CPU quota
+                why += f", its cgroup throttled {h['throttled_share']:.0%} of the time"
+            why += ")"
         else:
             diagnosis, cause, why = LEGACY_DIAGNOSIS["compute"], f"compute on rank {r}", ""
         msg = (

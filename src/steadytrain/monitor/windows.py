@@ -2,11 +2,13 @@
 
 DDP's all-reduce equalises every rank's step *wall* time, so what tells a slow rank apart
 is the time it spends on its *own* work before the sync point: its data wait (time inside
-``next()``) and its forward pass. Over a window of steps aligned by step index, each rank is
-compared with the **healthy** ranks, not with the median of the others: when two of three
-nodes are slow, the median of the others is itself slow. The healthy reference is a low
-quantile of the ranks' values (``healthy_ref``: the fastest quarter), so any minority up
-to three quarters of the ranks can be named.
+``next()``) and its forward pass. Its whole step less its data wait cannot tell: every rank
+leaves the all-reduce together, so that is the same on every rank (the healthy ones wait
+inside it); it measures what a slow rank cost instead (``compute_wait_s``). Over a window
+of steps aligned by step index, each rank is compared with the **healthy** ranks, not with
+the median of the others: when two of three nodes are slow, the median of the others is
+itself slow. The healthy reference is a low quantile of the ranks' values (``healthy_ref``:
+the fastest quarter), so any minority up to three quarters of the ranks can be named.
 
 The live check (monitor/straggler_live.py, through monitor/straggler.py ``classify``) and
 the engine (diagnose/stragglers.py, over whole episodes) call these same functions, so live
@@ -29,7 +31,10 @@ __all__ = [
     "median",
     "data_cause",
     "host_state",
+    "host_evidence",
+    "compute_factor",
     "compute_kind",
+    "compute_wait_s",
     "LEGACY_DIAGNOSIS",
 ]
 
@@ -46,9 +51,10 @@ LEGACY_DIAGNOSIS = {
 # steals or the cgroup throttles more than this share of the time.
 STEAL_SHARE = 0.05
 THROTTLED_SHARE = 0.05
-# A slow forward pass on a CPU rank without host signals (an older rank file) is named
-# only at this many times ``straggler_compute_factor``: a loaded host slows whichever rank
-# the scheduler leaves out, and that is noise, not a fault of the rank.
+# A slow forward pass on a CPU rank whose host does not set it apart (every host as loaded,
+# or no host signals) counts only at this many times ``straggler_compute_factor``: a loaded
+# host slows whichever rank the scheduler leaves out, and that is noise, not a fault of the
+# rank (``compute_factor``).
 UNSPECIFIC_FACTOR = 2.0
 
 
@@ -197,6 +203,7 @@ def data_cause(
     hmiss = median(w.per(w.cache_misses) for w in peers)
     ev.update(cache_misses_per_step=miss, healthy_cache_misses_per_step=hmiss)
     missing = miss is not None and hmiss is not None and miss >= max(2 * hmiss, hmiss + 0.5)
+    ev["cache_misses_up"] = missing
     grow, hgrow = me.mem_growth, median(w.mem_growth for w in peers)
     ev.update(memory_growth_bytes=grow, healthy_memory_growth_bytes=hgrow)
     memory = grow is not None and grow - (hgrow or 0.0) >= cfg.straggler_memory_bytes
@@ -218,27 +225,73 @@ def _load(ev: dict[str, Any]) -> float:
     )
 
 
-def compute_kind(
-    me: Window, peers: list[Window], ratio: float, device: str | None, cfg: AlertConfig
-) -> tuple[str | None, dict[str, Any]]:
-    """(kind, host evidence) for a rank whose forward pass is ``ratio`` x the healthy
-    ranks': ``host-contention`` when its host was contended, ``compute`` when it was not;
-    None (no incident) when nothing sets its host apart and the ratio is under
-    ``UNSPECIFIC_FACTOR`` x ``straggler_compute_factor`` with no host signals on a CPU
-    run, and whatever the ratio when its host was no more contended than the healthy
-    ranks' hosts (one shared machine: contention, but not this node's)."""
+def host_evidence(me: Window, peers: list[Window]) -> tuple[str, dict[str, Any]]:
+    """(evidence, host) of a rank's host against the healthy ranks' (``peers``) over the
+    same steps: what its host says about a slow forward pass.
+
+    - ``throttled``: its own cgroup throttled it (``THROTTLED_SHARE`` or more, and 1.5 x
+      the healthy ranks' share): a CPU quota of its own (a Slurm job's, a container's);
+    - ``loaded``: its host was contended and 1.5 x as loaded as theirs (run queue per core,
+      steal), or theirs recorded nothing to compare;
+    - ``quiet``: its host was not contended: nothing on it explains the slowness;
+    - ``shared``: contended, but no more than their hosts (one loaded machine, or every
+      node running more threads than cores): the scheduler could explain it;
+    - ``unknown``: the rank recorded no host signals (an older rank file)."""
     contended, host = host_state(me)
-    strong = ratio >= UNSPECIFIC_FACTOR * cfg.straggler_compute_factor
     if contended is None:
-        return ("compute" if device == "cuda" or strong else None), host
-    if not contended:
-        return "compute", host
+        return "unknown", host
     theirs = [e for w in peers if (e := host_state(w)[1])]
-    specific = not theirs or _load(host) >= 1.5 * max(_load(e) for e in theirs)
     if theirs:
         host = {**host, "healthy_run_queue": median(e["run_queue"] for e in theirs),
-                "healthy_cores": median(e["cores"] for e in theirs)}  # fmt: skip
-    # Every rank's host as contended as this one's (one shared machine): which rank the
-    # scheduler leaves out is chance, not a fault of that rank or node -- healthy rank 0
-    # of a clean 2-node run on one loaded 2-core host ran its forward pass 3.7x slower.
-    return ("host-contention" if specific else None), host
+                "healthy_cores": median(e["cores"] for e in theirs),
+                "healthy_throttled_share": max(e.get("throttled_share") or 0.0
+                                               for e in theirs)}  # fmt: skip
+    thr = host.get("throttled_share") or 0.0
+    if thr >= THROTTLED_SHARE and thr >= 1.5 * (host.get("healthy_throttled_share") or 0.0):
+        return "throttled", host
+    if not contended:
+        return "quiet", host
+    if not theirs or _load(host) >= 1.5 * max(_load(e) for e in theirs):
+        return "loaded", host
+    return "shared", host
+
+
+def compute_factor(evidence: str, device: str | None, cfg: AlertConfig) -> float:
+    """How many times the healthy ranks' forward time a rank's must be for a window to
+    count as slow, given its host's ``evidence``: ``straggler_compute_factor`` where the
+    host names a cause of the rank's own (``throttled``, ``loaded``), where nothing on the
+    host could explain it (``quiet``) and on a GPU; ``UNSPECIFIC_FACTOR`` x that where a
+    loaded host could (``shared``, ``unknown``, on CPU). Measured on one loaded 2-core
+    machine: healthy ranks of clean runs ran their forward pass 2.1-2.5x the fastest
+    rank's steadily for 20 steps and 3.6-5.8x for at most two 5-step windows; a rank held to
+    a fifth or a tenth of a core by a cgroup quota ran 3.7-15x in every window."""
+    if device == "cuda" or evidence in ("throttled", "loaded", "quiet"):
+        return cfg.straggler_compute_factor
+    return UNSPECIFIC_FACTOR * cfg.straggler_compute_factor
+
+
+def compute_kind(me: Window, peers: list[Window]) -> tuple[str, dict[str, Any]]:
+    """(kind, host evidence) for a rank whose forward pass stood above the healthy ranks'
+    (``peers``) for an episode: ``host-contention`` when its own cgroup throttled it
+    (``THROTTLED_SHARE`` or more) or its host was more loaded than theirs
+    (``host_evidence``), else ``compute``. Never nothing: whether the slowness is a fault
+    at all is the window rule's to say (``compute_factor``), not the host's."""
+    evidence, host = host_evidence(me, peers)
+    own_quota = (host.get("throttled_share") or 0.0) >= THROTTLED_SHARE
+    kind = "host-contention" if own_quota or evidence in ("throttled", "loaded") else "compute"
+    return kind, {**host, "evidence": evidence} if host else host
+
+
+def compute_wait_s(w: Window, ref: float) -> float:
+    """Seconds per step the other ranks waited for a rank whose forward pass ran at
+    ``forward / ref`` x the healthy level over ``w``: its own step less its data wait (the
+    slowest rank waits for nobody, so that is its own work) x ``1 - ref / forward``. A
+    cause of the rank's own (a CPU quota, a slow device) slows its backward pass and update
+    as it slows its forward pass, and only the forward pass is timed before the
+    collectives, so its ratio stands for the whole step's; the forward excess alone would
+    charge a third of what the others waited."""
+    fwd = w.per(w.forward_s)
+    step, wait = w.per(w.step_s), w.per(w.data_wait_s)
+    if fwd is None or step is None or fwd <= 0 or fwd <= ref:
+        return 0.0
+    return max(0.0, step - (wait or 0.0)) * (1.0 - max(ref, 0.0) / fwd)

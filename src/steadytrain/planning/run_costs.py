@@ -2,9 +2,11 @@
 docs/monitoring.md), in the terms of the planner's model.
 
 The ledger is read through ``monitor`` (``iter_ledger``) and its goodput arithmetic
-(``GoodputAccumulator``) in one streaming pass, so the plan and ``steadytrain report`` see
-the same records (a torn line is skipped by both) and the same buckets. Each model input
-is tied to a bucket:
+(``GoodputAccumulator``) in one streaming pass, then charged as the report charges it
+(``report.build.run_breakdown``: a slower rank's waits from the rank files and the
+diagnosis), so the plan and ``steadytrain report`` see the same records (a torn line is
+skipped by both), the same buckets and the same goodput. Each model input is tied to a
+bucket:
 
 * ``C`` = mean ``block_s`` of the committed (``ok``) ``checkpoint`` records: one save's share
   of the ``checkpoint_block`` bucket (never an evaluation beside it: the trainer callbacks
@@ -26,8 +28,9 @@ is tied to a bucket:
   restarts is the ``restart_gap`` bucket plus the ``startup`` and ``restore`` of every
   attempt after the first, plus that warm-up. A ledger without restarts gives each
   attempt's start-up, restore and warm-up;
-* data stall share ``s`` = ``monitor.goodput.data_stall_share``: the ``data_wait`` bucket
-  over the loop's time in steps outside checkpoint blocks;
+* data stall share ``s`` = ``monitor.goodput.data_stall_share``: the ``data_wait``,
+  ``slowdown`` and straggler buckets over the loop's time in steps outside checkpoint
+  blocks;
 * lost work per interruption = the ``lost_to_failures`` bucket / interruptions (what the
   model charges as half a period plus ``L - C`` per failure);
 * interruptions per day = (attempts - 1) / days the attempts were up (``exposure_days``,
@@ -54,7 +57,9 @@ from typing import Any
 from steadytrain.errors import ConfigError
 from steadytrain.monitor.goodput import GoodputAccumulator, data_stall_share, productive_s
 from steadytrain.monitor.ledger import LEDGER_NAME, iter_ledger
+from steadytrain.monitor.records_lost import LostSpans
 from steadytrain.planning.failures import rate_interval
+from steadytrain.report.build import run_breakdown
 
 __all__ = ["RunCosts", "measure_run", "model_badput"]
 
@@ -112,6 +117,8 @@ def model_badput(badput_s: dict[str, float], total_s: float) -> dict[str, float]
         # Steps slowed beside a background write: the model charges it with the data wait
         # in its stall share ``s`` (monitor.goodput.data_stall_share).
         "slowdown": badput_s.get("slowdown", 0.0),
+        # Waiting for a slower rank (the report's charges): in the stall share too.
+        "straggler": badput_s.get("straggler_wait", 0.0) + badput_s.get("straggler_compute", 0.0),
         "lost_to_failures": badput_s.get("lost_to_failures", 0.0),
         "eval": badput_s.get("eval", 0.0),
         "other": badput_s.get("other", 0.0),
@@ -228,18 +235,25 @@ def measure_run(run_dir: str | os.PathLike[str]) -> RunCosts:
             f"{path} not found: --from-run needs a run directory written by steadytrain train "
             "(GoodputMeter), which holds ledger.jsonl"
         )
-    acc, att = GoodputAccumulator(), _Attempts()
+    acc, att, lost = GoodputAccumulator(), _Attempts(), LostSpans()
+    starts: list[dict[str, Any]] = []
     # Invalid records (monitor/records.py) are skipped with a warning naming the line.
     for rec in iter_ledger(path):
         acc.add(rec)
         att.add(rec)
+        lost.add(rec)
+        if rec.get("type") == "job_start":
+            starts.append(rec)
     if not att.starts:
         raise ConfigError(
             f"{path} has no job_start record, so it is not a ledger written by GoodputMeter "
             "(lines that are not JSON records were skipped with a warning naming them); "
             "give --from-run the run directory of a steadytrain train run"
         )
-    b = acc.breakdown()
+    # The report's breakdown (steadytrain.report.build.run_breakdown): rank 0's ledger
+    # with what only the rank files and the diagnosis see charged (a slower rank's data or
+    # compute), so the run's goodput here is the one the report prints.
+    b = run_breakdown(run_dir, acc.breakdown(), lost.spans)
     interruptions = b.attempts - 1
     wall_days = b.total_s / 86400.0
     e = _exposure(att, b.attempt_summaries)

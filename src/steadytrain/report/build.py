@@ -25,7 +25,7 @@ import base64
 import json
 import os
 from array import array
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from steadytrain.diagnose.job_state import job_state
 from steadytrain.errors import SteadyError
 from steadytrain.monitor.goodput import Breakdown, GoodputAccumulator
 from steadytrain.monitor.ledger import ledger_path
+from steadytrain.monitor.ranks import RanksView
 from steadytrain.monitor.records import Rejects, check_record
 from steadytrain.monitor.records_lost import LostSpans, lost_warning
 from steadytrain.printable import html_text
@@ -59,12 +60,14 @@ __all__ = [
     "breakdown",
     "bucket_rows",
     "build_report",
+    "capped_lines",
     "checkpoint_words",
     "incident_rows",
     "state_text",
     "data_bound",
     "goodput_class",
     "rejected_lines",
+    "run_breakdown",
     "slowdown_note",
     "GOODPUT_GOOD",
     "GOODPUT_FAIR",
@@ -208,21 +211,54 @@ def incident_rows(incidents: list[Incident], t0: float | None) -> list[dict[str,
     return out
 
 
-def breakdown(data: dict[str, Any], section: dict[str, Any]) -> Breakdown:
-    """THE breakdown of the report: rank 0's ledger (``data["ledger_breakdown"]``) with
-    ``straggler_wait`` (rank 0 waiting inside a collective for a slower rank's data, from
-    the rank files; out of goodput) and ``records_lost`` (wall time whose ledger records a
-    failing disk dropped; out of ``other``, which is where that time had fallen) charged
-    into buckets of their own. Computed once by ``build_report``; every view prints it."""
-    b = charge_straggler_wait(data["ledger_breakdown"], section["view"])
+def breakdown(
+    ledger: Breakdown,
+    view: RanksView,
+    records_lost: list[dict[str, Any]],
+    incidents: Iterable[Incident | dict[str, Any]],
+) -> Breakdown:
+    """THE breakdown of the report: rank 0's ledger (``ledger``) with ``straggler_wait``
+    (rank 0 waiting inside a collective for a slower rank: its data wait from the rank
+    files ``view``, its slow compute from the engine's ``incidents``; out of goodput) and
+    ``records_lost`` (wall time whose ledger records a failing disk dropped; out of
+    ``other``, which is where that time had fallen) charged into buckets of their own.
+    Computed once by ``build_report`` (and by ``run_breakdown`` for the planner); every view
+    prints it."""
+    b = charge_straggler_wait(ledger, view, incidents)
     lost_s = sum(
         sp["span_s"] or 0.0
-        for sp in data["records_lost"]
+        for sp in records_lost
         if (sp.get("file") or "ledger.jsonl").endswith("ledger.jsonl")
     )
     if lost_s > 0:
         b = b.charged("records_lost", lost_s, source="other")
     return b
+
+
+def run_breakdown(
+    run_dir: str | os.PathLike[str],
+    ledger: Breakdown,
+    records_lost: list[dict[str, Any]],
+) -> Breakdown:
+    """The report's breakdown of ``run_dir`` (``breakdown``) from what a caller already
+    read of its ledger (rank 0's ``ledger`` breakdown and its lost spans): ``plan --from-run`` plans from the goodput the report prints. Invalid rank
+    records are skipped without a second warning."""
+    records = load(run_dir, Rejects(warn=False))  # one read of the rank files and verdicts
+    return breakdown(ledger, records.view, records_lost, diagnose(records))
+
+
+def capped_lines(summary: dict[str, Any]) -> list[str]:
+    """One line per charge the breakdown could not make in full (``capped``): a goodput
+    of 0.0 % (or a bucket at 0) is then a cap, and the line says by how much."""
+    out = []
+    for bucket, c in (summary.get("capped") or {}).items():
+        src = "rank 0's productive time" if c.get("source") == "goodput" else c.get("source")
+        out.append(
+            f"{bucket} capped at {src}: {c['measured_s']:.1f} s measured, "
+            f"{c['charged_s']:.1f} s charged ({c['measured_s'] - c['charged_s']:.1f} s "
+            "not charged, so goodput is at most what it shows)"
+        )
+    return out
 
 
 def bucket_rows(summary: dict[str, Any]) -> list[tuple[str, float, float]]:
@@ -386,6 +422,7 @@ recovery point age at the end {summary["recovery_point_age_s"] or 0:.0f} s.</p>
 {rows}</table>
 {bound}
 {f"<p>{e(note)}</p>" if (note := slowdown_note(summary)) else ""}
+{"".join(f'<p class="poor">{e(c)}</p>' for c in capped_lines(summary))}
 {"".join(f"<p>{e(w)}</p>" for w in rejected_lines(summary))}
 <h2>Incidents</h2>
 {"<p>None.</p>" if not inc else ""}
@@ -424,14 +461,17 @@ def build_report(
         data = done.value
     t0 = data["t0"]
     section = data["ranks"] = rank_section(records.view)
-    # The one computation every view prints (heading, table, plots, JSON).
-    b = data["breakdown"] = breakdown(data, section)
+    # The incidents: the diagnosis engine's, from the same records (diagnose/); the plots
+    # mark these, numbered as in the table.
+    incidents = diagnose(records)
+    # The one computation every view prints (heading, table, plots, JSON); a slow rank's
+    # compute is charged as the engine measured it.
+    ledger = data["ledger_breakdown"]
+    b = data["breakdown"] = breakdown(ledger, section["view"], data["records_lost"], incidents)
     s = data["series"]
     step_t = dict(zip(s.step, s.t, strict=True))  # a redone step: its newest attempt's time
     data["alerts"] = attach_ranks(data["alerts"], section["stragglers"], section["ranks"], step_t)
-    # The incidents: the diagnosis engine's, from the same records (diagnose/); the plots
-    # mark these, numbered as in the table.
-    data["incidents"] = incident_rows(diagnose(records), t0)
+    data["incidents"] = incident_rows(incidents, t0)
     summary = b.to_dict()
     summary.pop("attempt_summaries")
     summary.update(

@@ -33,6 +33,7 @@ _COLORS = {
     "restart_gap": "#424242",
     "other": "#bdbdbd",
     "straggler_wait": "#f9a825",
+    "straggler_compute": "#8d6e63",
     "records_lost": "#000000",
 }
 

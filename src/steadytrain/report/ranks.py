@@ -9,9 +9,12 @@ step heatmaps of data wait and step time, with restarts and crashes marked on th
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from steadytrain.diagnose.incident import Incident
 from steadytrain.diagnose.stragglers import alert_config
 from steadytrain.monitor.goodput import Breakdown
 from steadytrain.monitor.ranks import RanksView
@@ -20,12 +23,15 @@ from steadytrain.printable import html_text, printable
 __all__ = [
     "INCIDENT_KEYS",
     "attach_ranks",
+    "charge_straggler_wait",
+    "compute_waits",
     "crashes",
     "per_unit",
     "node_rows",
     "plot_heatmaps",
     "rank_section",
     "ranks_html",
+    "straggler_waits",
     "where",
     "who",
 ]
@@ -263,33 +269,75 @@ def ranks_html(summary: dict[str, Any], img: Any) -> str:
     return "\n".join(parts)
 
 
-def straggler_wait_s(view: RanksView) -> float:
-    """Time rank 0 booked as compute while it waited, inside a collective, for a rank that
-    waited on data longer than it did (synchronous data parallelism: a step goes at the
-    pace of its slowest rank's ``next()``). Per step bin: rank 0's steps times the excess
-    of the worst rank's mean data wait per step over rank 0's; a lower bound of the
-    per-step sum (bins average within themselves). 0 without rank files or rank 0's."""
+def compute_waits(
+    incidents: Iterable[Incident | dict[str, Any]],
+) -> list[tuple[int, int, float, int]]:
+    """What the diagnosis engine found the other ranks waited for a slow forward pass:
+    ``(first step, last step, seconds per step, rank)`` of each window of every ``compute``
+    and ``host-contention`` incident (its ``wait_s_per_step``, diagnose/stragglers.py;
+    an entry without a rank counts as a rank of its own, -1)."""
+    out = []
+    for inc in incidents:
+        kind = inc.kind if isinstance(inc, Incident) else inc.get("kind")
+        ev = inc.evidence if isinstance(inc, Incident) else inc.get("evidence")
+        if kind not in ("compute", "host-contention") or not isinstance(ev, dict):
+            continue
+        for w in ev.get("wait_s_per_step") or []:
+            if not isinstance(w, (list, tuple)) or len(w) not in (3, 4):
+                continue
+            if all(isinstance(x, (int, float)) and math.isfinite(x) for x in w):
+                rank = int(w[3]) if len(w) == 4 else -1
+                out.append((int(w[0]), int(w[1]), max(0.0, float(w[2])), rank))
+    return out
+
+
+def straggler_waits(
+    view: RanksView, waits: Iterable[tuple[int, int, float, int]] = ()
+) -> tuple[float, float]:
+    """``(data, compute)``: time rank 0 booked as compute while the job waited for a
+    slower rank (synchronous data parallelism: a step goes at the pace of its slowest
+    rank). Per step bin, each rank held the others up by its data wait beyond rank 0's (a
+    rank slow in ``next()``) plus the wait per step the engine found for its slow compute
+    (``waits``: ``compute_waits`` of the incidents; its data wait and its compute come one
+    after the other); the step waited for the rank that held it up most. ``data`` is rank
+    0's steps times the worst data excess (a lower bound of the per-step sum: bins average
+    within themselves), ``compute`` what the worst rank's hold-up adds beyond that; rank 0
+    itself counts, its slowed compute being booked as work. (0, 0) without rank files or
+    rank 0's."""
+    waits = list(waits)
     width, bins = view.aligned()
     own = bins.get(0)
     if not own or len(bins) < 2:
-        return 0.0
-    total = 0.0
+        return 0.0, 0.0
+    data = compute = 0.0
     for idx, b0 in own.items():
         n0 = b0.get("n") or 0
         if not n0:
             continue
         mine = b0.get("data_wait_s", 0.0) / n0
-        worst = max(
-            (b[idx].get("data_wait_s", 0.0) / b[idx]["n"] for b in bins.values()
-             if idx in b and b[idx].get("n")),
-            default=mine,
-        )  # fmt: skip
-        total += n0 * max(0.0, worst - mine)
-    return total
+        first, last = idx * width + 1, (idx + 1) * width
+        held: dict[int, float] = {}  # rank -> its hold-up per step in this bin
+        data_worst = 0.0
+        for r, b in bins.items():
+            if idx in b and b[idx].get("n"):
+                excess = max(0.0, b[idx].get("data_wait_s", 0.0) / b[idx]["n"] - mine)
+                held[r] = excess
+                data_worst = max(data_worst, excess)
+        for a, z, s, r in waits:
+            if a <= last and first <= z:
+                held[r] = held.get(r, 0.0) + s
+        data += n0 * data_worst
+        compute += n0 * max(0.0, max(held.values(), default=0.0) - data_worst)
+    return data, compute
 
 
-def charge_straggler_wait(b: Breakdown, view: RanksView) -> Breakdown:
-    """``b`` with ``straggler_wait_s(view)`` (capped at the productive time) moved from
-    goodput into its own badput bucket ``straggler_wait``: rank 0's ledger alone cannot
-    see it. The report calls this once; every view prints the breakdown it returns."""
-    return b.charged("straggler_wait", straggler_wait_s(view))
+def charge_straggler_wait(
+    b: Breakdown, view: RanksView, incidents: Iterable[Incident | dict[str, Any]] = ()
+) -> Breakdown:
+    """``b`` with ``straggler_waits`` moved from goodput into badput buckets of their own:
+    ``straggler_wait`` (a rank slow in ``next()``) and ``straggler_compute`` (a rank slow
+    in its own compute, as the engine's incidents measured it). Rank 0's ledger alone sees
+    neither. Each is capped at the productive time left (``b.capped`` says when and by how
+    much). The report calls this once; every view prints the breakdown it returns."""
+    data, compute = straggler_waits(view, compute_waits(incidents))
+    return b.charged("straggler_wait", data).charged("straggler_compute", compute)

@@ -11,6 +11,7 @@ this harness makes a node real enough to lose, cut off or slow down on its own::
         h.kill(h.nodes[1])            # a lost machine: every process of the node, by PID
         h.partition(h.nodes[1])       # its link goes down
         h.slow_storage(h.nodes[1], latency_s=0.05, down_bps=2e6)
+        h.cpu_quota(h.nodes[1], 0.2)  # its processes get a fifth of a core from now on
         spare = h.add_node(); h.stage(spare, url)
 
 Topology (mode ``netns``, the default where possible):
@@ -30,7 +31,12 @@ Topology (mode ``netns``, the default where possible):
   ``GLOO_SOCKET_IFNAME=eth0`` (gloo would otherwise pick the address of the machine's host
   name, which no namespace has), and no HTTP proxy variables;
 * each torchrun agent gets ``--local-addr`` = its node's address, so the workers' master
-  address is a node address too.
+  address is a node address too;
+* the machine's ``/sys/fs/cgroup`` is visible inside every node (``ip netns exec`` remounts
+  ``/sys``: the harness binds the tree back before the node's command starts,
+  steadytrain.testing.cgroups), so a rank reads its own cgroup's quota and throttling;
+  ``cpu_quota`` puts a node's processes in a cgroup of their own with a CPU quota (cgroup
+  v1), the way a Slurm job's or a container's limit slows one node of a cluster.
 
 Mode ``loopback`` (forced with ``mode="loopback"``, or chosen when namespaces cannot be
 made: no ``ip``, not root, or ``ip`` refused): nodes are distinct ``127.0.0.(10+k)``
@@ -60,6 +66,12 @@ from datetime import timedelta
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 from steadytrain.testing import netns
+from steadytrain.testing.cgroups import (
+    NODE_SHELL,
+    CgroupView,
+    NodeQuota,
+    leftover_cgroups,
+)
 from steadytrain.testing.netns import NetnsUnavailable, ip
 from steadytrain.testing.node_local import (
     empty_dir,
@@ -102,11 +114,18 @@ class Node:
     env: dict[str, str]
     procs: list[subprocess.Popen[Any]] = field(default_factory=list)
     logs: list[IO[Any]] = field(default_factory=list)
+    cgroup_view: str | None = None  # the machine's /sys/fs/cgroup, bound by the harness
 
     def argv(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` as run on this node (inside its namespace: ``ip netns exec`` execs the
-        command in place, so the PID the caller gets is the command's own)."""
-        return ["ip", "netns", "exec", self.netns, *argv] if self.netns else list(argv)
+        """``argv`` as run on this node (inside its namespace: ``ip netns exec`` and the
+        shell that binds the cgroup view exec the command in place, so the PID the caller
+        gets is the command's own)."""
+        if not self.netns:
+            return list(argv)
+        if self.cgroup_view is None:
+            return ["ip", "netns", "exec", self.netns, *argv]
+        shell = ["sh", "-c", NODE_SHELL, self.cgroup_view]
+        return ["ip", "netns", "exec", self.netns, *shell, *argv]
 
 
 class NodeHarness:
@@ -148,6 +167,8 @@ class NodeHarness:
         self.killed_at_teardown: list[tuple[str, int, str]] = []  # (node, pid, cmdline)
         self._mounts = contextlib.ExitStack()
         self._namespaces: list[str] = []
+        self.cgroup_view: str | None = None
+        self._quotas: dict[str, NodeQuota] = {}
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -186,6 +207,12 @@ class NodeHarness:
                 self.reason = f"network namespaces unavailable: {e}"
         if self.mode == "netns":
             self.log(f"[nodes] mode netns: one network namespace per node ({self.reason})")
+            view = CgroupView(os.path.join(self.root, "cgroup"))
+            try:
+                self.cgroup_view = self._mounts.enter_context(view.mounted())
+            except (OSError, subprocess.CalledProcessError) as e:
+                why = getattr(e, "stderr", None) or e
+                self.log(f"[nodes] /sys/fs/cgroup stays invisible inside nodes: {why}")
         else:
             self.log(f"[nodes] mode loopback: nodes at 127.0.0.x, {self.reason}")
 
@@ -245,7 +272,7 @@ class NodeHarness:
         )
         node = Node(
             name, k, addr, ns, disks["cache"], on_tmpfs["cache"], disks["memory"],
-            on_tmpfs["memory"], link, env,
+            on_tmpfs["memory"], link, env, cgroup_view=self.cgroup_view,
         )  # fmt: skip
         self.nodes.append(node)
         return node
@@ -367,6 +394,23 @@ class NodeHarness:
         node.link.down.bandwidth = down_bps
         self.log(f"[nodes] {node.name}: storage link latency {latency_s}s, down {down_bps} B/s")
 
+    def cpu_quota(self, node: Node, cores: float | None) -> set[int]:
+        """Limit ``node`` to ``cores`` CPUs from now on (0.2: a fifth of one core), as a
+        job's cgroup quota does: every process of the node moves into the node's own cgroup
+        (their children follow), and the quota is set on it; None lifts it. Returns the
+        PIDs moved. Needs root and cgroup v1 (else ``testing.cgroups.CgroupUnavailable``)."""
+        q = self._quotas.get(node.name)
+        if q is None:
+            q = self._quotas[node.name] = NodeQuota(self.tag, node.name)
+        q.set(cores)
+        moved: set[int] = set()
+        # Again until none is new: a process may start a child between listing and moving.
+        while found := self.pids(node) - moved:
+            moved |= q.add(found) | found
+        moved &= q.pids()
+        self.log(f"[nodes] {node.name}: CPU quota {cores} cores on pids {sorted(moved)}")
+        return moved
+
     def stage(self, node: Node, dataset: str, *, timeout: float = 120) -> dict[str, Any]:
         """``steadytrain stage DATASET --cache NODE_CACHE --json`` on ``node`` (through its
         own link); returns the JSON report, raising with stderr when it fails."""
@@ -400,6 +444,10 @@ class NodeHarness:
             for f in node.logs:
                 f.close()
             node.link.close()
+        for name, q in self._quotas.items():
+            if not q.remove():
+                self.log(f"[nodes] {name}: cgroup {q.path} still holds {sorted(q.pids())}")
+        self._quotas.clear()
         self._mounts.close()
         for k, ns in enumerate(self._namespaces):
             netns.remove_namespace(ns, f"st{self.tag}h{k}")
@@ -423,6 +471,7 @@ class NodeHarness:
                     out.append(f"mount {where}")
         for node in self.nodes:
             out += [f"process {p} of {node.name}" for p in sorted(self.pids(node))]
+        out += leftover_cgroups(self.tag)
         if self.server is not None and self.server.proc is not None:
             out.append(f"SeaweedFS process {self.server.proc.pid}")
         return out

@@ -188,6 +188,10 @@ class TrainLoopConfig:
     # The process group's collective timeout in seconds (0: torch's default, gloo 30 min);
     # keep it above the hang watchdog's deadlines (docs/monitoring.md).
     backend_timeout_s: float = 0.0
+    # Every ``eval_every`` steps (0: never) every rank computes the loss of ``eval_batches``
+    # fixed micro-batches, under the watchdog's evaluation phase (loop.py, ``evaluate``).
+    eval_every: int = 0
+    eval_batches: int = 8
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -200,6 +204,8 @@ class TrainLoopConfig:
         )
         check(self.log_every >= 1, "log_every", self.log_every, "use at least 1")
         check(self.threads >= 0, "threads", self.threads, "use 0 (default) or more")
+        check(self.eval_every >= 0, "eval_every", self.eval_every, "use 0 (off) or more steps")
+        check(self.eval_batches >= 1, "eval_batches", self.eval_batches, "use at least 1")
         self.nnodes_range  # noqa: B018 - validates the text now, before any work
 
     @property

@@ -65,6 +65,7 @@ from steadytrain.redact import redact
 from steadytrain.run import Run
 from steadytrain.storage.publish import publish_bytes
 from steadytrain.train.config import Config
+from steadytrain.train.evaluation import eval_batches, evaluate
 from steadytrain.train.faults import FaultInjector, faults_from_env
 from steadytrain.train.model import GPT, GPTConfig
 from steadytrain.train.support import (
@@ -271,6 +272,13 @@ def run_training(
                 f"{model.num_params() / 1e6:.2f}M parameters, {where}, {total} steps"
             )
 
+        # Evaluation (train.eval_every): a fixed sample, read once (train/evaluation.py).
+        eval_set = (
+            eval_batches(datasets, rank=rank, world=world, seed=cfg.seed + 1, config=cfg.data,
+                         count=cfg.train.eval_batches)
+            if cfg.train.eval_every else []
+        )  # fmt: skip
+
         # -- 6. The loop ----------------------------------------------------------------------
         model.train()
         batches = iter(loader)
@@ -325,6 +333,15 @@ def run_training(
             )
             faults.after_save_started(step)  # an injected crash while that save is written
             trace.write(step, global_loss, float(local_loss), sched.get_last_lr()[0])
+            if eval_set and step % cfg.train.eval_every == 0:
+                # A legitimately long part of the loop: the watchdog gives it the eval
+                # phase's deadline (phases.eval_s, default checkpoint_s), and the ledger
+                # books its seconds in the eval bucket (Run.phase).
+                with run.phase("eval"):
+                    eval_loss = evaluate(model, eval_set, device, shift_labels=shift_labels,
+                                         autocast=autocast)  # fmt: skip
+                if rank == 0:
+                    say(f"eval at step {step}: loss {eval_loss:.4f}")
             tokens_log += tokens_per_step
             wait_log += data_wait
             block_log += block_s

@@ -14,7 +14,11 @@ cache) with its own faults, injected from outside as they happen on a cluster:
 - ``stop``: the named node's rank is SIGSTOPped at step ``FAULT_AT`` (the hang watchdog
   and the node's reaper must end it);
 - ``data_order``: topic-ordered documents read with ``data.shuffle=sequential``
-  (steadytrain.testing.incidents.noisy_loss).
+  (steadytrain.testing.incidents.noisy_loss);
+- ``cpu_quota``: the named nodes' processes are held to ``cpu_quota.QUOTA_CORES`` of a core
+  once step ``FAULT_AT`` is traced (``NodeHarness.cpu_quota``: a cgroup CPU quota);
+- ``eval_every``: no fault; every rank evaluates ``EVAL_BATCHES`` micro-batches every
+  ``eval_every`` steps (``train.eval_every``): an evaluation-heavy clean run.
 
 A case's ``expected`` incidents come from what was injected (which rank ran on which node
 from the run's rank files), its ``incidents`` from ``steadytrain report --json`` alone, and
@@ -38,8 +42,15 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from steadytrain.testing.incidents import (
+    cpu_quota,
+    elastic,
+    loader_memory,
+    node_loss,
+    noisy_loss,
+    storage,
+)
 from steadytrain.testing.incidents import hang as hang_replay
-from steadytrain.testing.incidents import loader_memory, node_loss, noisy_loss, storage
 from steadytrain.testing.incidents.common import (
     IncidentJob,
     Log,
@@ -51,10 +62,21 @@ from steadytrain.testing.incidents.common import (
 from steadytrain.testing.incidents.expect import check, expectation, node_ranks, score
 from steadytrain.testing.nodes import Node, NodeHarness
 
-__all__ = ["CASES", "CI_CASES", "Case", "expected", "injected", "run_case", "run_cases"]
+__all__ = [
+    "CASES",
+    "CI_CASES",
+    "CLEAN_CASES",
+    "Case",
+    "expected",
+    "injected",
+    "run_case",
+    "run_cases",
+]
 
 STEPS, FAULT_AT, LATENCY_S = 24, 4, 0.1
 DATA_ORDER_STEPS = noisy_loss.STEPS
+# The evaluation-heavy clean run: about as long in evaluation as in training steps.
+EVAL_EVERY, EVAL_BATCHES = 4, 120
 
 
 @dataclass(frozen=True)
@@ -68,6 +90,8 @@ class Case:
     kill: str | None = None
     stop: str | None = None
     data_order: bool = False
+    cpu_quota: tuple[str, ...] = ()
+    eval_every: int = 0
 
     @property
     def steps(self) -> int:
@@ -75,7 +99,8 @@ class Case:
 
     @property
     def clean(self) -> bool:
-        return not (self.storage or self.loader_memory or self.kill or self.stop or self.data_order)
+        return not (self.storage or self.loader_memory or self.kill or self.stop
+                    or self.data_order or self.cpu_quota)  # fmt: skip
 
 
 CASES: dict[str, Case] = {
@@ -90,12 +115,18 @@ CASES: dict[str, Case] = {
         Case("storage+loader-memory", nodes=3, storage=("node-1",), loader_memory=("node-2",)),
         # one kind on 2 of 3 nodes: the healthy mode is the minority
         Case("storage-2-of-3", nodes=3, storage=("node-1", "node-2")),
+        # one node held to a tenth of a core: a compute straggler on an equally loaded host
+        Case("cpu-quota", cpu_quota=("node-1",)),
+        # clean, with every rank evaluating for about as long as it trains
+        Case("eval-heavy", eval_every=EVAL_EVERY),
         Case("clean-2"),
         Case("clean-3", nodes=3),
     )
 }
 # What tests/nodes runs (the single kinds and clean runs come from the incident replays).
-CI_CASES = ("storage+loader-memory", "storage-2-of-3")
+CI_CASES = ("storage+loader-memory", "storage-2-of-3", "cpu-quota")
+# The clean runs the benchmark adds (``--clean N``); every other case is run once.
+CLEAN_CASES = ("clean-2", "clean-3")
 
 
 def expected(case: Case, run_dir: str, fault_step: int = FAULT_AT) -> list[dict[str, Any]]:
@@ -118,6 +149,8 @@ def expected(case: Case, run_dir: str, fault_step: int = FAULT_AT) -> list[dict[
         out.append(expectation("hang", [case.stop], ranks, near, near))
     if case.data_order:
         out.append(noisy_loss.expected(run_dir, case.steps))
+    if case.cpu_quota:
+        out.append(cpu_quota.expected(run_dir, list(case.cpu_quota), FAULT_AT, case.steps))
     return out
 
 
@@ -158,9 +191,9 @@ def _settings(case: Case, url: str, ordered: str | None) -> tuple[list[str], dic
     if case.kill:
         settings += [
             f"train.elastic_nnodes=1:{case.nodes}",
-            f"checkpoint.every_steps={node_loss.EVERY}",
+            f"checkpoint.every_steps={elastic.EVERY}",
         ]
-        kw = {"nnodes": f"1:{case.nodes}", "max_restarts": 3, "rdzv_conf": node_loss.RDZV}
+        kw = {"nnodes": f"1:{case.nodes}", "max_restarts": 3, "rdzv_conf": elastic.RDZV}
     elif case.stop:
         settings += [
             f"checkpoint.every_steps={hang_replay.EVERY}",
@@ -170,6 +203,8 @@ def _settings(case: Case, url: str, ordered: str | None) -> tuple[list[str], dic
         kw = {"max_restarts": 2}
     else:
         settings.append("checkpoint.every_steps=1000")  # the final save only
+    if case.eval_every:
+        settings += [f"train.eval_every={case.eval_every}", f"train.eval_batches={EVAL_BATCHES}"]
     if case.kill or case.stop:
         # Paced steps around the fault, so it lands mid-run (each fires once per run).
         steps = ",".join(map(str, range(2, FAULT_AT + 4)))
@@ -206,12 +241,14 @@ def run_case(
         job = IncidentJob(h, nodes, run_dir, settings, **kw)
     fault_step = FAULT_AT
     victim = case.kill or case.stop
+    quota = [by_name[n] for n in case.cpu_quota]
     try:
-        if case.storage or victim:
+        if case.storage or victim or quota:
             job.wait_for_step(FAULT_AT, timeout=300)
             fault_step = max((r["step"] for r in read_trace(run_dir)), default=FAULT_AT)
         for name in case.storage:
             h.slow_storage(by_name[name], latency_s=LATENCY_S)
+        cpu_quota.throttle(h, quota)
         if case.kill:
             h.kill(by_name[case.kill])
         if case.stop:
@@ -223,6 +260,7 @@ def run_case(
     finally:
         for name in case.storage:
             h.slow_storage(by_name[name])
+        cpu_quota.lift(h, quota)
         for path in loader_memory.leftover_index_files(run_dir):
             os.unlink(path)
     rep = report(run_dir)
@@ -238,6 +276,13 @@ def run_case(
         "expected": want,
         "incidents": incidents,
         "check": check(want, incidents),
+        # what the report charged to slower ranks (a straggler's cost leaves goodput)
+        "goodput": rep.get("goodput"),
+        "badput_s": {
+            k: v
+            for k, v in (rep.get("badput_s") or {}).items()
+            if k in ("straggler_wait", "straggler_compute")
+        },  # fmt: skip
         "seconds": time.monotonic() - t0,
     }
 
@@ -255,6 +300,8 @@ def injected(case: Case) -> list[tuple[str, list[str]]]:
         out.append(("hang", [case.stop]))
     if case.data_order:
         out.append(("data-order", []))
+    if case.cpu_quota:
+        out.append(("host-contention", list(case.cpu_quota)))
     return out
 
 

@@ -1,0 +1,47 @@
+"""The diagnosis matrix's CPU-quota straggler: one node's processes are held to a fraction
+of a core from step ``FAULT_AT`` on, the way a Slurm job's or a container's CPU limit slows
+one node of a cluster (``NodeHarness.cpu_quota``: a cgroup v1 quota; the node sees its own
+cgroup, so its rank records how long the kernel throttled it).
+
+The other ranks wait for that rank in every all-reduce, and rank 0's ledger books the wait
+as compute. The report must name a ``host-contention`` incident on that node (its own
+cgroup throttled it; the run queue of the shared machine is no higher there than on the
+others) and charge what it cost (``straggler_compute``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from steadytrain.testing.incidents.expect import expectation, node_ranks
+from steadytrain.testing.nodes import Node, NodeHarness
+
+__all__ = ["QUOTA_CORES", "expected", "lift", "throttle"]
+
+# A tenth of one core: far below what a rank of the tiny job gets on the loaded 2-core
+# machine (ranks ran 3-15x slower forward passes here under it; at a fifth of a core a
+# rank of a 3-node job was not throttled at all: its fair share was already less).
+QUOTA_CORES = 0.1
+DETECT_STEPS, TAIL_STEPS = 8, 6
+
+
+def throttle(h: NodeHarness, nodes: list[Node]) -> None:
+    for n in nodes:
+        h.cpu_quota(n, QUOTA_CORES)
+
+
+def lift(h: NodeHarness, nodes: list[Node]) -> None:
+    for n in nodes:
+        h.cpu_quota(n, None)
+
+
+def expected(run_dir: str, nodes: list[str], at: int, steps: int) -> dict[str, Any]:
+    """One ``host-contention`` incident on ``nodes`` (their ranks), from about ``at`` on
+    to the end (the quota stays)."""
+    return expectation(
+        "host-contention",
+        nodes,
+        node_ranks(run_dir),
+        (at, at + DETECT_STEPS),
+        (steps - TAIL_STEPS, steps),
+    )
