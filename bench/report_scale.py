@@ -40,7 +40,7 @@ RESULTS = os.path.join(HERE, "results", "report_scale.json")
 CHILD = """
 import json, resource, sys, time
 t0 = time.perf_counter()
-from steadytrain.monitor.report import build_report
+from steadytrain.report.build import build_report
 s = build_report(sys.argv[1], sys.argv[2])
 print(json.dumps({"build_s": time.perf_counter() - t0, "ranks": len(s["ranks"]),
                   "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))

@@ -35,8 +35,8 @@ from typing import Any
 from steadytrain.diagnose import stragglers as S
 from steadytrain.diagnose.engine import diagnose
 from steadytrain.diagnose.inputs import load
-from steadytrain.diagnose.windows import UNSPECIFIC_FACTOR, host_state
 from steadytrain.monitor.alerts import AlertConfig
+from steadytrain.monitor.windows import UNSPECIFIC_FACTOR, host_state
 from steadytrain.testing.cgroups import NodeQuota
 from steadytrain.testing.incidents.common import (
     TINY_SETTINGS,

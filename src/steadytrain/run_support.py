@@ -38,7 +38,7 @@ __all__ = [
     "say",
 ]
 
-# job_end reasons the report takes for a clean end (monitor/report_ranks.py ``crashes``);
+# job_end reasons the report takes for a clean end (report/ranks.py ``crashes``);
 # every reason Run writes for a failure is something else.
 CLEAN_REASONS = ("finished", "interpreter_exit")
 

@@ -193,7 +193,7 @@ def test_core_only_loader_and_checkpoint_round_trip(core_venv, tmp_path):
             "steadytrain[mlflow]",
         ),
         (
-            "from steadytrain.monitor.report import _plots; _plots({}, None)",
+            "from steadytrain.report.build import _plots; _plots({}, None)",
             "steadytrain[report]",
         ),
     ],

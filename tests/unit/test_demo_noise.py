@@ -16,7 +16,7 @@ from steadytrain.demo import run_demo
 from steadytrain.monitor.alerts import AlertConfig, AlertEngine
 from steadytrain.monitor.ledger import Ledger, read_ledger
 from steadytrain.monitor.meter import GoodputMeter
-from steadytrain.monitor.report import build_report, goodput_class
+from steadytrain.report.build import build_report, goodput_class
 from steadytrain.testing.synthetic import Timeline
 
 pytestmark = pytest.mark.timeout(180)

@@ -19,7 +19,7 @@ from steadytrain.cli import main
 from steadytrain.monitor.appender import Appender
 from steadytrain.monitor.ledger import read_ledger
 from steadytrain.monitor.meter import GoodputMeter
-from steadytrain.monitor.report import build_report
+from steadytrain.report.build import build_report
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,7 +26,7 @@ from steadytrain.monitor.ledger import iter_ledger, next_attempt, read_ledger
 from steadytrain.monitor.meter import GoodputMeter, MeterConfig
 from steadytrain.monitor.ranks import read_ranks
 from steadytrain.monitor.records import MAX_DEPTH, Rejects, open_regular
-from steadytrain.monitor.report import build_report
+from steadytrain.report.build import build_report
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = ROOT / ".venv" / "bin" / "steadytrain"
@@ -233,6 +233,38 @@ def test_report_warns_once_per_bad_line(tmp_path: Path, caplog) -> None:
         for r in caplog.records
         if "ledger.jsonl" in r.getMessage() and "skipped" in r.getMessage()
     ]
+    assert len(skipped) == 1, [r.getMessage() for r in skipped]
+
+
+def test_report_reads_each_record_file_once_and_warns_once(
+    tmp_path: Path, caplog, monkeypatch
+) -> None:
+    """The report and its diagnosis engine share one read of the run's records
+    (diagnose.inputs.load): the ledger and the rank files are each read once, wherever a
+    module imported the readers from, and a bad rank line is one warning."""
+    import sys
+
+    from steadytrain.monitor import ledger, ranks
+
+    calls: list[str] = []
+
+    def counting(name, real):
+        def wrapper(*a, **kw):
+            calls.append(name)
+            return real(*a, **kw)
+
+        return wrapper
+
+    for name, real in (("iter_ledger", ledger.iter_ledger), ("read_ranks", ranks.read_ranks)):
+        for mod in [m for k, m in sys.modules.items() if k.startswith("steadytrain")]:
+            if getattr(mod, name, None) is real:
+                monkeypatch.setattr(mod, name, counting(name, real))
+    run = make_run(tmp_path / "run", rank_extra=[BAD_RANK_LINES[sorted(BAD_RANK_LINES)[0]]])
+    with caplog.at_level(logging.WARNING):
+        s = build_report(run)
+    assert sorted(calls) == ["iter_ledger", "read_ranks"]
+    assert s["rejected_records"]["ranks/rank-00001.jsonl"]["count"] == 1
+    skipped = [r for r in caplog.records if "rank-00001.jsonl" in r.getMessage()]
     assert len(skipped) == 1, [r.getMessage() for r in skipped]
 
 

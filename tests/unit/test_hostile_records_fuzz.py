@@ -29,7 +29,7 @@ from steadytrain.monitor.ledger import iter_ledger, next_attempt
 from steadytrain.monitor.meter import GoodputMeter, MeterConfig
 from steadytrain.monitor.ranks import read_ranks
 from steadytrain.monitor.records import LEDGER_FIELDS, RANK_FIELDS, Rejects, check_record
-from steadytrain.monitor.report import build_report
+from steadytrain.report.build import build_report
 
 sys.path.insert(0, str(Path(__file__).parent))  # the concrete cases' builders (as tests/e2e)
 from test_hostile_records import _rank_records, _valid_ledger, assert_sane  # noqa: E402

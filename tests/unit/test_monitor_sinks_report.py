@@ -18,8 +18,8 @@ from steadytrain.cli import main
 from steadytrain.monitor.alerts import AlertConfig
 from steadytrain.monitor.ledger import read_ledger
 from steadytrain.monitor.meter import GoodputMeter
-from steadytrain.monitor.report import build_report
 from steadytrain.monitor.sinks import offscreen_console
+from steadytrain.report.build import build_report
 from steadytrain.testing.synthetic import Timeline, feed
 
 CFG = AlertConfig(window=6, warmup=2, baseline=8, band_tolerance=0.5, max_recovery_age_s=None)

@@ -13,8 +13,8 @@ from steadytrain.cli import main
 from steadytrain.demo import demo_plan
 from steadytrain.monitor.goodput import compute_goodput
 from steadytrain.monitor.ledger import Ledger, read_ledger
-from steadytrain.monitor.report import build_report
 from steadytrain.planning import goodput_first_order, measure_run, optimal_interval_s
+from steadytrain.report.build import build_report
 
 
 def plan_json(capsys, *argv: str) -> dict:

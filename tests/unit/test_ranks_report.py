@@ -18,7 +18,7 @@ import pytest
 
 from steadytrain.monitor.meter import GoodputMeter, MeterConfig
 from steadytrain.monitor.ranks import RankFile, rank_path, read_ranks
-from steadytrain.monitor.report import build_report
+from steadytrain.report.build import build_report
 from steadytrain.testing.synthetic import Timeline, feed
 
 STEPS, FAULT_FROM, HOUR = 60, 30, 3600.0

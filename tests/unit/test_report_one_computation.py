@@ -23,7 +23,7 @@ from steadytrain.monitor.goodput import compute_goodput
 from steadytrain.monitor.ledger import read_ledger
 from steadytrain.monitor.meter import GoodputMeter, MeterConfig
 from steadytrain.monitor.ranks import RankFile
-from steadytrain.monitor.report import build_report
+from steadytrain.report.build import build_report
 from steadytrain.testing.synthetic import Timeline, feed
 
 FIRST, RESTORED, LAST = 30, 20, 50  # attempt 0: steps 1..30; attempt 1: 21..50

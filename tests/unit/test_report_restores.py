@@ -18,7 +18,7 @@ import pytest
 from steadytrain.cli import main
 from steadytrain.monitor.goodput import compute_goodput
 from steadytrain.monitor.ledger import read_ledger
-from steadytrain.monitor.report import build_report
+from steadytrain.report.build import build_report
 from steadytrain.testing.synthetic import Timeline
 
 SNAP_BLOCK = 0.01  # a memory snapshot's staging, inside the step's checkpoint_block_s
@@ -300,7 +300,7 @@ def test_what_each_restore_passed_over_is_in_the_report_fresh_starts_included(
 
 
 def test_passed_over_entries_are_bounded(tmp_path: Path) -> None:
-    from steadytrain.monitor.report_restores import PASSED_PER_RESTORE
+    from steadytrain.report.restores import PASSED_PER_RESTORE
 
     tl = Timeline(t0=1_000_000.0)
     tl.job_start(attempt=0)

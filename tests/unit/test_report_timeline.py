@@ -1,4 +1,4 @@
-"""The report's per-node timeline (``monitor/report_timeline.py``): one row per node, each
+"""The report's per-node timeline (``report/timeline.py``): one row per node, each
 attempt on the nodes that ran it, a lost node's crash marked, each incident on its node."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from steadytrain.monitor.meter import GoodputMeter, MeterConfig
 from steadytrain.monitor.ranks import RankFile, read_ranks
-from steadytrain.monitor.report import build_report
-from steadytrain.monitor.report_timeline import node_attempts, timeline
+from steadytrain.report.build import build_report
+from steadytrain.report.timeline import node_attempts, timeline
 from steadytrain.testing.synthetic import Timeline, feed
 
 STEPS, FAULT_FROM = 60, 30

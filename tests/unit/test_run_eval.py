@@ -19,7 +19,7 @@ from steadytrain import Run
 from steadytrain.integrations.hooks import TrainerSaves, record_failed_start
 from steadytrain.monitor.goodput import compute_goodput
 from steadytrain.monitor.ledger import read_ledger
-from steadytrain.monitor.report import build_report
+from steadytrain.report.build import build_report
 
 EVAL_S = 0.3
 

@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from steadytrain.commands._util import print_json
     from steadytrain.monitor.records_lost import lost_warning
-    from steadytrain.monitor.report import (
+    from steadytrain.printable import printable
+    from steadytrain.report.build import (
         bucket_rows,
         build_report,
         capped_lines,
@@ -33,9 +34,8 @@ def run(args: argparse.Namespace) -> int:
         slowdown_note,
         state_text,
     )
-    from steadytrain.monitor.report_ranks import node_rows, where
-    from steadytrain.monitor.report_restores import restore_lines
-    from steadytrain.printable import printable
+    from steadytrain.report.ranks import node_rows, where
+    from steadytrain.report.restores import restore_lines
 
     def say(line: str) -> None:
         # Node names, messages and paths come from the run's records: no escape code in

@@ -5,6 +5,10 @@ records folded into compact columns, every other record kept whole), the rank fi
 (``RanksView``: per-rank step series, nodes, attempts), and the hang verdicts of every
 attempt. Invalid records are skipped and counted in ``rejects`` (monitor/records.py), never
 fatal: a diagnosis of a damaged run is still a diagnosis.
+
+It is the one reader of a run's records: the report (report/build.py) passes ``visit`` to fold
+the ledger's records in the same pass, and hands the same ``RunRecords`` to the engine, so
+each file is read once and each skipped record is warned about once.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,9 +105,14 @@ class RunRecords:
         return out
 
 
-def load(run_dir: str | os.PathLike[str], rejects: Rejects | None = None) -> RunRecords:
-    """Read ``run_dir``'s records once. A missing ledger gives empty events (the caller,
-    e.g. the report, decides whether that is an error)."""
+def load(
+    run_dir: str | os.PathLike[str],
+    rejects: Rejects | None = None,
+    visit: Callable[[dict[str, Any]], None] | None = None,
+) -> RunRecords:
+    """Read ``run_dir``'s records once; ``visit`` is called with every valid ledger record,
+    in order, as it is read. A missing ledger gives empty events (the caller, e.g. the
+    report, decides whether that is an error)."""
     run = Path(run_dir)
     rejects = rejects if rejects is not None else Rejects()
     events: list[dict[str, Any]] = []
@@ -110,8 +120,11 @@ def load(run_dir: str | os.PathLike[str], rejects: Rejects | None = None) -> Run
     attempt = -1
     path = ledger_path(run)
     expected: dict[int, int] = {}
+    per_rank = True
     if path.exists():
         for rec in iter_ledger(path, rejects=rejects):
+            if visit is not None:
+                visit(rec)
             kind = rec["type"]
             if kind == "step":
                 steps.add(rec, attempt)
@@ -119,8 +132,10 @@ def load(run_dir: str | os.PathLike[str], rejects: Rejects | None = None) -> Run
             if kind == "job_start":
                 attempt += 1
                 expected[int(rec.get("attempt", attempt))] = int(rec.get("world_size") or 1)
+                per_rank = per_rank and _writes_rank_files(rec)
             events.append(rec)
-    view = read_ranks(run, expected or None, rejects)
+    # A run that chose not to write rank files (monitor.per_rank = false) misses none.
+    view = read_ranks(run, (expected or None) if per_rank else None, rejects)
     verdicts: dict[int, dict[int, dict[str, Any]]] = {}
     reaped: dict[int, dict[int, dict[str, Any]]] = {}
     hangs = run / HANGS_DIR
@@ -135,6 +150,15 @@ def load(run_dir: str | os.PathLike[str], rejects: Rejects | None = None) -> Run
                 if killed:
                     reaped[int(m.group(1))] = killed
     return RunRecords(run, events, steps, view, verdicts, rejects, reaped)
+
+
+def _obj(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+def _writes_rank_files(start: dict[str, Any]) -> bool:
+    """False where a job_start's config turned the rank files off (``monitor.per_rank``)."""
+    return _obj(_obj(start.get("config")).get("monitor")).get("per_rank") is not False
 
 
 # A reaper file's fields (the REAPER side writes them; see read_reaped).

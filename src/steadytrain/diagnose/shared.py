@@ -32,7 +32,7 @@ from steadytrain.diagnose.stragglers import (
     alert_config,
     windows_of,
 )
-from steadytrain.diagnose.windows import Window, data_cause, healthy_ref
+from steadytrain.monitor.windows import Window, data_cause, healthy_ref
 
 __all__ = ["detect", "BASE_WINDOWS"]
 

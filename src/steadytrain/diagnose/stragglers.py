@@ -2,7 +2,7 @@
 
 Over the aligned step series of every rank (``RanksView.aligned()``: by step index, never
 by the nodes' clocks), windows of ``WINDOW_STEPS`` steps are judged with the shared code of
-``diagnose.windows``: a rank is slow when its data wait (or forward time) exceeds the
+``monitor.windows``: a rank is slow when its data wait (or forward time) exceeds the
 **healthy** ranks' level (``healthy_ref``: the fastest quarter, so two slow nodes of three
 are both named) by more than a floor: ``straggler_min_s`` and ``NOISE_K`` times the run's
 own noise (the healthy level's window-to-window jitter: a shared 2-core host's jitter is
@@ -40,7 +40,9 @@ from typing import Any
 
 from steadytrain.diagnose.incident import Incident
 from steadytrain.diagnose.inputs import RunRecords
-from steadytrain.diagnose.windows import (
+from steadytrain.monitor.alerts import AlertConfig
+from steadytrain.monitor.records import finite_tree
+from steadytrain.monitor.windows import (
     Window,
     compute_factor,
     compute_kind,
@@ -50,8 +52,6 @@ from steadytrain.diagnose.windows import (
     healthy_ref,
     host_evidence,
 )
-from steadytrain.monitor.alerts import AlertConfig
-from steadytrain.monitor.records import finite_tree
 
 __all__ = ["alert_config", "detect", "windows_of", "MIN_WINDOWS", "NOISE_K", "WINDOW_STEPS"]
 
@@ -545,7 +545,7 @@ def _incidents(rec: RunRecords, episodes: list[_Episode], wins: list[dict[int, W
         ev.pop("_steps", None)
         if len(g) > 1:
             ev["per_rank"] = {str(e.rank): _brief(e.evidence) for e in g}
-        if waits:  # what the report charges, straggler_compute (monitor/report_ranks.py)
+        if waits:  # what the report charges, straggler_compute (report/ranks.py)
             ev["wait_s_per_step"] = waits
         inc = Incident(kind=kind, nodes=nodes, ranks=ranks, first_step=first, last_step=last,
                        lost_s=lost, evidence=ev, t=_t_of(rec, first),

@@ -6,7 +6,7 @@ batch makes every other rank wait inside the collective, so wall time alone cann
 spends on its *own* work before the sync point: its data wait (time inside ``next()``) and
 its forward pass (``forward_s``, before DDP's collectives). So, over a window of steps
 aligned by step index (never by the ranks' wall clocks), each rank is compared with the
-*healthy* ranks (``diagnose.windows.healthy_ref``: the fastest quarter of the ranks, so two
+*healthy* ranks (``monitor.windows.healthy_ref``: the fastest quarter of the ranks, so two
 slow nodes of three are both named; the median of the others would itself be slow):
 
 * **data straggler**: its data wait per step exceeds the others' by at least
@@ -18,14 +18,14 @@ slow nodes of three are both named; the median of the others would itself be slo
 * **compute straggler**: its forward time is ``straggler_compute_factor`` x the healthy
   ranks' (and at least ``straggler_min_s`` more per step), twice that factor on a CPU rank
   whose host does not set it apart (every host as loaded, or no host signals:
-  ``diagnose.windows.compute_factor``); ``host contention`` when its own cgroup throttled
+  ``monitor.windows.compute_factor``); ``host contention`` when its own cgroup throttled
   it or its host was more loaded than the healthy ranks' hosts, ``compute/hardware``
-  otherwise (``diagnose.windows.compute_kind``).
+  otherwise (``monitor.windows.compute_kind``).
 * **shared slowdown**: no rank stands out, but every rank's step time is up by
   ``shared_slowdown`` over its own baseline: the cause is one they share (storage every
   node reads, data loading, compute on every rank, or the collectives / host work between).
 
-The window judgment and the causes are ``steadytrain.diagnose.windows``'s, the code the
+The window judgment and the causes are ``steadytrain.monitor.windows``'s, the code the
 diagnosis engine (diagnose/stragglers.py) runs over whole episodes for the report. The same
 ``classify`` runs live (``straggler_live.StragglerCheck``: rank 0's background
 thread reads every rank's new records through ``RankTail``); ``analyze`` runs it over the
@@ -39,7 +39,10 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from steadytrain.diagnose.windows import (
+from steadytrain.monitor.alerts import AlertConfig
+from steadytrain.monitor.diagnosis import advice
+from steadytrain.monitor.ranks import RanksView
+from steadytrain.monitor.windows import (
     LEGACY_DIAGNOSIS,
     Window,
     compute_factor,
@@ -50,9 +53,6 @@ from steadytrain.diagnose.windows import (
     host_evidence,
     median,
 )
-from steadytrain.monitor.alerts import AlertConfig
-from steadytrain.monitor.diagnosis import advice
-from steadytrain.monitor.ranks import RanksView
 
 __all__ = ["Window", "fold", "classify", "analyze", "to_alert", "finding_key", "device_of_ranks"]
 
@@ -120,7 +120,7 @@ def classify(
         if wait is not None and h_wait is not None and wait - h_wait >= floor:
             data[r] = {**common, "excess_s_per_step": wait - h_wait, "threshold_s": floor}
         elif fwd is not None and h_fwd and fwd - h_fwd >= cfg.straggler_min_s:
-            # the factor its host's evidence asks for (diagnose.windows.compute_factor):
+            # the factor its host's evidence asks for (monitor.windows.compute_factor):
             # the base one where the host names a cause or could explain nothing, more
             # where every host is as loaded (the scheduler's noise)
             peers = [w for o, w in recent.items() if o != r]

@@ -3,7 +3,7 @@ docs/monitoring.md), in the terms of the planner's model.
 
 The ledger is read through ``monitor`` (``iter_ledger``) and its goodput arithmetic
 (``GoodputAccumulator``) in one streaming pass, then charged as the report charges it
-(``monitor.report.run_breakdown``: a slower rank's waits from the rank files and the
+(``report.build.run_breakdown``: a slower rank's waits from the rank files and the
 diagnosis), so the plan and ``steadytrain report`` see the same records (a torn line is
 skipped by both), the same buckets and the same goodput. Each model input is tied to a
 bucket:
@@ -58,8 +58,8 @@ from steadytrain.errors import ConfigError
 from steadytrain.monitor.goodput import GoodputAccumulator, data_stall_share, productive_s
 from steadytrain.monitor.ledger import LEDGER_NAME, iter_ledger
 from steadytrain.monitor.records_lost import LostSpans
-from steadytrain.monitor.report import run_breakdown
 from steadytrain.planning.failures import rate_interval
+from steadytrain.report.build import run_breakdown
 
 __all__ = ["RunCosts", "measure_run", "model_badput"]
 
@@ -250,10 +250,10 @@ def measure_run(run_dir: str | os.PathLike[str]) -> RunCosts:
             "(lines that are not JSON records were skipped with a warning naming them); "
             "give --from-run the run directory of a steadytrain train run"
         )
-    # The report's breakdown (steadytrain.monitor.report.run_breakdown): rank 0's ledger
+    # The report's breakdown (steadytrain.report.build.run_breakdown): rank 0's ledger
     # with what only the rank files and the diagnosis see charged (a slower rank's data or
     # compute), so the run's goodput here is the one the report prints.
-    b = run_breakdown(run_dir, acc.breakdown(), starts, lost.spans)
+    b = run_breakdown(run_dir, acc.breakdown(), lost.spans)
     interruptions = b.attempts - 1
     wall_days = b.total_s / 86400.0
     e = _exposure(att, b.attempt_summaries)

@@ -30,9 +30,9 @@ from typing import Any
 
 from steadytrain.errors import ConfigError
 from steadytrain.monitor.ledger import LEDGER_NAME, iter_ledger
-from steadytrain.monitor.report_restores import RestoreLog
 from steadytrain.planning.failures import LLAMA3_INTERRUPTIONS_PER_DAY, FailureModel
 from steadytrain.planning.two_tier import TierCosts, recommend
+from steadytrain.report.restores import RestoreLog
 
 __all__ = ["DEFAULTS", "SCENARIOS", "measure_tiers", "two_tier_section"]
 
@@ -78,7 +78,7 @@ def measure_tiers(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     background work took from the step); ``memory_cost_from``: which; ``memory_landed_s``: mean ``block_s + write_s + peer_s`` of the
     ok ones (the generation is usable once its peer copy is in); ``memory_restore_s`` and
     ``durable_restore_s``: mean ``restore_s`` of the restores from memory (either tier) and
-    from durable storage (``monitor.report_restores``: the rows ``report`` prints);
+    from durable storage (``report.restores``: the rows ``report`` prints);
     ``survives``: the share of restores that came from memory, only when the tier was on
     (the run has snapshot records) and something was restored."""
     path = Path(run_dir) / LEDGER_NAME

@@ -250,6 +250,6 @@ def _mlflow_info(run_dir: str) -> dict[str, str] | None:
 
 def _write_report(run_dir: str) -> dict[str, Any]:
     """The goodput report (``steadytrain report``'s HTML page, plots and report.json)."""
-    from steadytrain.monitor.report import build_report
+    from steadytrain.report.build import build_report
 
     return build_report(run_dir)

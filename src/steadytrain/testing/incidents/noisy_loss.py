@@ -148,7 +148,7 @@ def expected(run_dir: str, steps: int) -> dict[str, Any]:
 def _timeline(run_dir: str, rep: dict[str, Any], path: str, plt: Any) -> None:
     """The sequential run's per-node timeline with its report's incidents."""
     from steadytrain.monitor.ranks import read_ranks
-    from steadytrain.monitor.report_timeline import draw_timeline, node_attempts, timeline
+    from steadytrain.report.timeline import draw_timeline, node_attempts, timeline
 
     draw_timeline(timeline(rep, node_attempts(read_ranks(run_dir))), Path(path), plt)
 

@@ -6,8 +6,8 @@
 * ``throughput.png``: tokens/s per GPU over time, the expected band, restarts, incidents;
 * ``waits.png``: data wait and checkpoint blocking per step over time;
 * ``goodput.png``: one bar, goodput and every badput bucket as a share of wall time;
-* ``ranks.png``: rank x step heatmaps of data wait and step time (``report_ranks.py``);
-* ``timeline.png``: one row per node: attempts, crashes, incidents (``report_timeline.py``);
+* ``ranks.png``: rank x step heatmaps of data wait and step time (``report/ranks.py``);
+* ``timeline.png``: one row per node: attempts, crashes, incidents (``report/timeline.py``);
 * ``report.html``: one self-contained page (plots embedded, and linked to the PNG files);
 * ``report.json``: the summary returned by ``build_report``.
 
@@ -15,7 +15,7 @@ One set of numbers: the goodput breakdown is computed once (``breakdown``: rank 
 through ``GoodputAccumulator``, then what only the report sees charged into buckets of its
 own: ``straggler_wait`` from the rank files, ``records_lost`` from the ledger's lost spans).
 That one ``Breakdown`` is the heading, the bucket table (``bucket_rows``, text and HTML), the
-goodput bar (``report_plots``, which records what it drew under ``plotted``) and the JSON;
+goodput bar (``report.plots``, which records what it drew under ``plotted``) and the JSON;
 no view computes a share of its own.
 """
 
@@ -25,7 +25,7 @@ import base64
 import json
 import os
 from array import array
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +35,14 @@ from steadytrain.diagnose.inputs import load
 from steadytrain.diagnose.job_state import job_state
 from steadytrain.errors import SteadyError
 from steadytrain.monitor.goodput import Breakdown, GoodputAccumulator
-from steadytrain.monitor.ledger import iter_ledger, ledger_path
+from steadytrain.monitor.ledger import ledger_path
 from steadytrain.monitor.ranks import RanksView
 from steadytrain.monitor.records import Rejects, check_record
 from steadytrain.monitor.records_lost import LostSpans, lost_warning
-from steadytrain.monitor.report_plots import plots as _plots
-from steadytrain.monitor.report_ranks import (
+from steadytrain.printable import html_text
+from steadytrain.redact import redact
+from steadytrain.report.plots import plots as _plots
+from steadytrain.report.ranks import (
     INCIDENT_KEYS,
     attach_ranks,
     charge_straggler_wait,
@@ -51,9 +53,7 @@ from steadytrain.monitor.report_ranks import (
     where,
     who,
 )
-from steadytrain.monitor.report_restores import RestoreLog, restores_html
-from steadytrain.printable import html_text
-from steadytrain.redact import redact
+from steadytrain.report.restores import RestoreLog, restores_html
 from steadytrain.storage.publish import publish_bytes
 
 __all__ = [
@@ -101,7 +101,12 @@ class _Series:
         self.step = array("q")
 
 
-def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
+def _read(
+    run_dir: Path, rejects: Rejects | None = None
+) -> Generator[None, dict[str, Any] | None, dict[str, Any]]:
+    """The report's fold of rank 0's ledger, fed the records ``diagnose.inputs.load`` reads
+    (``send`` each, then None; the data comes back in ``StopIteration.value``): a push
+    consumer, so the ledger is read once, for the engine and the report alike."""
     path = ledger_path(run_dir)
     if not path.exists():
         raise SteadyError(
@@ -111,7 +116,7 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
     rejects = rejects if rejects is not None else Rejects()
     acc = GoodputAccumulator()
     lost = LostSpans()  # records_lost: what a failing disk took (monitor/records_lost.py)
-    restores = RestoreLog()  # restores by tier, memory snapshots (monitor/report_restores.py)
+    restores = RestoreLog()  # restores by tier, memory snapshots (report/restores.py)
     s = _Series()
     starts: list[dict[str, Any]] = []
     alerts: list[dict[str, Any]] = []
@@ -124,7 +129,7 @@ def _read(run_dir: Path, rejects: Rejects | None = None) -> dict[str, Any]:
     world = 1
     band = None
     band_learned = None
-    for rec in iter_ledger(path, rejects=rejects):  # invalid records skipped and counted
+    while (rec := (yield)) is not None:  # invalid records were skipped and counted by load
         acc.add(rec)
         lost.add(rec)
         restores.add(rec)
@@ -233,16 +238,13 @@ def breakdown(
 def run_breakdown(
     run_dir: str | os.PathLike[str],
     ledger: Breakdown,
-    starts: list[dict[str, Any]],
     records_lost: list[dict[str, Any]],
 ) -> Breakdown:
     """The report's breakdown of ``run_dir`` (``breakdown``) from what a caller already
-    read of its ledger (rank 0's ``ledger`` breakdown, its ``job_start`` records and lost
-    spans): ``plan --from-run`` plans from the goodput the report prints. Invalid rank
+    read of its ledger (rank 0's ``ledger`` breakdown and its lost spans): ``plan --from-run`` plans from the goodput the report prints. Invalid rank
     records are skipped without a second warning."""
-    run = Path(run_dir)
-    view = rank_section(run, starts, Rejects(warn=False))["view"]
-    return breakdown(ledger, view, records_lost, diagnose(load(run, Rejects(warn=False))))
+    records = load(run_dir, Rejects(warn=False))  # one read of the rank files and verdicts
+    return breakdown(ledger, records.view, records_lost, diagnose(records))
 
 
 def capped_lines(summary: dict[str, Any]) -> list[str]:
@@ -449,13 +451,18 @@ def build_report(
     out = Path(out_dir) if out_dir is not None else run / "report"
     out.mkdir(parents=True, exist_ok=True)
     rejects = Rejects()
-    data = _read(run, rejects)
+    fold = _read(run, rejects)
+    next(fold)  # a missing ledger fails here, before anything is read
+    records = load(run, rejects, visit=fold.send)  # every record, read and warned about once
+    try:
+        fold.send(None)
+        raise AssertionError("the ledger fold did not end")  # pragma: no cover
+    except StopIteration as done:
+        data = done.value
     t0 = data["t0"]
-    section = data["ranks"] = rank_section(run, data["starts"], rejects)
-    # The incidents: the diagnosis engine's, from the run's own records (diagnose/); the
-    # plots mark these, numbered as in the table. The engine reads the records again: its
-    # skipped lines were already warned about and counted above, so it only counts.
-    records = load(run, Rejects(warn=False))
+    section = data["ranks"] = rank_section(records.view)
+    # The incidents: the diagnosis engine's, from the same records (diagnose/); the plots
+    # mark these, numbered as in the table.
     incidents = diagnose(records)
     # The one computation every view prints (heading, table, plots, JSON); a slow rank's
     # compute is charged as the engine measured it.
@@ -493,7 +500,7 @@ def build_report(
             "records_lost": data["records_lost"],
             # one row per attempt that restored a step > 0: attempt, step, tier
             # (local-memory, peer-memory, durable), seconds, steps_lost; and the memory
-            # tier's snapshots, whose blocking is inside checkpoint_block (report_restores.py)
+            # tier's snapshots, whose blocking is inside checkpoint_block (report/restores.py)
             "restores": data["restores"].rows(),
             "restores_by_tier": data["restores"].by_tier(),
             # what each restore passed over and why: another run's or another user's

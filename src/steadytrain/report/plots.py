@@ -1,5 +1,5 @@
 """The run report's plots: throughput with its bands and incidents, the loop's waits, the
-goodput bar, and (from ``report_ranks`` and ``report_timeline``) the rank heatmaps and the
+goodput bar, and (from ``report.ranks`` and ``report.timeline``) the rank heatmaps and the
 per-node timeline. ``plots(data, out, drawn)`` takes the data ``report.build_report``
 assembles; every figure of the goodput bar comes from ``data["breakdown"]``, the report's
 one ``Breakdown`` (never recomputed here), and ``drawn`` records what each plot drew."""
@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.extras import require
-from steadytrain.monitor.report_ranks import per_unit, plot_heatmaps
-from steadytrain.monitor.report_timeline import LITERAL_TEXT, plot_timeline
 from steadytrain.printable import printable
+from steadytrain.report.ranks import per_unit, plot_heatmaps
+from steadytrain.report.timeline import LITERAL_TEXT, plot_timeline
 
 __all__ = ["plots"]
 

@@ -17,8 +17,7 @@ from typing import Any
 from steadytrain.diagnose.incident import Incident
 from steadytrain.diagnose.stragglers import alert_config
 from steadytrain.monitor.goodput import Breakdown
-from steadytrain.monitor.ranks import RanksView, read_ranks
-from steadytrain.monitor.records import Rejects
+from steadytrain.monitor.ranks import RanksView
 from steadytrain.printable import html_text, printable
 
 __all__ = [
@@ -110,25 +109,9 @@ def per_unit(device: str | None) -> str:
 _alert_config = alert_config  # the thresholds the newest attempt ran with
 
 
-def _obj(v: Any) -> dict[str, Any]:
-    """``v`` when it is a JSON object, else ``{}``: a ledger's ``config`` is free-form."""
-    return v if isinstance(v, dict) else {}
-
-
-def rank_section(
-    run_dir: Path, starts: list[dict[str, Any]], rejects: Rejects | None = None
-) -> dict[str, Any]:
-    """``{ranks, missing_ranks, torn_lines, stragglers, view}`` for the run directory;
-    invalid rank records are skipped and counted in ``rejects`` (monitor/records.py)."""
-    per_rank = True
-    for st in starts:
-        monitor = _obj(_obj(st.get("config")).get("monitor"))
-        if monitor.get("per_rank") is False:
-            per_rank = False  # the run chose not to write rank files: none are missing
-    expected = {
-        int(st.get("attempt", i)): int(st.get("world_size") or 1) for i, st in enumerate(starts)
-    }
-    view = read_ranks(run_dir, expected if per_rank else None, rejects)
+def rank_section(view: RanksView) -> dict[str, Any]:
+    """``{ranks, missing_ranks, torn_lines, stragglers, view}`` from the run's rank files, as
+    ``diagnose.inputs.load`` read them (invalid rank records skipped and counted there)."""
     # post-hoc stragglers are the diagnosis engine's now (diagnose/stragglers.py: the
     # report's ``incidents``); ``stragglers`` stays for callers of attach_ranks
     stragglers: list[dict[str, Any]] = []
