@@ -103,6 +103,9 @@ def main() -> None:
     callbacks = [Fail(args.fail, args.at)]
     if evaluating:  # its own deadline, longer than the step's and the checkpoint's
         watchdog["phases"] = {"eval_s": 5 * f}
+        # What these runs test is the step deadline (f) an evaluation outlasts; start-up and
+        # the saves get room, so a loaded machine's slow first step is no hang here.
+        watchdog.update(init_s=60.0, checkpoint_s=30.0)
         callbacks.append(SlowEval(args.eval_s, batches=2))
     cb = SteadytrainCallback(args.run_dir, tokens_per_step=64, monitor={"watchdog": watchdog})
     trainer = Trainer(

@@ -90,6 +90,9 @@ def main() -> None:
     callbacks: list = [SteadytrainCallback(args.run_dir, monitor={"watchdog": watchdog})]
     if args.val_s:  # every 4 steps; its own deadline, longer than the step's and the save's
         watchdog["phases"] = {"eval_s": 5 * f}
+        # What these runs test is the step deadline (f) an evaluation outlasts; start-up and
+        # the saves get room, so a loaded machine's slow first step is no hang here.
+        watchdog.update(init_s=60.0, checkpoint_s=30.0)
         # 2 micro-batches a step: every 8 batches is every 4 steps
         val = {"val_check_interval": 8, "limit_val_batches": VAL_BATCHES,
                "num_sanity_val_steps": 0, "accumulate_grad_batches": 2}  # fmt: skip
