@@ -20,15 +20,11 @@ from typing import Any
 
 from steadytrain.diagnose.incident import Incident
 from steadytrain.diagnose.inputs import RunRecords
+from steadytrain.diagnose.straggler_parts import attempt_of, fold_windows, jitter, runs_of, t_of
 from steadytrain.diagnose.stragglers import (
     MIN_LOST_SHARE,
     MIN_WINDOWS,
     NOISE_K,
-    _attempt_of,
-    _episodes,
-    _fold_windows,
-    _jitter,
-    _t_of,
     alert_config,
     windows_of,
 )
@@ -57,14 +53,14 @@ def detect(rec: RunRecords) -> list[Incident]:
     base_step = statistics.median(
         [w.per(w.step_s) or 0.0 for row in wins[:BASE_WINDOWS] for w in row.values()]
     )
-    noise = _jitter(levels[:BASE_WINDOWS] + levels)  # the start's jitter weighs double
+    noise = jitter(levels[:BASE_WINDOWS] + levels)  # the start's jitter weighs double
     floor = max(cfg.straggler_min_s, cfg.straggler_share * base_step, NOISE_K * noise)
     flags = [False] * BASE_WINDOWS
     flags += [v is not None and v - base >= floor and v >= RATIO * base
               for v in levels[BASE_WINDOWS:]]  # fmt: skip
     total_step_s = sum(statistics.median([w.step_s for w in row.values()]) for row in wins)
     out = []
-    for idx in _episodes(flags):
+    for idx in runs_of(flags):
         if sum(flags[i] for i in idx) < MIN_WINDOWS:
             continue
         span = range(idx[0], idx[-1] + 1)
@@ -82,11 +78,11 @@ def _steps(row: dict[int, Window]) -> int:
 def _incident(rec: RunRecords, wins: list[dict[int, Window]], span: list[int], base: float,
               lost: float, cfg: Any) -> Incident:  # fmt: skip
     ranks = sorted({r for i in span for r in wins[i]})
-    mine = {r: _fold_windows([wins[i][r] for i in span if r in wins[i]]) for r in ranks}
+    mine = {r: fold_windows([wins[i][r] for i in span if r in wins[i]]) for r in ranks}
     worst = max(ranks, key=lambda r: mine[r].per(mine[r].data_wait_s) or 0.0)
-    before = _fold_windows([wins[i][worst] for i in range(BASE_WINDOWS) if worst in wins[i]])
+    before = fold_windows([wins[i][worst] for i in range(BASE_WINDOWS) if worst in wins[i]])
     me = mine[worst]
-    grown = _fold_windows([wins[i][worst] for i in range(span[-1] + 1) if worst in wins[i]])
+    grown = fold_windows([wins[i][worst] for i in range(span[-1] + 1) if worst in wins[i]])
     me.mem_first, me.mem_last = grown.mem_first, grown.mem_last  # memory since the start
     kind, ev = data_cause(me, [before], before, cfg)
     first = min(w.first_step for i in span for w in wins[i].values() if w.first_step)
@@ -99,8 +95,8 @@ def _incident(rec: RunRecords, wins: list[dict[int, Window]], span: list[int], b
     )
     nodes = sorted({n for r in ranks for n in rec.nodes_of([r], first)})
     inc = Incident(kind=kind, nodes=nodes, ranks=ranks, first_step=first, last_step=last,
-                   lost_s=lost, evidence=ev, t=_t_of(rec, first),
-                   attempt=_attempt_of(rec, first))  # fmt: skip
+                   lost_s=lost, evidence=ev, t=t_of(rec, first),
+                   attempt=attempt_of(rec, first))  # fmt: skip
     who = "every rank" if len(ranks) > 1 else f"rank {ranks[0]}"
     where = f" on {', '.join(nodes)}" if nodes else ""
     inc.message = (
