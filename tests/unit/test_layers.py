@@ -1,8 +1,9 @@
-"""The record folders import in one direction: monitor/ -> diagnose/ -> report/.
+"""The record folders import in one direction: monitor/ -> diagnose/ -> report/ -> planning/.
 
 ``monitor/`` holds the record formats and the live machinery that writes them (and the
 window judgment the live straggler check shares with the engine); ``diagnose/`` is a pure
-function of those records; ``report/`` sits on top and reads a run's records once. Every
+function of those records; ``report/`` reads a run's records once; ``planning/`` sits on
+top (``plan --from-run`` prices a run from the report's numbers). Every
 import counts, including those inside functions (a lazy import is still a dependency).
 """
 
@@ -16,7 +17,7 @@ import pytest
 import steadytrain
 
 SRC = Path(steadytrain.__file__).parent
-LAYERS = ["monitor", "diagnose", "report"]  # bottom to top
+LAYERS = ["monitor", "diagnose", "report", "planning"]  # bottom to top
 
 
 def _imported(path: Path) -> set[str]:
