@@ -3,6 +3,7 @@ against each trainer's own checkpointing, side by side in one run, one process o
 
     .venv/bin/python bench/trainer_saves.py                 # 3 repetitions
     .venv/bin/python bench/trainer_saves.py --reps 5 --out /tmp/t.json
+    .venv/bin/python bench/trainer_saves.py --trainers hf --every 8 --steps 26
 
 The same model in every contender: a Llama (2 layers, hidden 768, vocab 8000, untied
 embeddings: 26.5 M parameters) trained with AdamW, so the saved state (weights + two
@@ -29,7 +30,9 @@ steps beside them included); ``save_step_excess_s`` (a save step's time minus th
 the run's other steps) is kept in the JSON as the outside view of the same loss. Contenders are interleaved (every repetition runs each once, the order rotated
 by one place per repetition), each run in a fresh process; medians and ranges are over the
 repetitions. The steadytrain runs also report the plugin's own ``checkpoint_block_s`` from
-the ledger, as a cross-check. Writes JSON to bench/results/trainer_saves.json.
+the ledger, as a cross-check. Each run records the host's 1-minute load average at its
+start and end (``loadavg_1m``): on a shared machine the numbers move with it. Writes JSON
+to bench/results/trainer_saves.json.
 """
 
 from __future__ import annotations
@@ -192,6 +195,7 @@ def worker(trainer: str, kind: str, ds_dir: str, work: str, steps: int, every: i
     from steadytrain import TokenDataset
 
     torch.set_num_threads(1)
+    load = os.getloadavg()[0]  # the host's load: the machine is shared, so it is reported
     ds = TokenDataset.open(ds_dir)
     times: list[float] = []
     blocked: list[float] = []
@@ -213,6 +217,7 @@ def worker(trainer: str, kind: str, ds_dir: str, work: str, steps: int, every: i
         # from outside (it also counts what a save's background work costs its own step)
         "save_step_excess_s": [d - statistics.median(plain) for d in saves.values()],
         "ledger_block_s": _ledger_blocks(work),
+        "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],  # at start, at end
     }
 
 
@@ -241,6 +246,8 @@ def summarize(runs: list[dict]) -> dict:
     out: dict[str, Any] = {}
     for trainer, kinds in CONTENDERS.items():
         mine = [r for r in runs if r["trainer"] == trainer]
+        if not mine:
+            continue  # --trainers left it out
         base = statistics.median(r["mean_step_s"] for r in mine if r["kind"] == "none")
         rows = {}
         for kind in kinds:
@@ -275,6 +282,7 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--out", default=OUT)
+    ap.add_argument("--trainers", nargs="+", choices=sorted(CONTENDERS), default=list(CONTENDERS))
     ap.add_argument("--worker", nargs=2, metavar=("TRAINER", "KIND"))
     ap.add_argument("--work", default=WORK)
     a = ap.parse_args()
@@ -285,7 +293,7 @@ def main() -> int:
         return 0
     os.makedirs(WORK, exist_ok=True)
     _dataset(ds_dir)
-    order = [(t, k) for t, kinds in CONTENDERS.items() for k in kinds]
+    order = [(t, k) for t, kinds in CONTENDERS.items() if t in a.trainers for k in kinds]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     runs = []
     for rep in range(a.reps):
@@ -303,10 +311,13 @@ def main() -> int:
             print(json.dumps({k: res[k] for k in ("trainer", "kind", "rep", "mean_step_s")}))
             runs.append(res)
             shutil.rmtree(work, ignore_errors=True)
+    lo = [r["loadavg_1m"][0] for r in runs]
+    hi = [r["loadavg_1m"][1] for r in runs]
     doc = {
         "what": "time a save blocks the training loop, trainer plugins vs the trainers' own",
         "steps": a.steps, "every": a.every, "warmup": WARMUP, "seq_len": SEQ,
-        "micro_batch": MICRO, "reps": a.reps, "cpu_threads": 1,
+        "micro_batch": MICRO, "reps": a.reps, "cpu_threads": 1, "cpus": os.cpu_count(),
+        "loadavg_1m": {"min": min(lo), "max": max(hi)},
         "versions": _versions(), "summary": summarize(runs), "runs": runs,
     }  # fmt: skip
     os.makedirs(os.path.dirname(a.out), exist_ok=True)

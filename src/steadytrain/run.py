@@ -57,6 +57,7 @@ from steadytrain.monitor.meter import GoodputMeter
 from steadytrain.monitor.meter_config import MeterConfig
 from steadytrain.monitor.watchdog import HangWatchdog, backend_timeout_s, recover_hang_records
 from steadytrain.run_birth import process_start
+from steadytrain.run_final_save import final_save_failed
 from steadytrain.run_identity import establish as establish_identity
 from steadytrain.run_lease import lease_settings, take_run_lease
 from steadytrain.run_support import (
@@ -434,3 +435,4 @@ class Run:
             if not held or last.get("tier", "durable") != "durable":
                 ckpt.save(self.step, self.states, tokens_seen=self.tokens_seen)
                 ckpt.wait()
+                final_save_failed(ckpt, self.step)

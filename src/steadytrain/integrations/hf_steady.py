@@ -98,6 +98,7 @@ class HFCheckpoints:
         self.resume_dir: str | None = None
         self.sample_ids: list[int] = []  # this rank's samples of the current step
         self._rng: dict[str, Any] | None = None
+        self._groups: list[dict[str, Any]] | None = None  # the optimizer's, as restored
         self._saved_step = -1
         self.callback = next(
             (c for c in trainer.callback_handler.callbacks if isinstance(c, SteadytrainCallback)),
@@ -123,7 +124,7 @@ class HFCheckpoints:
         }
         if self.loader is not None:
             states["loader"] = LoaderPosition(self.loader.as_dataset())
-        self.restored, self._saved_step = None, -1
+        self.restored, self._saved_step, self._groups = None, -1, None
         run = Run(
             self.run_dir,
             states,
@@ -149,6 +150,12 @@ class HFCheckpoints:
                 stacklevel=3,
             )
         self._rng = S.rng_state()  # as restored; applied again where the Trainer does it
+        # The optimizer's hyperparameters as restored (lr above all): the Trainer makes its
+        # LR scheduler after this restore, and a scheduler's constructor sets every group's
+        # lr (to initial_lr x its factor at step 0); applied again after it (``apply``).
+        self._groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups
+        ]
         self.resume_dir = tempfile.mkdtemp(prefix="steadytrain-hf-resume-")
         with open(os.path.join(self.resume_dir, TRAINER_STATE_NAME), "w") as f:
             json.dump(self.restored["trainer_state"], f)
@@ -185,8 +192,13 @@ class HFCheckpoints:
     def apply(self, what: str) -> None:
         """Apply the restored ``"scheduler"``, ``"scaler"`` or ``"rng"`` state."""
         t, got = self.trainer, self.restored or {}
-        if what == "scheduler" and got.get("scheduler") is not None and t.lr_scheduler:
-            t.lr_scheduler.load_state_dict(got["scheduler"])
+        if what == "scheduler":
+            # as the Trainer's own resume: the optimizer's saved groups over what the new
+            # scheduler set, then the scheduler's state (which leaves the groups alone)
+            for group, saved in zip(t.optimizer.param_groups, self._groups or [], strict=False):
+                group.update(saved)
+            if got.get("scheduler") is not None and t.lr_scheduler:
+                t.lr_scheduler.load_state_dict(got["scheduler"])
         elif what == "scaler" and got.get("scaler") is not None:
             scaler = getattr(t.accelerator, "scaler", None)
             if scaler is not None:
