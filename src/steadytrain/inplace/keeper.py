@@ -79,6 +79,25 @@ def _preload(script: str) -> None:
             log.debug("keeper: could not preload %s: %s", name, e)
 
 
+def _warm_up() -> None:
+    """One optimizer step on a tiny DDP-free model: torch imports and initialises much of
+    itself on first use (the optimizers' compile checks, autograd's engine), ~2-3 s here
+    that every replacement would otherwise pay again. On one intra-op thread, so the keeper
+    starts no thread pool that a fork would copy without its threads."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        for optim in (torch.optim.AdamW(model.parameters()), torch.optim.SGD(model.parameters())):
+            model(torch.zeros(2, 8)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _store_shared() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
@@ -147,6 +166,7 @@ def main(argv: Sequence[str]) -> None:
         )
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` has it, for the preload too
     _preload(script)
+    _warm_up()
     child = 0
     stopping = False
 
