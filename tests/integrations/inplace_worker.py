@@ -1,12 +1,12 @@
 """A plain PyTorch DDP loop with in-place recovery (tests/integrations/test_inplace.py).
 
     torchrun --nproc-per-node 2 -m steadytrain.inplace.keeper inplace_worker.py OUT STEPS \
-        KILL_AT EVERY [repeat]
+        KILL_AT EVERY KILL_RANK [repeat]
 
 Every step appends ``{"step", "loss", "pid", "keeper", "restart", "incarnation"}`` to
 ``OUT/r{RANK}.jsonl``; rank 0 saves the final weights to ``OUT/final.pt``. With ``KILL_AT``
-> 0, rank 1's first process SIGKILLs itself in step KILL_AT, between its forward and its
-backward: rank 0 is then blocked in DDP's gradient all-reduce. With ``repeat``, every
+> 0, rank KILL_RANK's first process SIGKILLs itself in step KILL_AT, between its forward
+and its backward: the other rank is then blocked in DDP's gradient all-reduce. With ``repeat``, every
 replacement of the first torchrun attempt dies the same way in its first step (a fault
 that repeats: the keeper leaves it to torchrun's whole restart). The batch of a step comes
 from the loader's own position (not from the step number) and the model has dropout, so a
@@ -44,7 +44,7 @@ class Loader:
 
 def main() -> None:
     out, steps, kill_at, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    repeat = sys.argv[5:] == ["repeat"]
+    kill_rank, repeat = int(sys.argv[5]), sys.argv[6:] == ["repeat"]
     rank = int(os.environ["RANK"])
     incarnation = int(os.environ.get("STEADYTRAIN_INPLACE_INCARNATION", "0"))
     first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
@@ -70,7 +70,7 @@ def main() -> None:
             x, y = loader.next()
             loss = torch.nn.functional.mse_loss(ddp(x), y)
             if (
-                rank == 1
+                rank == kill_rank
                 and first_attempt
                 and kill_at
                 and (

@@ -1,13 +1,14 @@
 """In-place recovery of a SIGKILLed rank (``steadytrain.inplace``) under the real torchrun, 2
 gloo ranks, DDP, ``--max-restarts 1`` (a whole restart is possible, so its absence means
-something). Three runs of ``inplace_worker.py`` go side by side:
+something). Four runs of ``inplace_worker.py`` go side by side:
 
 - uninterrupted: the reference;
-- rank 1 SIGKILLed mid-step (between its forward and its backward, rank 0 blocked in DDP's
-  all-reduce): torchrun's agent never restarts (every record has restart count 0, rank 0's
-  process and both keepers keep their pids), rank 1's training process alone is new
-  (forked by the same keeper), and every step's loss on each rank, the redone ones
-  included, and the final weights equal the reference's bit for bit;
+- rank 1, and in another run rank 0, SIGKILLed mid-step (between its forward and its
+  backward, the other rank blocked in DDP's all-reduce): torchrun's agent never restarts
+  (every record has restart count 0, the survivor's process and both keepers keep their
+  pids), the killed rank's training process alone is new (forked by the same keeper), and
+  every step's loss on each rank, the redone ones included, and the final weights equal
+  the reference's bit for bit;
 - the same fault repeating (rank 1's replacement dies before completing a step): the
   keeper leaves it to torchrun's whole restart, which finishes the job (attempt 1).
 """
@@ -30,12 +31,12 @@ WORKER = os.path.join(os.path.dirname(__file__), "inplace_worker.py")
 STEPS, KILL_AT, EVERY = 10, 7, 3  # snapshots at 0, 3, 6, 9: rank 0 rolls back to 6
 
 
-def start(out: str, kill_at: int, *extra: str) -> subprocess.Popen:
+def start(out: str, kill_at: int, kill_rank: int = 1, *extra: str) -> subprocess.Popen:
     os.makedirs(out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     cmd += ["--monitor-interval=0.2", "-m", "steadytrain.inplace.keeper", WORKER, out]
-    cmd += [str(STEPS), str(kill_at), str(EVERY), *extra]
+    cmd += [str(STEPS), str(kill_at), str(EVERY), str(kill_rank), *extra]
     # In-place recovery regroups on torchrun's shared store: the harness's
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 would turn it off (the keeper says so).
     e = env()
@@ -50,34 +51,42 @@ def records(out: str, rank: int) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_a_sigkilled_rank_is_replaced_in_place_and_the_run_stays_exact(tmp_path) -> None:
-    ref, killed, repeat = (str(tmp_path / n) for n in ("ref", "killed", "repeat"))
-    procs = [start(ref, 0), start(killed, KILL_AT), start(repeat, KILL_AT, "repeat")]
-    logs = [finish(p) for p in procs]
-
-    assert "replacing it in place (1 of 3)" in logs[1], logs[1][-4000:]
-    r0, r1 = records(killed, 0), records(killed, 1)
-    assert {r["restart"] for r in r0 + r1} == {"0"}, "torchrun's agent restarted the job"
-    assert len({r["pid"] for r in r0}) == 1, "rank 0's training process was replaced"
-    assert len({r["keeper"] for r in r0}) == 1 and len({r["keeper"] for r in r1}) == 1
-    first, second = sorted({r["pid"] for r in r1}, key=[r["pid"] for r in r1].index)
-    assert [r["step"] for r in r1 if r["pid"] == first] == list(range(KILL_AT))
-    assert {r["incarnation"] for r in r1 if r["pid"] == second} == {1}
-    # Rank 0 redid the steps after its snapshot at 6; rank 1's replacement started there.
-    assert [r["step"] for r in r0] == [*range(KILL_AT), *range(6, STEPS)]
-    assert [r["step"] for r in r1 if r["pid"] == second] == list(range(6, STEPS))
-
+def check_in_place(ref: str, run: str, log: str, victim: int) -> None:
+    survivor = 1 - victim
+    assert f"rank {victim}: process" in log and "replacing it in place (1 of 3)" in log, log[-4000:]
+    kept, replaced = records(run, survivor), records(run, victim)
+    assert {r["restart"] for r in kept + replaced} == {"0"}, "torchrun's agent restarted the job"
+    assert len({r["pid"] for r in kept}) == 1, "the survivor's training process was replaced"
+    assert len({r["keeper"] for r in kept}) == 1 and len({r["keeper"] for r in replaced}) == 1
+    first, second = sorted({r["pid"] for r in replaced}, key=[r["pid"] for r in replaced].index)
+    assert [r["step"] for r in replaced if r["pid"] == first] == list(range(KILL_AT))
+    assert {r["incarnation"] for r in replaced if r["pid"] == second} == {1}
+    # The survivor redid the steps after its snapshot at 6; the replacement started there.
+    assert [r["step"] for r in kept] == [*range(KILL_AT), *range(6, STEPS)]
+    assert [r["step"] for r in replaced if r["pid"] == second] == list(range(6, STEPS))
     for rank in (0, 1):  # every record of a step, the redone ones too, is the reference's
         want = {r["step"]: r["loss"] for r in records(ref, rank)}
         assert sorted(want) == list(range(STEPS))
-        for r in records(killed, rank):
+        for r in records(run, rank):
             assert r["loss"] == want[r["step"]], (rank, r, want[r["step"]])
+
+
+def test_a_sigkilled_rank_is_replaced_in_place_and_the_run_stays_exact(tmp_path) -> None:
+    ref, killed1, killed0, repeat = (
+        str(tmp_path / n) for n in ("ref", "killed1", "killed0", "repeat")
+    )
+    procs = [start(ref, 0), start(killed1, KILL_AT, 1), start(killed0, KILL_AT, 0)]
+    procs.append(start(repeat, KILL_AT, 1, "repeat"))
+    logs = [finish(p) for p in procs]
+
+    check_in_place(ref, killed1, logs[1], victim=1)
+    check_in_place(ref, killed0, logs[2], victim=0)  # the replicated state comes from rank 1
     expected = torch.load(os.path.join(ref, "final.pt"))
-    for run in (killed, repeat):
+    for run in (killed1, killed0, repeat):
         got = torch.load(os.path.join(run, "final.pt"))
         assert all(torch.equal(got[k], expected[k]) for k in expected), run
 
     # A replacement that dies before completing a step: a repeating fault, whole restart.
-    assert "whole restart: the training process was killed by SIGKILL before it" in logs[2]
+    assert "whole restart: the training process was killed by SIGKILL before it" in logs[3]
     restarts = {r["restart"] for rank in (0, 1) for r in records(repeat, rank)}
-    assert restarts == {"0", "1"}, logs[2][-4000:]
+    assert restarts == {"0", "1"}, logs[3][-4000:]
