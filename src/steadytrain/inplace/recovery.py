@@ -227,8 +227,10 @@ class Recovery:
     def _held_steps(self, replaced: bool) -> tuple[int, ...]:
         if not replaced:
             return tuple(sorted(self._snaps))
-        raw = self._the_store().get(f"{self._prefix}/steps")
-        return tuple(int(s) for s in json.loads(raw))
+        store, key = self._the_store(), f"{self._prefix}/steps"
+        if not store.check([key]):  # the dead process never snapshotted: agree() falls back
+            return ()
+        return tuple(int(s) for s in json.loads(store.get(key)))
 
     def _regroup(self, replaced: bool) -> int:
         """Join the next group, agree on the step, restore the states, rebuild. The step."""
