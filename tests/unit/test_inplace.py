@@ -71,3 +71,19 @@ def test_only_a_lost_peer_is_recovered() -> None:
     assert is_peer_loss(dist.DistNetworkError("x"))
     assert not is_peer_loss(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_peer_loss(ValueError("Connection closed by peer"))
+
+
+def test_a_thread_an_import_started_is_named_before_the_keeper_forks() -> None:
+    import threading
+
+    from steadytrain.inplace.keeper import foreign_threads
+
+    before = foreign_threads()
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, name="started-by-an-import")
+    t.start()
+    try:
+        assert foreign_threads() == [*before, "started-by-an-import"]
+    finally:
+        stop.set()
+        t.join()

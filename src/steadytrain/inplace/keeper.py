@@ -44,6 +44,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from steadytrain.inplace.contract import ENV_FD, ENV_INCARNATION, ENV_MAX, ENV_ON
@@ -96,6 +97,14 @@ def _warm_up() -> None:
             optim.zero_grad()
     finally:
         torch.set_num_threads(threads)
+
+
+def foreign_threads() -> list[str]:
+    """The names of the threads running beside this one: a module that started a thread as
+    it was imported. A fork copies none of them, and a lock one of them held stays held in
+    the child for good."""
+    me = threading.get_ident()
+    return [t.name for t in threading.enumerate() if t.ident != me]
 
 
 def _store_shared() -> bool:
@@ -167,6 +176,14 @@ def main(argv: Sequence[str]) -> None:
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` has it, for the preload too
     _preload(script)
     _warm_up()
+    if threads := foreign_threads():
+        print(
+            f"steadytrain.inplace: rank {rank}: the script's imports started threads in the "
+            f"keeper ({', '.join(threads)}); each training process is forked without them. If "
+            "one hangs at start, import that module inside the script's main() instead",
+            file=sys.stderr,
+            flush=True,
+        )
     child = 0
     stopping = False
 
