@@ -87,3 +87,27 @@ def test_a_thread_an_import_started_is_named_before_the_keeper_forks() -> None:
     finally:
         stop.set()
         t.join()
+
+
+def test_a_snapshot_copies_into_the_evicted_one_and_never_aliases_the_live_state() -> None:
+    import torch
+
+    from steadytrain.inplace.recovery import copy_state
+
+    model = torch.nn.Linear(4, 3)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    live = {"model": model.state_dict(), "optim": optim.state_dict()}
+    first = copy_state(live)
+    weight = first["model"]["weight"]
+    assert torch.equal(weight, model.weight) and weight.data_ptr() != model.weight.data_ptr()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # training goes on: the snapshot does not move with it
+    assert not torch.equal(first["model"]["weight"], model.weight)
+    second = copy_state({"model": model.state_dict(), "optim": optim.state_dict()}, first)
+    assert second["model"]["weight"].data_ptr() == weight.data_ptr()  # reused, not allocated
+    assert torch.equal(second["model"]["weight"], model.weight)
+    assert second["optim"]["param_groups"] == optim.state_dict()["param_groups"]
+    grown = copy_state({"model": torch.nn.Linear(4, 5).state_dict()}, second)
+    assert grown["model"]["weight"].shape == (5, 4)  # another shape: a fresh tensor
