@@ -20,8 +20,9 @@ Snapshots live in the process's own memory: every ``every_steps`` steps, at the 
 step, a deep copy of each state (``state_dict()``), plus the torch and ``random``
 generators. ``replicated`` states are the same on every rank (DDP's model and optimizer): a
 replaced rank receives them from the lowest surviving rank. ``per_rank`` states (the
-loader, the generators) are this rank's alone: each snapshot also puts them, pickled, in
-torchrun's store (a few KB), where the replaced rank reads its own back. Two snapshots are
+loader, the generators) are this rank's alone: each snapshot also puts them into torchrun's
+store (a few KB; ``torch.save``, read back with ``weights_only=True``, since anyone on the
+job's network can write to that store), where the replaced rank reads its own back. Two snapshots are
 kept (a rank may die between its peers' snapshot and its own).
 
 Only an error of a collective whose peer is gone (``regroup.is_peer_loss``), raised inside
@@ -36,9 +37,9 @@ from __future__ import annotations
 import copy
 import datetime
 import gc
+import io
 import json
 import os
-import pickle
 import random
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,18 @@ __all__ = ["Rebuilt", "Recovery", "Step", "copy_state"]
 
 _KEEP = 2
 _RNG = "__steadytrain_rng__"
+
+
+def _dumps(state: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> dict[str, Any]:
+    """A per-rank state back from the store: tensors and plain values only (a state that
+    needs more fails here, and the regroup falls back to the whole restart)."""
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def copy_state(src: Any, reuse: Any = None) -> Any:
@@ -221,7 +234,7 @@ class Recovery:
         own[_RNG] = (torch.get_rng_state(), random.getstate())
         self._snaps[step] = (rep, own)
         store = self._the_store()
-        store.set(f"{self._prefix}/s{step}", pickle.dumps(own))
+        store.set(f"{self._prefix}/s{step}", _dumps(own))
         store.set(f"{self._prefix}/steps", json.dumps(sorted(self._snaps)))
 
     def _stepped(self) -> None:
@@ -270,7 +283,7 @@ class Recovery:
             rep: list[Any] = [self._snaps[step][0] if self.rank == source else None]
             dist.broadcast_object_list(rep, src=source)
             if replaced:
-                own = pickle.loads(self._the_store().get(f"{self._prefix}/s{step}"))  # noqa: S301 - this job's own store
+                own = _loads(self._the_store().get(f"{self._prefix}/s{step}"))
                 self._snaps = {step: (rep[0], own)}
             else:
                 self._snaps = {s: v for s, v in self._snaps.items() if s <= step}
