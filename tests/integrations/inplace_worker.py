@@ -1,14 +1,16 @@
 """A plain PyTorch DDP loop with in-place recovery (tests/integrations/test_inplace.py).
 
     torchrun --nproc-per-node 2 -m steadytrain.inplace.keeper inplace_worker.py OUT STEPS \
-        KILL_AT EVERY KILL_RANK [repeat]
+        KILL_AT EVERY KILL_RANK [once|repeat|slow]
 
 Every step appends ``{"step", "loss", "pid", "keeper", "restart", "incarnation"}`` to
 ``OUT/r{RANK}.jsonl``; rank 0 saves the final weights to ``OUT/final.pt``. With ``KILL_AT``
 > 0, rank KILL_RANK's first process SIGKILLs itself in step KILL_AT, between its forward
 and its backward: the other rank is then blocked in DDP's gradient all-reduce. With ``repeat``, every
 replacement of the first torchrun attempt dies the same way in its first step (a fault
-that repeats: the keeper leaves it to torchrun's whole restart). The batch of a step comes
+that repeats: the keeper leaves it to torchrun's whole restart). With ``slow``, the
+replacement sleeps past the survivors' 3 s regroup timeout before it joins (the survivor
+gives up with InPlaceFallback: whole restart). The batch of a step comes
 from the loader's own position (not from the step number) and the model has dropout, so a
 loader state or a generator that was not rolled back changes the losses.
 """
@@ -17,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -44,7 +47,8 @@ class Loader:
 
 def main() -> None:
     out, steps, kill_at, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    kill_rank, repeat = int(sys.argv[5]), sys.argv[6:] == ["repeat"]
+    kill_rank, mode = int(sys.argv[5]), (sys.argv[6:] or ["once"])[0]
+    repeat = mode == "repeat"
     rank = int(os.environ["RANK"])
     incarnation = int(os.environ.get("STEADYTRAIN_INPLACE_INCARNATION", "0"))
     first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
@@ -55,11 +59,13 @@ def main() -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = Loader(rank)
     torch.manual_seed(1 + rank)  # each rank's own dropout stream
+    if mode == "slow" and incarnation and first_attempt:
+        time.sleep(8)
     recovery = Recovery(
         replicated={"model": model, "optim": optim},
         per_rank={"loader": loader},
         every_steps=every,
-        regroup_timeout_s=30,
+        regroup_timeout_s=3 if mode == "slow" else 30,
     )
     step = recovery.start()
     ddp = recovery.wrap(lambda: DistributedDataParallel(model))

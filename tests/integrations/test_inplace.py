@@ -1,6 +1,6 @@
 """In-place recovery of a SIGKILLed rank (``steadytrain.inplace``) under the real torchrun, 2
 gloo ranks, DDP, ``--max-restarts 1`` (a whole restart is possible, so its absence means
-something). Four runs of ``inplace_worker.py`` go side by side:
+something). Runs of ``inplace_worker.py``, side by side in each test:
 
 - uninterrupted: the reference;
 - rank 1, and in another run rank 0, SIGKILLed mid-step (between its forward and its
@@ -10,7 +10,9 @@ something). Four runs of ``inplace_worker.py`` go side by side:
   every step's loss on each rank, the redone ones included, and the final weights equal
   the reference's bit for bit;
 - the same fault repeating (rank 1's replacement dies before completing a step): the
-  keeper leaves it to torchrun's whole restart, which finishes the job (attempt 1).
+  keeper leaves it to torchrun's whole restart, which finishes the job (attempt 1);
+- a replacement that arrives after the survivor's regroup timeout: the survivor raises
+  InPlaceFallback, and torchrun's whole restart finishes the job.
 """
 
 from __future__ import annotations
@@ -71,22 +73,38 @@ def check_in_place(ref: str, run: str, log: str, victim: int) -> None:
             assert r["loss"] == want[r["step"]], (rank, r, want[r["step"]])
 
 
+def final(run: str) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(run, "final.pt"))
+
+
 def test_a_sigkilled_rank_is_replaced_in_place_and_the_run_stays_exact(tmp_path) -> None:
-    ref, killed1, killed0, repeat = (
-        str(tmp_path / n) for n in ("ref", "killed1", "killed0", "repeat")
-    )
+    ref, killed1, killed0 = (str(tmp_path / n) for n in ("ref", "killed1", "killed0"))
     procs = [start(ref, 0), start(killed1, KILL_AT, 1), start(killed0, KILL_AT, 0)]
-    procs.append(start(repeat, KILL_AT, 1, "repeat"))
     logs = [finish(p) for p in procs]
 
     check_in_place(ref, killed1, logs[1], victim=1)
     check_in_place(ref, killed0, logs[2], victim=0)  # the replicated state comes from rank 1
-    expected = torch.load(os.path.join(ref, "final.pt"))
-    for run in (killed1, killed0, repeat):
-        got = torch.load(os.path.join(run, "final.pt"))
-        assert all(torch.equal(got[k], expected[k]) for k in expected), run
+    expected = final(ref)
+    for run in (killed1, killed0):
+        assert all(torch.equal(final(run)[k], expected[k]) for k in expected), run
 
-    # A replacement that dies before completing a step: a repeating fault, whole restart.
-    assert "whole restart: the training process was killed by SIGKILL before it" in logs[3]
-    restarts = {r["restart"] for rank in (0, 1) for r in records(repeat, rank)}
-    assert restarts == {"0", "1"}, logs[3][-4000:]
+
+def test_a_repeating_fault_or_a_late_replacement_falls_back_to_the_whole_restart(
+    tmp_path,
+) -> None:
+    repeat, slow = str(tmp_path / "repeat"), str(tmp_path / "slow")
+    procs = [start(repeat, KILL_AT, 1, "repeat"), start(slow, KILL_AT, 1, "slow")]
+    logs = [finish(p) for p in procs]
+
+    # A replacement that dies before completing a step: a repeating fault.
+    assert "whole restart: the training process was killed by SIGKILL before it" in logs[0]
+    # A regroup that times out (the replacement comes too late): the survivor gives up.
+    assert "rank 0: could not form a new process group in place within 3 s" in logs[1]
+    for run, log in ((repeat, logs[0]), (slow, logs[1])):
+        for rank in (0, 1):  # torchrun's attempt 1 trained every step, from a fresh start
+            recs = records(run, rank)
+            assert {r["restart"] for r in recs} == {"0", "1"}, log[-4000:]
+            assert [r["step"] for r in recs if r["restart"] == "1"] == list(range(STEPS))
+    # Both fallbacks' fresh attempts end with the same weights: nothing of the failed
+    # attempt (a half-restored state, a late replacement) leaked into either.
+    assert all(torch.equal(final(repeat)[k], final(slow)[k]) for k in final(repeat))
