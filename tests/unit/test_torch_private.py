@@ -285,3 +285,42 @@ def test_ddp_attributes_are_read_from_a_real_ddp(tmp_path):
         assert tp.ddp_has_rebuilt(ddp) is True
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("remove", [True, False])
+def test_a_dropped_ddp_whose_hooks_are_removed_reduces_nothing_more(tmp_path, remove):
+    """In-place recovery builds a new DDP over the module of one whose group died; the old
+    reducer (its forward ran, its backward never finished) must not reduce the new one's
+    backward on its dead group. The ``remove=False`` case shows what the removal prevents."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    def counting(calls):
+        def hook(state, bucket):
+            calls.append(1)
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        return hook
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
+    )
+    try:
+        module = torch.nn.Linear(3, 2)
+        old, new = [], []
+        ddp = DistributedDataParallel(module)
+        ddp.register_comm_hook(None, counting(old))
+        ddp(torch.ones(1, 3))  # the forward of the step that failed
+        if remove:
+            assert tp.ddp_remove_hooks(ddp) is True
+        again = DistributedDataParallel(module)
+        again.register_comm_hook(None, counting(new))
+        again(torch.ones(1, 3)).sum().backward()
+        assert new == [1]
+        assert (old == []) is remove
+        assert tp.ddp_remove_hooks(module) is False  # not a DDP: nothing to remove
+        assert callable(tp.abort_process_groups())  # the NCCL branch's abort, in this torch
+    finally:
+        dist.destroy_process_group()

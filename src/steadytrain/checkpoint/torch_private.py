@@ -41,6 +41,16 @@ it, so that callers (``archive``, ``reader``, ``writer``) import them from this 
   (``_has_rebuilt_buckets``, ``_bucket_config``, ``_comm_hooks``). ``exact_ddp`` catches
   ``TorchAPIError`` and leaves DDP as it is with a warning: a missing API there costs the
   last bits of a resumed run on 3 or more ranks, never the job.
+- ``Reducer._remove_autograd_hooks`` (``ddp_remove_hooks``): in-place recovery
+  (``inplace/recovery.py``) drops a DDP whose process group died and builds a new one over
+  the same module; the old reducer's hooks on the parameters would otherwise outlive it
+  (anything still referencing it, a traceback's frame, keeps it alive) and all-reduce on
+  the dead group at the next backward. Where this torch lacks it, nothing is removed and
+  the garbage collector's release of the old reducer is what removes them.
+- ``torch.distributed.distributed_c10d._abort_process_group`` (``abort_process_groups``):
+  an NCCL group blocked on a dead peer is aborted, not destroyed, before a regroup
+  (``inplace/regroup.py``); None where this torch lacks it (then the in-place path falls
+  back to the whole restart). Not run here: no GPU.
 
 Each API is checked once, at first use, not at import: ``import steadytrain`` (and
 ``tokenize``, ``verify``, the loader) must keep working on any torch. A missing or reshaped
@@ -85,6 +95,8 @@ __all__ = [
     "ddp_has_rebuilt",
     "ddp_hooks",
     "ddp_rebuild_limits",
+    "ddp_remove_hooks",
+    "abort_process_groups",
     "check_all",
 ]
 
@@ -474,6 +486,23 @@ def ddp_rebuild_limits(ddp: Any) -> list[int]:
         static_graph=ddp.static_graph, find_unused_parameters=ddp.find_unused_parameters
     )
     return list(rebuild) or [cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap]
+
+
+def ddp_remove_hooks(ddp: Any) -> bool:
+    """Take ``ddp``'s reducer hooks off its parameters (a DDP about to be dropped); whether
+    this torch could. Anything but a DDP with a reducer: False, nothing done."""
+    remove = getattr(getattr(ddp, "reducer", None), "_remove_autograd_hooks", None)
+    if remove is None:
+        return False
+    remove()
+    return True
+
+
+def abort_process_groups() -> Callable[[], None] | None:
+    """torch's call that aborts every process group's communicators (NCCL), or None."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return getattr(c10d, "_abort_process_group", None)
 
 
 def check_all() -> list[str]:

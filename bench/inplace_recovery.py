@@ -1,0 +1,122 @@
+"""Kill -> next productive step: a SIGKILLed rank recovered in place vs torchrun's whole restart.
+
+    python bench/inplace_recovery.py [--faults 5] [--out bench/results/inplace_recovery.json]
+
+One job, ``bench/_inplace_worker.py`` (2 gloo ranks, a small DDP MLP, CPU), run twice:
+under the keeper (``torchrun -m steadytrain.inplace.keeper``, shared store, snapshots every
+step) and plainly (``torchrun --max-restarts N``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+as the project's restarts use, ``--monitor-interval 0.1``). Each time, ``--faults`` times:
+wait until rank 1's current process completed a few steps, SIGKILL it, and time until the
+rank's next process completed its first step (every DDP step needs both ranks, so that is
+when the job trains again). The baseline's attempts start from step 0 with nothing to
+restore: its restart is measured without a checkpoint load, in its favour. Median and
+spread; the issue's target is <= 2 s in place and >= 4x faster than the whole restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "_inplace_worker.py")
+
+
+def _records(out: str, rank: int) -> list[dict]:
+    try:
+        with open(os.path.join(out, f"r{rank}.jsonl")) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def _wait(pred, timeout: float = 120.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise TimeoutError("the job made no progress")
+
+
+def measure(in_place: bool, faults: int) -> list[float]:
+    out = tempfile.mkdtemp(prefix="inplace-bench-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", STEADYTRAIN_INPLACE_MAX=str(faults + 1))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    cmd += [f"--max-restarts={0 if in_place else faults}", "--monitor-interval=0.1"]
+    cmd += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
+    if in_place:
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        cmd += ["-m", "steadytrain.inplace.keeper"]
+    else:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    proc = subprocess.Popen([*cmd, WORKER, out], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    gaps = []
+    try:
+        for _ in range(faults):
+            pid = int(_wait(lambda: _pid(out)))
+            _wait(lambda pid=pid: sum(r["pid"] == pid for r in _records(out, 1)) >= 20)
+            t_kill = time.time()
+            os.kill(pid, signal.SIGKILL)
+            first = _wait(lambda pid=pid, t=t_kill: next(
+                (r for r in _records(out, 1) if r["pid"] != pid and r["t"] > t), None))  # fmt: skip
+            gaps.append(first["t"] - t_kill)
+    finally:
+        for p in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.wait()
+    return gaps
+
+
+def _pid(out: str) -> str | None:
+    try:
+        with open(os.path.join(out, "pid-r1")) as f:
+            return f.read() or None
+    except FileNotFoundError:
+        return None
+
+
+def summary(gaps: list[float]) -> dict:
+    return {
+        "median_s": round(statistics.median(gaps), 3),
+        "min_s": round(min(gaps), 3),
+        "max_s": round(max(gaps), 3),
+        "each_s": [round(g, 3) for g in gaps],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--faults", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "inplace_recovery.json"))
+    args = ap.parse_args()
+    in_place = summary(measure(True, args.faults))
+    whole = summary(measure(False, args.faults))
+    result = {
+        "faults": args.faults,
+        "in_place": in_place,
+        "whole_restart": whole,
+        "speedup": round(whole["median_s"] / in_place["median_s"], 1),
+    }
+    print(json.dumps(result, indent=1))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""In-place recovery of a process fault (issue 44 section 2; the foundation, not yet in ``Run``).
+
+When one rank's process dies and its node lives, the other ranks keep their processes,
+their model, optimizer and loader objects: they leave the broken process group, roll back
+to a step every rank holds a snapshot of, and form a new group with the one replaced rank,
+which is forked from a process that already imported torch and the script's modules.
+
+- ``keeper``: the process torchrun starts for a rank (``torchrun ... -m
+  steadytrain.inplace.keeper SCRIPT ARGS``); it imports once and forks the training process,
+  and forks a new one when that process dies of a signal and ``policy`` allows;
+- ``policy``: which child deaths are recovered in place, which fall back to torchrun's
+  whole restart (pure);
+- ``regroup``: leave the broken group, agree on a generation through torchrun's store, join
+  a fresh group, agree on the step to resume from (pure ``agree``);
+- ``recovery``: ``Recovery``, what a training loop holds (snapshots in the process's own
+  memory, ``with recovery.step(step)``, the rollback).
+
+Docs: docs/operations.md, "In-place recovery (foundation)".
+"""
+
+from steadytrain.inplace.recovery import Rebuilt, Recovery
+from steadytrain.inplace.regroup import InPlaceFallback
+
+__all__ = ["InPlaceFallback", "Rebuilt", "Recovery"]

@@ -1,0 +1,103 @@
+"""A plain PyTorch DDP loop with in-place recovery (tests/integrations/test_inplace.py).
+
+    torchrun --nproc-per-node 2 -m steadytrain.inplace.keeper inplace_worker.py OUT STEPS \
+        KILL_AT EVERY KILL_RANK [once|repeat|slow]
+
+Every step appends ``{"step", "loss", "pid", "keeper", "restart", "incarnation"}`` to
+``OUT/r{RANK}.jsonl``; rank 0 saves the final weights to ``OUT/final.pt``. With ``KILL_AT``
+> 0, rank KILL_RANK's first process SIGKILLs itself in step KILL_AT, between its forward
+and its backward: the other rank is then blocked in DDP's gradient all-reduce. With ``repeat``, every
+replacement of the first torchrun attempt dies the same way in its first step (a fault
+that repeats: the keeper leaves it to torchrun's whole restart). With ``slow``, the
+replacement sleeps past the survivors' 3 s regroup timeout before it joins (the survivor
+gives up with InPlaceFallback: whole restart). The batch of a step comes
+from the loader's own position (not from the step number) and the model has dropout, so a
+loader state or a generator that was not rolled back changes the losses.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from steadytrain.inplace import Recovery
+
+
+class Loader:
+    """A stateful loader: batch n of rank r is a pure function of (n, r)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.position = rank, 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * self.position + self.rank)
+        self.position += 1
+        return torch.randn(8, 32, generator=g), torch.randn(8, 1, generator=g)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.position = int(sd["position"])
+
+
+def main() -> None:
+    out, steps, kill_at, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    kill_rank, mode = int(sys.argv[5]), (sys.argv[6:] or ["once"])[0]
+    repeat = mode == "repeat"
+    rank = int(os.environ["RANK"])
+    incarnation = int(os.environ.get("STEADYTRAIN_INPLACE_INCARNATION", "0"))
+    first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 1)
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = Loader(rank)
+    torch.manual_seed(1 + rank)  # each rank's own dropout stream
+    if mode == "slow" and incarnation and first_attempt:
+        time.sleep(8)
+    recovery = Recovery(
+        replicated={"model": model, "optim": optim},
+        per_rank={"loader": loader},
+        every_steps=every,
+        regroup_timeout_s=3 if mode == "slow" else 30,
+    )
+    step = recovery.start()
+    ddp = recovery.wrap(lambda: DistributedDataParallel(model))
+    record = open(os.path.join(out, f"r{rank}.jsonl"), "a")
+    first = step
+    while step < steps:
+        with recovery.step(step) as s:
+            x, y = loader.next()
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            if (
+                rank == kill_rank
+                and first_attempt
+                and kill_at
+                and (
+                    (step == kill_at and incarnation == 0)
+                    or (repeat and incarnation and step == first)
+                )
+            ):
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+        if not s.recovered:
+            line = {"step": step, "loss": loss.item(), "pid": os.getpid(), "keeper": os.getppid()}
+            line.update(restart=os.environ["TORCHELASTIC_RESTART_COUNT"], incarnation=incarnation)
+            record.write(json.dumps(line) + "\n")
+            record.flush()
+        step = s.next
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(out, "final.pt"))
+    recovery.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""In-place recovery of a SIGKILLed rank (``steadytrain.inplace``) under the real torchrun, 2
+gloo ranks, DDP, ``--max-restarts 1`` (a whole restart is possible, so its absence means
+something). Runs of ``inplace_worker.py``, side by side in each test:
+
+- uninterrupted: the reference;
+- rank 1, and in another run rank 0, SIGKILLed mid-step (between its forward and its
+  backward, the other rank blocked in DDP's all-reduce): torchrun's agent never restarts
+  (every record has restart count 0, the survivor's process and both keepers keep their
+  pids), the killed rank's training process alone is new (forked by the same keeper), and
+  every step's loss on each rank, the redone ones included, and the final weights equal
+  the reference's bit for bit;
+- the same fault repeating (rank 1's replacement dies before completing a step): the
+  keeper leaves it to torchrun's whole restart, which finishes the job (attempt 1);
+- a replacement that arrives after the survivor's regroup timeout: the survivor raises
+  InPlaceFallback, and torchrun's whole restart finishes the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from example_runs import finish
+from harness import REPO, env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+WORKER = os.path.join(os.path.dirname(__file__), "inplace_worker.py")
+STEPS, KILL_AT, EVERY = 10, 7, 3  # snapshots at 0, 3, 6, 9: rank 0 rolls back to 6
+
+
+def start(out: str, kill_at: int, kill_rank: int = 1, *extra: str) -> subprocess.Popen:
+    os.makedirs(out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
+    cmd += ["--monitor-interval=0.2", "-m", "steadytrain.inplace.keeper", WORKER, out]
+    cmd += [str(STEPS), str(kill_at), str(EVERY), str(kill_rank), *extra]
+    # In-place recovery regroups on torchrun's shared store: the harness's
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 would turn it off (the keeper says so).
+    e = env()
+    e.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    return subprocess.Popen(
+        cmd, env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def records(out: str, rank: int) -> list[dict]:
+    with open(os.path.join(out, f"r{rank}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def check_in_place(ref: str, run: str, log: str, victim: int) -> None:
+    survivor = 1 - victim
+    assert f"rank {victim}: process" in log and "replacing it in place (1 of 3)" in log, log[-4000:]
+    kept, replaced = records(run, survivor), records(run, victim)
+    assert {r["restart"] for r in kept + replaced} == {"0"}, "torchrun's agent restarted the job"
+    assert len({r["pid"] for r in kept}) == 1, "the survivor's training process was replaced"
+    assert len({r["keeper"] for r in kept}) == 1 and len({r["keeper"] for r in replaced}) == 1
+    first, second = sorted({r["pid"] for r in replaced}, key=[r["pid"] for r in replaced].index)
+    assert [r["step"] for r in replaced if r["pid"] == first] == list(range(KILL_AT))
+    assert {r["incarnation"] for r in replaced if r["pid"] == second} == {1}
+    # The survivor redid the steps after its snapshot at 6; the replacement started there.
+    assert [r["step"] for r in kept] == [*range(KILL_AT), *range(6, STEPS)]
+    assert [r["step"] for r in replaced if r["pid"] == second] == list(range(6, STEPS))
+    for rank in (0, 1):  # every record of a step, the redone ones too, is the reference's
+        want = {r["step"]: r["loss"] for r in records(ref, rank)}
+        assert sorted(want) == list(range(STEPS))
+        for r in records(run, rank):
+            assert r["loss"] == want[r["step"]], (rank, r, want[r["step"]])
+
+
+def final(run: str) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(run, "final.pt"))
+
+
+def test_a_sigkilled_rank_is_replaced_in_place_and_the_run_stays_exact(tmp_path) -> None:
+    ref, killed1, killed0 = (str(tmp_path / n) for n in ("ref", "killed1", "killed0"))
+    procs = [start(ref, 0), start(killed1, KILL_AT, 1), start(killed0, KILL_AT, 0)]
+    logs = [finish(p) for p in procs]
+
+    check_in_place(ref, killed1, logs[1], victim=1)
+    check_in_place(ref, killed0, logs[2], victim=0)  # the replicated state comes from rank 1
+    expected = final(ref)
+    for run in (killed1, killed0):
+        assert all(torch.equal(final(run)[k], expected[k]) for k in expected), run
+
+
+def test_a_repeating_fault_or_a_late_replacement_falls_back_to_the_whole_restart(
+    tmp_path,
+) -> None:
+    repeat, slow = str(tmp_path / "repeat"), str(tmp_path / "slow")
+    procs = [start(repeat, KILL_AT, 1, "repeat"), start(slow, KILL_AT, 1, "slow")]
+    logs = [finish(p) for p in procs]
+
+    # A replacement that dies before completing a step: a repeating fault.
+    assert "whole restart: the training process was killed by SIGKILL before it" in logs[0]
+    # A regroup that times out (the replacement comes too late): the survivor gives up.
+    assert "rank 0: could not form a new process group in place within 3 s" in logs[1]
+    for run, log in ((repeat, logs[0]), (slow, logs[1])):
+        for rank in (0, 1):  # torchrun's attempt 1 trained every step, from a fresh start
+            recs = records(run, rank)
+            assert {r["restart"] for r in recs} == {"0", "1"}, log[-4000:]
+            assert [r["step"] for r in recs if r["restart"] == "1"] == list(range(STEPS))
+    # Both fallbacks' fresh attempts end with the same weights: nothing of the failed
+    # attempt (a half-restored state, a late replacement) leaked into either.
+    assert all(torch.equal(final(repeat)[k], final(slow)[k]) for k in final(repeat))
