@@ -82,10 +82,9 @@ def _start_holding(data: str, run_dir: str, hold: str, *args: str) -> subprocess
             proc.kill()
             raise AssertionError(f"the first job never held:\n{proc.communicate()[0][-3000:]}")
         time.sleep(0.05)
-    # Its watchdog publishes the "hold" phase a poll into it: wait, so the tree is still.
-    phase = os.path.join(run_dir, "hangs", "phases", "attempt-0", "phase-rank-0.json")
-    while not os.path.exists(phase) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # No wait for its watchdog's "hold" phase file: a lone process publishes none (the phase
+    # board is for holding other ranks, monitor/phases.py), and waiting for one cost each
+    # test the whole 120 s deadline. Should one appear later, ``_tree`` sees it.
     return proc
 
 
@@ -186,8 +185,13 @@ def test_monitor_given_as_a_dict_reaches_the_watchdog() -> None:
 
 @pytest.mark.parametrize(
     "checkpoint, launch",
-    [(False, ()), (True, tuple(TORCHRUN))],
-    ids=["checkpoint-False", "checkpointer-torchrun-2-ranks"],
+    [
+        pytest.param(False, (), id="checkpoint-False"),
+        # A torchrun end-to-end run: the inner loop (./run.sh quick) leaves it out.
+        pytest.param(
+            True, tuple(TORCHRUN), id="checkpointer-torchrun-2-ranks", marks=pytest.mark.e2e
+        ),
+    ],
 )
 def test_a_second_job_on_a_live_run_dir_is_refused_before_it_writes(
     data: str, tmp_path, checkpoint: bool, launch: tuple
