@@ -349,7 +349,10 @@ def test_covered_blocks_are_extracted_by_their_test() -> None:
             assert "```python" in text and s.file in text, (s.covered_by, s.file)
 
 
-@pytest.fixture(scope="module")
+# Session fixtures (one per worker: a second or two), not module ones: a module fixture keeps
+# every sample on one worker, one after another (tests/conftest.py), and the samples are
+# the slowest tests of the inner loop. The samples only read the dataset.
+@pytest.fixture(scope="session")
 def sample_dataset(tmp_path_factory) -> str:
     """A real dataset big enough for the README's global batch of 512 x 2048 tokens."""
     root = tmp_path_factory.mktemp("docs-ds")
@@ -364,7 +367,7 @@ def sample_dataset(tmp_path_factory) -> str:
     return str(root)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def remote_dataset(sample_dataset, s3_server) -> str:
     url = "s3://steady/docs-samples/ds"
     store = Store(url, storage_options=s3_server.storage_options)
