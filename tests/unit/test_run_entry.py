@@ -30,6 +30,7 @@ import time
 
 import pytest
 
+from steadytrain.testing import forkserver
 from steadytrain.testing.incidents.common import report as _report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,17 +66,20 @@ def _run(
     data: str, run_dir: str, *args: str, attempt: int = 0, launch: tuple = ()
 ) -> subprocess.CompletedProcess:
     how = _cmd(data, run_dir, *args, attempt=attempt, launch=launch)
-    return subprocess.run(**how, capture_output=True, timeout=150)
+    if launch:  # torchrun starts its own fresh ranks
+        return subprocess.run(**how, capture_output=True, timeout=150)
+    # The script alone, forked from an interpreter that imported torch once (the fork
+    # server: a fresh one costs each call seconds of CPU, and nothing here is about start-up).
+    return forkserver.run(how["args"], env=how["env"], timeout=150)
 
 
-def _start_holding(data: str, run_dir: str, hold: str, *args: str) -> subprocess.Popen:
+def _start_holding(
+    data: str, run_dir: str, hold: str, *args: str
+) -> forkserver.ForkedProcess | subprocess.Popen:
     """A live job on ``run_dir``, holding after step 3 (its save and records on disk) until
     ``hold`` exists."""
-    proc = subprocess.Popen(
-        **_cmd(data, run_dir, "--hold-at-step", "3", "--hold-file", hold, *args),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    how = _cmd(data, run_dir, "--hold-at-step", "3", "--hold-file", hold, *args)
+    proc = forkserver.popen(how["args"], env=how["env"])  # stdout and stderr in one pipe
     deadline = time.monotonic() + 120
     while not os.path.exists(hold + ".ready"):
         if proc.poll() is not None or time.monotonic() > deadline:
