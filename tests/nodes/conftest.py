@@ -1,6 +1,6 @@
 """Fixtures of the node-harness tests: one harness with 2 nodes and a dataset in its bucket,
 shared by the module's tests (SeaweedFS and namespaces cost seconds to set up), and the
-incident replays and the diagnosis matrix's combined cases, started together in the
+incident replays and the diagnosis matrix's CI case (``CI_CASES``), started together in the
 background (``replays``).
 
 Why in the background: a replay spends most of its minute waiting (a backend timeout, a
@@ -90,9 +90,9 @@ REPLAY_MODULES = {
 # storage starts once the harness and Slurm tests are over (its diagnosis compares node-1's
 # read p99 with node-0's, which a CPU-starved object store inflates too). loader-memory
 # fills the machine's /dev/shm, which every rank's meter samples: it never runs beside
-# storage, whose report must find storage and nothing else (AFTER). The matrix's combined
-# cases slow storage and fill /dev/shm too: they wait for the replays whose clean runs
-# must stay clean.
+# storage, whose report must find storage and nothing else (AFTER). The matrix's CPU-quota
+# case holds one node to a tenth of a core, which stretches the machine's other work: it
+# waits for the replays whose clean runs must stay clean.
 LANES = (("node-loss", "loader-memory", "matrix"), ("hang", "storage", "noisy-loss"))
 AFTER = {"loader-memory": ("storage",), "matrix": ("storage", "noisy-loss")}
 REPLAY_TIMEOUT_S = 900

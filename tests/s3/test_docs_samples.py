@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ import pytest
 
 from steadytrain.data.ingest.writer import DatasetWriter
 from steadytrain.storage.store import Store
+from steadytrain.testing import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -349,7 +349,10 @@ def test_covered_blocks_are_extracted_by_their_test() -> None:
             assert "```python" in text and s.file in text, (s.covered_by, s.file)
 
 
-@pytest.fixture(scope="module")
+# Session fixtures (one per worker: a second or two), not module ones: a module fixture keeps
+# every sample on one worker, one after another (tests/conftest.py), and the samples are
+# the slowest tests of the inner loop. The samples only read the dataset.
+@pytest.fixture(scope="session")
 def sample_dataset(tmp_path_factory) -> str:
     """A real dataset big enough for the README's global batch of 512 x 2048 tokens."""
     root = tmp_path_factory.mktemp("docs-ds")
@@ -364,7 +367,7 @@ def sample_dataset(tmp_path_factory) -> str:
     return str(root)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def remote_dataset(sample_dataset, s3_server) -> str:
     url = "s3://steady/docs-samples/ds"
     store = Store(url, storage_options=s3_server.storage_options)
@@ -393,14 +396,9 @@ def test_docs_sample_runs(file, line, code, sample_dataset, remote_dataset, s3_s
     script = prelude + "\n# ---- the block, as documented ----\n" + code + "\n" + sample.check
     script += "\nprint('SAMPLE-OK')\n"
     env = dict(os.environ, SAMPLE_DATASET=sample_dataset, OMP_NUM_THREADS="1", **s3_server.env())
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    # Forked from the fork server (torch imported once per worker, not once per sample):
+    # the blocks are about what they call, not about start-up.
+    proc = forkserver.run([sys.executable, "-c", script], cwd=str(tmp_path), env=env, timeout=240)
     assert proc.returncode == 0 and "SAMPLE-OK" in proc.stdout, (
         f"{file}:{line} failed:\n{textwrap.indent(proc.stderr[-4000:], '  ')}"
     )

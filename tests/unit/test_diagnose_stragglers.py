@@ -415,6 +415,26 @@ def test_two_kinds_on_different_nodes_are_two_incidents(tmp_path: Path) -> None:
     assert got == {("storage", ("node-2",)), ("dataloader", ("node-1",))}
 
 
+def test_slow_storage_and_a_growing_loader_on_two_nodes_are_two_incidents(tmp_path: Path) -> None:
+    """The diagnosis matrix's ``storage+loader-memory`` case (node-1's link slow, node-2's
+    loader filling /dev/shm), which left the suite for bench/diagnosis_matrix.py: each
+    incident of its own kind, on its own node and rank, over the fault's steps."""
+
+    def tweak(rank: int, step: int, rec: dict[str, Any]) -> None:
+        slow_storage({1})(rank, step, rec)
+        if rank == 2:
+            rec["data_wait_s"] = 0.07
+            rec["shm_bytes"] = 10 * MiB + (step - FROM) * 8 * MiB
+
+    make_run(tmp_path, tweak)
+    got = sorted((i.kind, i.nodes, i.ranks, i.first_step, i.last_step) for i in diagnose(tmp_path))
+    assert [g[:3] for g in got] == [
+        ("loader-memory", ["node-2"], [2]),
+        ("storage", ["node-1"], [1]),
+    ]
+    assert all(FROM <= first and last == TO for *_, first, last in got), got
+
+
 def test_a_short_hiccup_is_not_an_incident(tmp_path: Path) -> None:
     def tweak(rank: int, step: int, rec: dict[str, Any]) -> None:
         if rank == 1 and step < FROM + 6:  # 6 slow steps: one window, not persistent

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -103,3 +104,31 @@ def test_folder_marks_select_the_inner_loop_and_nothing_selected_exits_5(tmp_pat
     assert any(n["test"] == "machine" for n in notes)
     out, _ = _run(tmp_path, "-n", "2", "-m", "e2e")
     assert out.returncode == 5, out.stdout[-3000:]
+
+
+# A test module starts torchrun when it names the launcher or one of the suite's helpers that
+# run it (tests/e2e/train/harness.py, tests/integrations/example_runs.py, NodeHarness).
+LAUNCHES_TORCHRUN = re.compile(
+    r"torch\.distributed\.run|\b(start_example|run_pair|run_kills|torchrun_cmd|start_torchrun"
+    r"|run_torchrun)\(|\.torchrun\("
+)
+# Modules that name the launcher without starting it.
+NAMES_TORCHRUN_ONLY = {"unit/test_slurm_sbatch.py": "reads an sbatch script's srun line"}
+MARKED = re.compile(r"pytestmark\s*=.*pytest\.mark\.(e2e|nodes)|marks=pytest\.mark\.e2e")
+
+
+def test_every_module_that_starts_torchrun_is_marked_e2e() -> None:
+    """The inner loop (``./run.sh quick``: not nodes, e2e or packaging) leaves the torchrun
+    end-to-end runs out: a test that starts torchrun outside tests/e2e and tests/nodes says
+    ``e2e`` itself, for its module (``pytestmark``) or for its case (``pytest.param(...,
+    marks=pytest.mark.e2e)``)."""
+    tests = CONFTEST.parent
+    unmarked = []
+    for path in sorted(tests.rglob("test_*.py")):
+        rel = path.relative_to(tests).as_posix()
+        if rel.split("/")[0] in ("e2e", "nodes") or rel in NAMES_TORCHRUN_ONLY:
+            continue
+        text = path.read_text(encoding="utf-8")
+        if LAUNCHES_TORCHRUN.search(text) and not MARKED.search(text):
+            unmarked.append(rel)
+    assert not unmarked, f"start torchrun but are not marked e2e (./run.sh quick): {unmarked}"

@@ -123,8 +123,13 @@ CASES: dict[str, Case] = {
         Case("clean-3", nodes=3),
     )
 }
-# What tests/nodes runs (the single kinds and clean runs come from the incident replays).
-CI_CASES = ("storage+loader-memory", "storage-2-of-3", "cpu-quota")
+# What tests/nodes runs: the one case nothing else in the suite runs end to end (a node's
+# processes held by a cgroup quota, read by its rank inside the node). The single kinds and
+# clean runs come from the incident replays; the two 3-node combined cases' judgments are
+# unit tests of the engine on synthetic records (tests/unit/test_diagnose_stragglers.py:
+# two of three slow, storage and loader-memory on two nodes) and run here in the benchmark,
+# which is where precision and recall are measured (issue 41: a suite in minutes).
+CI_CASES = ("cpu-quota",)
 # The clean runs the benchmark adds (``--clean N``); every other case is run once.
 CLEAN_CASES = ("clean-2", "clean-3")
 
