@@ -25,6 +25,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from steadytrain import Run
@@ -62,6 +63,8 @@ def main() -> None:
     # Run makes the process group (torchrun's environment), so its init is the start-up's
     # group phase; DDP wraps the restored model inside (it broadcasts rank 0's weights).
     with Run(args.run_dir, states, checkpoint=ckpt, monitor={"flush_interval_s": 0.05}) as run:
+        if not dist.is_initialized():  # Run makes a group only for more than one rank
+            dist.init_process_group("gloo")
         ddp = DDP(model)
         step = run.start_step
         fault_at = run.start_step + FAULT_AFTER if faulty else -1

@@ -146,7 +146,12 @@ class Run:
         self.nonce = ""  # the run's identity (run_identity.py), the same on every rank
         self._signals = SignalGuard()
         # SIGTERM while the loop is stuck in a C++ call: record the end, exit (run_stuck.py)
-        self._stuck = StuckExit(self.monitor.sigterm_exit_s, self._abandon, self._saving)
+        self._stuck = StuckExit(
+            self.monitor.sigterm_exit_s,
+            self._abandon,
+            busy=self._saving,
+            reacted=lambda: self._signals.pending is not None,  # its handler ran: not stuck
+        )
         self._lease: Any = None  # rank 0's run lease (run_lease.py)
         self._state = "new"  # "open" between entry and close, then "closed"
         self._made_group = False

@@ -10,15 +10,17 @@ lasts the whole grace and its end is never recorded (issue 44).
 ``StuckExit`` is woken by the signal itself: ``signal.set_wakeup_fd`` makes the interpreter's
 C-level handler write the signal number to a socket, from whichever thread the kernel
 interrupted, while the Python handler still waits for the main thread. A small thread reads
-that socket. If the main thread has not begun ``Run``'s close ``exit_s`` seconds later, it is
-stuck: the thread records the crash (``job_end`` ``signal: SIGTERM``, flushed, as the ordered
-close would) and exits with 128 + the signal number, as the signal would have.
+that socket. If ``exit_s`` seconds later the main thread's Python handler has not run and
+``Run``'s close has not begun, the main thread is stuck: the thread records the crash
+(``job_end`` ``signal: SIGTERM``, flushed, as the ordered close would) and exits with 128 +
+the signal number, as the signal would have.
 
 Do no harm: a loop at a step boundary handles the signal itself within milliseconds and
-closes in order as before (its in-flight save finishes and commits); a save running in the
-background keeps the watcher waiting until it is done (a save stuck on a dead peer is then
-bounded by the launcher's SIGKILL, as before); the fd is taken only when nobody else holds
-it (asyncio, a framework), else nothing changes.
+closes in order as before (its in-flight save finishes and commits; a loop that catches
+``Terminated`` to save first is left to it); a save running in the background keeps the
+watcher waiting until it is done (a save stuck on a dead peer is then bounded by the
+launcher's SIGKILL, as before); the fd is taken only when nobody else holds it (asyncio, a
+framework), else nothing changes.
 """
 
 from __future__ import annotations
@@ -40,16 +42,19 @@ class StuckExit:
     """See the module docstring. ``exit_s``: how long the main thread may take to react to
     the signal; ``abandon(signum)``: records the end (called on the watcher thread, with
     the lock that ``closing()`` takes held), then the process exits; ``busy()``: True while
-    a background save is in flight."""
+    a background save is in flight; ``reacted()``: True once the main thread's own handler
+    ran (it is not stuck: a loop that catches the signal to save first is left alone)."""
 
     def __init__(
         self,
         exit_s: float,
         abandon: Callable[[int], None],
         busy: Callable[[], bool] = lambda: False,
+        reacted: Callable[[], bool] = lambda: False,
         signals: tuple[int, ...] = (signal.SIGTERM,),
     ) -> None:
         self.exit_s, self._abandon, self._busy, self._signals = exit_s, abandon, busy, signals
+        self._reacted = reacted
         self._lock = threading.Lock()
         self._closing = False
         self._pair: tuple[socket.socket, socket.socket] | None = None
@@ -88,7 +93,7 @@ class StuckExit:
                 continue
             deadline = time.monotonic() + self.exit_s
             while time.monotonic() < deadline or self._busy():
-                if self._closing:
+                if self._closing or self._reacted():
                     return  # the main thread reacted: its ordered close does the rest
                 time.sleep(_POLL_S)
             with self._lock:
