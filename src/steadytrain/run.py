@@ -16,7 +16,8 @@ What it owns, and why each is here rather than in the loop (issue 27):
 - start-up and restart accounting: the start-up clock starts at the process's birth
   (``run_birth.py``), the restore is timed, and the restore event is held until
   ``job_start`` opened the attempt -- recorded before it, its time would end the previous
-  attempt and book the whole restart gap as 0 and the start-up as "other";
+  attempt and book the whole restart gap as 0 and the start-up as "other"; the start-up is
+  recorded in phases (imports, the user's build, group, Run's set-up: ``run_phases.py``);
 - the hang watchdog: liveness is ``step_done``; a rank without progress past its deadline
   dumps stacks, is recorded as a ``hang`` and exits 124 so torchrun restarts the job;
 - evaluation accounting: the time inside ``phase("eval")`` is the next step record's
@@ -25,7 +26,9 @@ What it owns, and why each is here rather than in the loop (issue 27):
 - crash recording: an exception inside the ``with`` (a gloo "Connection reset by peer"
   after a peer died included) or SIGTERM ends the attempt with ``job_end`` reason
   ``error: ...`` / ``signal: SIGTERM``, which the report lists as a crash, never the clean
-  ``interpreter_exit`` of the meter's exit hook;
+  ``interpreter_exit`` of the meter's exit hook; a SIGTERM the loop cannot see (inside a C++
+  call: a collective behind a peer that cannot leave) is recorded the same way by a watcher
+  thread, which then exits 143 (``run_stuck.py``, ``monitor.sigterm_exit_s``);
 - the rendezvous-store check (``run_support.agent_store_warning``: a warning, see there);
 - one live job per run directory: rank 0 takes the run lease (``run_lease.py``) before any
   restore or record, and a start while another live job holds it raises

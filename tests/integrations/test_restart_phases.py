@@ -112,5 +112,7 @@ def test_restart_phases_add_up_to_the_restart(dataset: str, tmp_path) -> None:
         timeout=180,
     )
     assert "restart into attempt 1:" in r.stdout and "relaunch" in r.stdout, r.stdout
+    assert "attempt 0 start-up: imports" in r.stdout, r.stdout
+    assert "  its restart: " in r.stdout, r.stdout  # under the crash's incident
     html = open(rep["html"], encoding="utf-8").read()
     assert html.count('<div class="restart">') == 1 and "Restarts, phase by phase" in html

@@ -90,8 +90,12 @@ def test_each_phase_where_it_belongs_and_they_add_up(tmp_path) -> None:
     assert first["phases"] == pytest.approx(
         {**PHASES_0, "restore_s": 0.0, "first_step_excess_s": 0.0}
     )
-    line = restart_lines({"restart_phases": [row]})[0]
-    assert line.startswith("restart into attempt 1: 17.00 s") and "relaunch 2.00" in line
+    lines = restart_lines({"restart_phases": [row], "attempt_phases": attempt_rows(records)})
+    assert lines[0] == (
+        "attempt 0 start-up: imports 3.00, build 1.00, group 0.50, setup 0.50, restore 0.00, "
+        "first step excess 0.00 s"
+    )
+    assert lines[1].startswith("restart into attempt 1: 17.00 s") and "relaunch 2.00" in lines[1]
 
 
 def test_no_rank_recorded_the_failure_the_gap_is_undivided(tmp_path) -> None:

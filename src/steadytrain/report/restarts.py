@@ -41,6 +41,7 @@ __all__ = [
     "PHASES",
     "STEADY_STEPS",
     "attempt_rows",
+    "phase_words",
     "restart_lines",
     "restart_rows",
     "restarts_html",
@@ -244,14 +245,22 @@ def _label(name: str) -> str:
     return name[:-2].replace("_", " ")
 
 
+def phase_words(phases: dict[str, float]) -> str:
+    """``detection 0.01, teardown 0.00, ... s``: phases as the text report prints them."""
+    return ", ".join(f"{_label(k)} {v:.2f}" for k, v in phases.items()) + " s"
+
+
 def restart_lines(summary: dict[str, Any]) -> list[str]:
-    """The report's text lines: one per restart, its wall time and phases."""
+    """The report's text lines: the first attempt's start-up in phases, then one line per
+    restart, its wall time and phases."""
     out = []
+    first = (summary.get("attempt_phases") or [None])[0]
+    if first is not None:
+        out.append(f"attempt {first['attempt']} start-up: {phase_words(first['phases'])}")
     for r in summary.get("restart_phases") or []:
-        parts = ", ".join(f"{_label(k)} {v:.2f}" for k, v in r["phases"].items())
         out.append(
             f"restart into attempt {r['attempt']}: {r['wall_s']:.2f} s from the last "
-            f"progress to the first step: {parts} s"
+            f"progress to the first step: {phase_words(r['phases'])}"
         )
     return out
 
