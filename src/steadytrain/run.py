@@ -16,7 +16,8 @@ What it owns, and why each is here rather than in the loop (issue 27):
 - start-up and restart accounting: the start-up clock starts at the process's birth
   (``run_birth.py``), the restore is timed, and the restore event is held until
   ``job_start`` opened the attempt -- recorded before it, its time would end the previous
-  attempt and book the whole restart gap as 0 and the start-up as "other";
+  attempt and book the whole restart gap as 0 and the start-up as "other"; the start-up is
+  recorded in phases (imports, the user's build, group, Run's set-up: ``run_phases.py``);
 - the hang watchdog: liveness is ``step_done``; a rank without progress past its deadline
   dumps stacks, is recorded as a ``hang`` and exits 124 so torchrun restarts the job;
 - evaluation accounting: the time inside ``phase("eval")`` is the next step record's
@@ -25,7 +26,9 @@ What it owns, and why each is here rather than in the loop (issue 27):
 - crash recording: an exception inside the ``with`` (a gloo "Connection reset by peer"
   after a peer died included) or SIGTERM ends the attempt with ``job_end`` reason
   ``error: ...`` / ``signal: SIGTERM``, which the report lists as a crash, never the clean
-  ``interpreter_exit`` of the meter's exit hook;
+  ``interpreter_exit`` of the meter's exit hook; a SIGTERM the loop cannot see (inside a C++
+  call: a collective behind a peer that cannot leave) is recorded the same way by a watcher
+  thread, which then exits 143 (``run_stuck.py``, ``monitor.sigterm_exit_s``);
 - the rendezvous-store check (``run_support.agent_store_warning``: a warning, see there);
 - one live job per run directory: rank 0 takes the run lease (``run_lease.py``) before any
   restore or record, and a start while another live job holds it raises
@@ -60,6 +63,8 @@ from steadytrain.run_birth import process_start
 from steadytrain.run_final_save import final_save_failed
 from steadytrain.run_identity import establish as establish_identity
 from steadytrain.run_lease import lease_settings, take_run_lease
+from steadytrain.run_phases import StartupClock
+from steadytrain.run_stuck import StuckExit
 from steadytrain.run_support import (
     EVAL_PHASE,
     DataWait,
@@ -78,6 +83,8 @@ from steadytrain.run_support import (
 
 # The process's birth (exact on Linux, from /proc; elsewhere this import's time).
 PROCESS_START = process_start()
+# When this module was imported: the end of the start-up's "imports" phase (run_phases.py).
+IMPORTED_AT = time.time()
 
 __all__ = ["Run"]
 
@@ -142,6 +149,13 @@ class Run:
         self.attempt_id = 0.0  # one id shared by the ranks of this attempt
         self.nonce = ""  # the run's identity (run_identity.py), the same on every rank
         self._signals = SignalGuard()
+        # SIGTERM while the loop is stuck in a C++ call: record the end, exit (run_stuck.py)
+        self._stuck = StuckExit(
+            self.monitor.sigterm_exit_s,
+            self._abandon,
+            busy=self._saving,
+            reacted=lambda: self._signals.pending is not None,  # its handler ran: not stuck
+        )
         self._lease: Any = None  # rank 0's run lease (run_lease.py)
         self._state = "new"  # "open" between entry and close, then "closed"
         self._made_group = False
@@ -166,13 +180,18 @@ class Run:
         return self
 
     def _start(self) -> None:
+        clock = StartupClock(PROCESS_START, IMPORTED_AT)  # the start-up's phases
         os.makedirs(self.run_dir, exist_ok=True)
         warning = agent_store_warning()
         if warning and self.rank == 0:
             self._say(warning)
         self._signals.install()
+        if self._signals.installed:
+            self._stuck.start()
         if not dist.is_initialized() and "MASTER_ADDR" in os.environ and self.world_size > 1:
+            clock.group_begin()
             dist.init_process_group()  # torchrun's env; destroyed at exit (ours, not yours)
+            clock.group_end()
             self._made_group = True
         # Before any rank writes a record or restores: another live job may hold RUN_DIR.
         job, lease_timeout_s = lease_settings(self._checkpoint)
@@ -197,7 +216,9 @@ class Run:
             adopt = getattr(ckpt, "newest_run_nonce", None)
             ids[2] = establish_identity(self.run_dir, adopt).nonce
         if dist.is_initialized() and dist.get_world_size() > 1:
+            clock.group_begin()  # the first collective: it waits for the slowest rank
             dist.broadcast_object_list(ids, src=0)
+            clock.group_end()
         self.attempt_id, self.attempt, self.nonce = float(ids[0]), int(ids[1]), str(ids[2])
         if ckpt is not None and hasattr(ckpt, "run_nonce"):
             ckpt.run_nonce = self.nonce
@@ -212,11 +233,14 @@ class Run:
             step = self.meter.position
         self.start_step = self.step = int(step)
         self.tokens_seen = int(getattr(ckpt, "tokens_seen", 0) or 0)
+        startup_s = max(0.0, time.time() - PROCESS_START - restore_s)
         self.meter.job_start(
             attempt=self.attempt,
             restored_step=self.start_step,
-            startup_s=max(0.0, time.time() - PROCESS_START - restore_s),
+            startup_s=startup_s,
             restore_s=restore_s,
+            startup_phases=clock.phases(startup_s),
+            born_t=PROCESS_START,
             config=self._config,
             device=self._device,
             run_nonce=self.nonce,
@@ -248,6 +272,24 @@ class Run:
             nonce=self.nonce,  # its reaper acts only on decisions that carry it
         )
         self._mark = self._eval.outside()
+
+    def _saving(self) -> bool:
+        return bool(getattr(self.checkpointer, "saving", False))
+
+    def _abandon(self, signum: int) -> None:
+        """The end of a rank that a signal found stuck in a C++ call (run_stuck.py: on its
+        watcher thread, the process exits right after): the crash recorded as the ordered
+        close would record it, the run lease given back."""
+        self._say(
+            f"rank {self.rank}: {crash_reason(None, signum)} while the loop was inside a "
+            "C++ call (a collective whose peer stopped?): recorded, exiting now"
+        )
+        self._state = "closed"
+        if self.meter is not None:
+            self.meter.close(crash_reason(None, signum))
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
 
     def _make_checkpointer(self, on_event: Callable[[dict[str, Any]], None]) -> Any:
         given = self._checkpoint
@@ -384,6 +426,7 @@ class Run:
     def _close(self, exc: BaseException | None) -> None:
         """The closing order (module docstring). Never swallows ``exc``; an error while
         closing after a clean loop is recorded as a crash and raised."""
+        self._stuck.closing()  # the ordered close: the SIGTERM watcher stands down
         self._signals.hold()  # a SIGTERM now is remembered, not allowed to cut this short
         self._state = "closed"
         error = exc
@@ -409,6 +452,7 @@ class Run:
                 self._lease = None
             if self._made_group and dist.is_initialized():
                 dist.destroy_process_group()
+            self._stuck.stop()
             self._signals.restore()
         if error is not None and error is not exc:
             raise error

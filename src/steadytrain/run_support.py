@@ -118,6 +118,11 @@ class SignalGuard:
     def hold(self) -> None:
         self.holding = True
 
+    @property
+    def installed(self) -> bool:
+        """True while this guard's SIGTERM handler is the one installed."""
+        return signal.SIGTERM in self._previous
+
     def restore(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)

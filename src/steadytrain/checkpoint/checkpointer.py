@@ -374,6 +374,11 @@ class Checkpointer:
         event.update(self._policy())
         return events + [event]
 
+    @property
+    def saving(self) -> bool:
+        """True while a background save is in flight (Run's SIGTERM watcher waits for it)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> float:
         """Block until the in-flight save (if any) is durable and the memory generation in
         flight is written; returns the seconds waited."""

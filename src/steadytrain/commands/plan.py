@@ -210,6 +210,12 @@ def _print_human(r: dict[str, Any]) -> None:
         f"R={r['restart_cost_s']:.3g} s ({s['restart_cost_s']}{_exposed(r)}), "
         f"data stall {_pct(r['data_stall_frac'])}",
     )
+    phases = (r.get("measured") or {}).get("restart_phases_s")
+    if phases and s["restart_cost_s"] == "measured":  # R is their sum (run_costs.py)
+        t.add_row(
+            "R in phases (mean)",
+            ", ".join(f"{k[:-2].replace('_', ' ')} {v:.3g}" for k, v in phases.items()) + " s",
+        )
     t.add_row("Young / Daly / exact", " / ".join(
         _min(r[k]) for k in ("young_interval_min", "daly_interval_min", "exact_interval_min")
     ))  # fmt: skip

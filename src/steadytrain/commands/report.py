@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         state_text,
     )
     from steadytrain.report.ranks import node_rows, where
+    from steadytrain.report.restarts import phase_words, restart_lines
     from steadytrain.report.restores import restore_lines
 
     def say(line: str) -> None:
@@ -79,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
         say(f"incident {i}: {a['kind']}{' on ' + at if at else ''}{steps}, "
               f"lost {a['lost_s']:.1f} s: {a['message']}")  # fmt: skip
         say(f"  what to do: {a['advice']}")
+        if a.get("restart"):  # the restart this incident caused, phase by phase
+            r = a["restart"]
+            say(f"  its restart: {r['wall_s']:.2f} s: {phase_words(r['phases'])}")
+    for line in restart_lines(s):  # each restart, phase by phase
+        say(line)
     for line in restore_lines(s):  # which tier each restart came back from, snapshot costs
         say(line)
     if s.get("alerts"):

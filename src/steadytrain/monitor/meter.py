@@ -226,6 +226,8 @@ class GoodputMeter:
         run_nonce: str | None = None,
         restored_from: dict[str, Any] | None = None,
         restore_unknown: bool = False,
+        startup_phases: dict[str, float] | None = None,
+        born_t: float | None = None,
     ) -> None:
         """Mark the start of this attempt (after start-up and restore, before step 1).
         ``device`` ("cpu", "cuda"): what the ranks run on, so advice fits the hardware.
@@ -236,7 +238,11 @@ class GoodputMeter:
         ledger lacks is written back first (``monitor/recovered.py``).
         ``restore_unknown``: ``restored_step`` is the ledger's own position because the
         restore point is not known (a trainer that failed before it restored), not a step
-        this attempt restored: no recovery point is made of it."""
+        this attempt restored: no recovery point is made of it.
+        ``startup_phases``: ``startup_s`` split into phases (``steadytrain.run_phases``);
+        ``born_t``: this process's birth (both in this rank's ``rank_start`` too, so the
+        report can tell when the last process of a failed attempt was gone and the first of
+        the next one born)."""
         if not self.recording:
             return
         self._last_mono = time.monotonic()
@@ -245,8 +251,10 @@ class GoodputMeter:
             if attempt is None:
                 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
             self.attempt = self._ranks.attempt = int(attempt)
+            self._ranks.born_t = born_t
             self._writer.put(self._ranks.start_record(time.time(), device))
             return
+        self._ranks.born_t = born_t
         self._ranks.attempt = self.attempt
         # what a SIGKILL took: the steps a restored checkpoint covers, and its commit
         for rec in recovered_steps(self._acc, int(restored_step)):
@@ -263,6 +271,8 @@ class GoodputMeter:
                 "restored_step": int(restored_step),
                 "startup_s": float(startup_s),
                 "restore_s": float(restore_s),
+                **({"startup_phases": dict(startup_phases)} if startup_phases else {}),
+                **({"born_t": float(born_t)} if born_t is not None else {}),
                 "config": dict(config or {}),
                 "device": device,
                 "run_nonce": run_nonce,

@@ -33,6 +33,10 @@ class MeterConfig:
     snapshot_every: int = 1000  # ledger records between restart snapshots
     per_rank: bool = True  # every rank writes RUN_DIR/ranks/rank-RRRRR.jsonl
     straggler_every_s: float = 5.0  # rank 0 reads the rank files this often (0: never)
+    # SIGTERM while the loop is stuck in a C++ call (a collective whose peer stopped): after
+    # this many seconds without the loop reacting, Run records the crash and exits 143
+    # (run_stuck.py); 0: never (wait for the launcher's SIGKILL, as before issue 44)
+    sigterm_exit_s: float = 2.0
     alerts: AlertConfig = dataclasses.field(default_factory=AlertConfig)
     watchdog: WatchdogConfig = dataclasses.field(default_factory=WatchdogConfig)  # hangs
 
@@ -48,3 +52,4 @@ class MeterConfig:
         check(self.flush_interval_s > 0, "flush_interval_s", self.flush_interval_s, "use > 0")
         check(self.snapshot_every >= 1, "snapshot_every", self.snapshot_every, "use 1 or more")
         check(self.straggler_every_s >= 0, "straggler_every_s", self.straggler_every_s, ">= 0")
+        check(self.sigterm_exit_s >= 0, "sigterm_exit_s", self.sigterm_exit_s, "use >= 0")

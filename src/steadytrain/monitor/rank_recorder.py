@@ -132,6 +132,7 @@ class RankRecorder:
         self.snapshot_every = snapshot_every
         self.node = node_name()
         self.attempt = 0  # set by the meter at job_start
+        self.born_t: float | None = None  # this process's birth, set by the meter at job_start
         self._file: RankFile | None = None
         self._host: HostSampler | None = None  # made on the meter's thread, at first use
 
@@ -147,6 +148,8 @@ class RankRecorder:
             "device": device,
             "pid": os.getpid(),
             "addrs": self._addrs(),
+            # this process's birth (Run's): the report's restart phases (report/restarts.py)
+            **({"born_t": float(self.born_t)} if self.born_t is not None else {}),
         }
 
     def _addrs(self) -> list[str]:

@@ -168,6 +168,7 @@ class RankSummary:
             if node is not None and node not in self.nodes:
                 self.nodes.append(node)
             keep = ("attempt", "node", "world_size", "local_rank", "pid", "t", "device", "addrs")
+            keep += ("born_t",)  # the process's birth (report/restarts.py)
             self.attempts.append({k: rec.get(k) for k in keep})
             tally = self._tally()
             if tally is not None and rec.get("attempt") not in tally["attempts"]:

@@ -93,6 +93,8 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "run_nonce": "str?",
         "total_steps": "int?",
         "restore_unknown": "bool?",
+        "startup_phases": "dict?",  # startup_s in phases (run_phases.py), values checked on use
+        "born_t": "time?",  # the process's birth
     },
     "step": {
         "t": "!time",
@@ -173,6 +175,7 @@ RANK_FIELDS: dict[str, dict[str, str]] = {
         "device": "str?",
         "pid": "int?",
         "addrs": "list?",  # the host's IP addresses (ranks.host_addrs), optional
+        "born_t": "time?",  # the process's birth (report/restarts.py)
     },
     "rank_step": {
         "step": "!int",

@@ -28,6 +28,11 @@ bucket:
   restarts is the ``restart_gap`` bucket plus the ``startup`` and ``restore`` of every
   attempt after the first, plus that warm-up. A ledger without restarts gives each
   attempt's start-up, restore and warm-up;
+  When every restart of the run recorded its start-up in phases (``Run``, issue 44), ``R`` is
+  instead the mean of the restarts' phase sums (``report/restarts.py``: detection, teardown,
+  relaunch, imports, build, group, set-up, restore, the first step's excess), and ``U`` the
+  mean of their restore and first-step excess (the part after the restore began);
+  ``restart_phases_s`` gives the mean of each phase, so a plan says which phase to shorten;
 * data stall share ``s`` = ``monitor.goodput.data_stall_share``: the ``data_wait``,
   ``slowdown`` and straggler buckets over the loop's time in steps outside checkpoint
   blocks;
@@ -60,8 +65,9 @@ from steadytrain.monitor.ledger import LEDGER_NAME, iter_ledger
 from steadytrain.monitor.records_lost import LostSpans
 from steadytrain.planning.failures import rate_interval
 from steadytrain.report.build import run_breakdown
+from steadytrain.report.restarts import PHASES
 
-__all__ = ["RunCosts", "measure_run", "model_badput"]
+__all__ = ["RunCosts", "measure_run", "model_badput", "phase_means"]
 
 # The model's ``s`` must stay below 1 (a loop that only waits has no interval to plan).
 MAX_STALL_FRAC = 0.99
@@ -97,6 +103,8 @@ class RunCosts:
     first_startup_s: float = 0.0  # S0: the first attempt's start-up and warm-up
     restart_exposed_s: float | None = None  # U: the part of R failures can hit
     exposure_days: float = 0.0  # days the attempts were up: the rate's denominator
+    # The mean of each restart phase (report/restarts.py) when every restart has them
+    restart_phases_s: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -253,7 +261,8 @@ def measure_run(run_dir: str | os.PathLike[str]) -> RunCosts:
     # The report's breakdown (steadytrain.report.build.run_breakdown): rank 0's ledger
     # with what only the rank files and the diagnosis see charged (a slower rank's data or
     # compute), so the run's goodput here is the one the report prints.
-    b = run_breakdown(run_dir, acc.breakdown(), lost.spans)
+    restarts: list[dict[str, Any]] = []
+    b = run_breakdown(run_dir, acc.breakdown(), lost.spans, restarts=restarts)
     interruptions = b.attempts - 1
     wall_days = b.total_s / 86400.0
     e = _exposure(att, b.attempt_summaries)
@@ -265,6 +274,10 @@ def measure_run(run_dir: str | os.PathLike[str]) -> RunCosts:
     world = att.starts[-1]["world_size"]
     ci = list(rate_interval(interruptions, up_days)) if up_days > 0 else None
     restart, exposed = _restart_cost(e, att)
+    phases = phase_means(restarts)
+    if phases is not None:
+        restart = sum(phases.values())
+        exposed = phases.get("restore_s", 0.0) + phases.get("first_step_excess_s", 0.0)
     return RunCosts(
         ledger=str(path),
         attempts=b.attempts,
@@ -293,4 +306,19 @@ def measure_run(run_dir: str | os.PathLike[str]) -> RunCosts:
         first_startup_s=e.first_startup_s,
         restart_exposed_s=exposed,
         exposure_days=up_days,
+        restart_phases_s=phases,
     )
+
+
+def phase_means(restarts: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The mean seconds of each restart phase over ``restarts`` (the report's rows), or None
+    unless every one has its start-up in phases and its first step's excess (a ledger
+    written before them, or a restart into a one-step attempt, keeps the older ``R``). A
+    phase one restart lacks (``undivided_s`` beside the divided gap of another) counts 0
+    there."""
+    if not restarts or any(
+        "imports_s" not in r["phases"] or "first_step_excess_s" not in r["phases"] for r in restarts
+    ):
+        return None
+    names = [k for k in PHASES if any(k in r["phases"] for r in restarts)]
+    return {k: sum(r["phases"].get(k, 0.0) for r in restarts) / len(restarts) for k in names}

@@ -53,6 +53,7 @@ from steadytrain.report.ranks import (
     where,
     who,
 )
+from steadytrain.report.restarts import attempt_rows, restart_rows, restarts_html
 from steadytrain.report.restores import RestoreLog, restores_html
 from steadytrain.storage.publish import publish_bytes
 
@@ -239,11 +240,15 @@ def run_breakdown(
     run_dir: str | os.PathLike[str],
     ledger: Breakdown,
     records_lost: list[dict[str, Any]],
+    restarts: list[dict[str, Any]] | None = None,
 ) -> Breakdown:
     """The report's breakdown of ``run_dir`` (``breakdown``) from what a caller already
     read of its ledger (rank 0's ``ledger`` breakdown and its lost spans): ``plan --from-run`` plans from the goodput the report prints. Invalid rank
-    records are skipped without a second warning."""
+    records are skipped without a second warning. ``restarts``: a list to extend with the
+    report's restart rows (``report/restarts.py``), from the same read."""
     records = load(run_dir, Rejects(warn=False))  # one read of the rank files and verdicts
+    if restarts is not None:
+        restarts.extend(restart_rows(records))
     return breakdown(ledger, records.view, records_lost, diagnose(records))
 
 
@@ -429,6 +434,7 @@ recovery point age at the end {summary["recovery_point_age_s"] or 0:.0f} s.</p>
 {"<table><tr><th>#</th><th>min</th><th>kind</th><th>where</th><th>steps</th><th>lost</th><th>what</th><th>what to do</th></tr>" + inc + "</table>" if inc else ""}
 {"<details><summary>Live alerts (" + str(len(summary["alerts"])) + ")</summary><table><tr><th>min</th><th>step</th><th>where</th><th>alert</th><th>diagnosis</th><th>what</th></tr>" + alerts + "</table></details>" if alerts else ""}
 {"<h2>Timeline per node</h2>" + tl if (tl := img("timeline")) else ""}
+{restarts_html(summary)}
 {restores_html(summary)}
 {ranks_html(summary, img)}
 <h2>Throughput</h2>{img("throughput")}
@@ -472,6 +478,12 @@ def build_report(
     step_t = dict(zip(s.step, s.t, strict=True))  # a redone step: its newest attempt's time
     data["alerts"] = attach_ranks(data["alerts"], section["stragglers"], section["ranks"], step_t)
     data["incidents"] = incident_rows(incidents, t0)
+    # every restart phase by phase (report/restarts.py), and on the incident that caused it
+    restarts = restart_rows(records)
+    after = {r["after"]: r for r in restarts}
+    for row in data["incidents"]:
+        if row.get("attempt") in after:
+            row["restart"] = {k: after[row["attempt"]][k] for k in ("attempt", "wall_s", "phases")}
     summary = b.to_dict()
     summary.pop("attempt_summaries")
     summary.update(
@@ -481,6 +493,10 @@ def build_report(
             # record, at step N of M: the first line of every view (diagnose/job_state.py)
             "job_state": job_state(records),
             "attempts_detail": b.attempt_summaries,
+            # per attempt: its start-up phases, restore and first step's excess; per restart:
+            # last progress -> next first step, in phases (report/restarts.py)
+            "attempt_phases": attempt_rows(records),
+            "restart_phases": restarts,
             "expected_tokens_per_s": data["band"],
             # per attempt: {"band": [low, high or null], "kind": "expected" | "learned"} or
             # null, as the throughput plot shades it

@@ -1,0 +1,54 @@
+"""``run_stuck.StuckExit`` in a real process (the signal, the wakeup fd and the thread are the
+parts under test): a main thread whose own SIGTERM handler ran is left alone however long it
+then takes (a loop that saves before leaving); one whose handler did not run -- here held
+back by blocking the signal in the main thread only, as a C++ call holds it back -- is
+recorded and ended with 143 after ``exit_s``; ``exit_s = 0`` watches nothing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time, threading
+    from steadytrain.run_stuck import StuckExit
+    mode, out = sys.argv[1], sys.argv[2]
+    seen = []
+    signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+    def abandon(signum):
+        with open(out, "w") as f:
+            f.write(f"abandoned {signum}")
+    w = StuckExit(0.0 if mode == "off" else 0.5, abandon, reacted=lambda: bool(seen))
+    print("watching" if w.start() else "not watching", flush=True)
+    if mode == "stuck":
+        # The main thread cannot run its handler (as inside a C++ call): the kernel still
+        # runs the C-level one on the watcher's thread, which writes the wakeup fd.
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(3.0)  # a save after the signal, or a C++ call that never returns
+    print("handler ran" if seen else "handler did not run", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["reacted", "stuck", "off"])
+def test_stuck_exit_ends_only_a_main_thread_that_cannot_react(tmp_path, mode: str) -> None:
+    script, out = tmp_path / "w.py", tmp_path / "abandoned"
+    script.write_text(SCRIPT)
+    r = subprocess.run(
+        [sys.executable, str(script), mode, str(out)], capture_output=True, text=True, timeout=60
+    )
+    if mode == "stuck":
+        assert r.returncode == 128 + signal.SIGTERM, (r.returncode, r.stdout, r.stderr)
+        assert out.read_text() == f"abandoned {int(signal.SIGTERM)}"
+        assert "handler" not in r.stdout  # ended before the "save" finished
+        return
+    assert r.returncode == 0, r.stderr
+    assert not out.exists()
+    assert "handler ran" in r.stdout
+    assert ("not watching" in r.stdout) == (mode == "off"), r.stdout
