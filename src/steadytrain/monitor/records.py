@@ -98,7 +98,7 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
     },
     "step": {
         "t": "!time",
-        "step": "int",
+        "step": "!int",  # every reader indexes steps by it: a step record without one is refused
         "tokens": "int?",
         "step_s": "dur?",
         "data_wait_s": "dur?",
@@ -379,8 +379,9 @@ def _check(kind: str, v: Any) -> str | None:
         if v < 0:
             return "negative"
         top = {"time": MAX_TIME, "dur": MAX_SECONDS, "int": MAX_INT, "world": MAX_WORLD}
-        if v >= top.get(kind, _MAX_BYTES):
-            return f"too large (>= {top[kind]:g})"
+        limit = top.get(kind, _MAX_BYTES)
+        if v >= limit:
+            return f"too large (>= {limit:g})"
         if kind in ("int", "world") and v != int(v):
             return "not an integer"
         if kind == "world" and v < 1:
