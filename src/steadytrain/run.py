@@ -155,7 +155,10 @@ class Run:
             self._abandon,
             busy=self._saving,
             reacted=lambda: self._signals.pending is not None,  # its handler ran: not stuck
+            patience=lambda: 2.0 * self._longest_step_s,  # a long step is not a stuck one
         )
+        self._longest_step_s = 0.0  # the longest interval between two step_done calls
+        self._last_step_t: float | None = None
         self._lease: Any = None  # rank 0's run lease (run_lease.py)
         self._state = "new"  # "open" between entry and close, then "closed"
         self._made_group = False
@@ -343,6 +346,10 @@ class Run:
         recorded (``run_support.check_step``)."""
         self._check_open("step_done")
         step = check_step(step, self.step, self.start_step)
+        t = time.monotonic()
+        if self._last_step_t is not None:
+            self._longest_step_s = max(self._longest_step_s, t - self._last_step_t)
+        self._last_step_t = t
         now, evaluated = self._eval.read()
         eval_s, self._eval_seen = max(0.0, evaluated - self._eval_seen), evaluated
         wait = self._wait_s if data_wait_s is None else float(data_wait_s)

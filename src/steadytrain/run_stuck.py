@@ -15,6 +15,11 @@ that socket. If ``exit_s`` seconds later the main thread's Python handler has no
 (``job_end`` ``signal: SIGTERM``, flushed, as the ordered close would) and exits with 128 +
 the signal number, as the signal would have.
 
+How long is stuck: ``exit_s``, or ``patience()`` when that is longer -- ``Run`` gives twice
+the longest interval between two of its steps so far, so a step whose C++ calls are long (a
+big forward pass on CPU, an evaluation) reaches its next bytecode, and a loop that catches
+``Terminated`` to save on preemption saves, before it is judged stuck.
+
 Do no harm: a loop at a step boundary handles the signal itself within milliseconds and
 closes in order as before (its in-flight save finishes and commits; a loop that catches
 ``Terminated`` to save first is left to it); a save running in the background keeps the
@@ -43,7 +48,9 @@ class StuckExit:
     the signal; ``abandon(signum)``: records the end (called on the watcher thread, with
     the lock that ``closing()`` takes held), then the process exits; ``busy()``: True while
     a background save is in flight; ``reacted()``: True once the main thread's own handler
-    ran (it is not stuck: a loop that catches the signal to save first is left alone)."""
+    ran (it is not stuck: a loop that catches the signal to save first is left alone);
+    ``patience()``: seconds the main thread may legitimately need (the wait is the longer of
+    it and ``exit_s``)."""
 
     def __init__(
         self,
@@ -52,8 +59,10 @@ class StuckExit:
         busy: Callable[[], bool] = lambda: False,
         reacted: Callable[[], bool] = lambda: False,
         signals: tuple[int, ...] = (signal.SIGTERM,),
+        patience: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.exit_s, self._abandon, self._busy, self._signals = exit_s, abandon, busy, signals
+        self._patience = patience
         self._reacted = reacted
         self._lock = threading.Lock()
         self._closing = False
@@ -91,7 +100,7 @@ class StuckExit:
             signum = next((s for s in got if s in self._signals), None)
             if signum is None:
                 continue
-            deadline = time.monotonic() + self.exit_s
+            deadline = time.monotonic() + max(self.exit_s, self._patience())
             while time.monotonic() < deadline or self._busy():
                 if self._closing or self._reacted():
                     return  # the main thread reacted: its ordered close does the rest

@@ -2,7 +2,9 @@
 parts under test): a main thread whose own SIGTERM handler ran is left alone however long it
 then takes (a loop that saves before leaving); one whose handler did not run -- here held
 back by blocking the signal in the main thread only, as a C++ call holds it back -- is
-recorded and ended with 143 after ``exit_s``; ``exit_s = 0`` watches nothing."""
+recorded and ended with 143 after ``exit_s``; ``exit_s = 0`` watches nothing; and one held
+back for less than its ``patience`` (a loop whose steps are that long: ``Run`` gives twice
+its longest step) reaches its handler and is left alone."""
 
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ SCRIPT = textwrap.dedent(
     def abandon(signum):
         with open(out, "w") as f:
             f.write(f"abandoned {signum}")
-    w = StuckExit(0.0 if mode == "off" else 0.5, abandon, reacted=lambda: bool(seen))
+    # "long-step": the loop's steps took up to 2.5 s, so 2 x that is the patience
+    patience = (lambda: 5.0) if mode == "long-step" else (lambda: 0.0)
+    w = StuckExit(0.0 if mode == "off" else 0.5, abandon, reacted=lambda: bool(seen),
+                  patience=patience)
     print("watching" if w.start() else "not watching", flush=True)
-    if mode == "stuck":
+    if mode in ("stuck", "long-step"):
         # The main thread cannot run its handler (as inside a C++ call): the kernel still
         # runs the C-level one on the watcher's thread, which writes the wakeup fd.
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
@@ -36,7 +41,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("mode", ["reacted", "stuck", "off"])
+@pytest.mark.parametrize("mode", ["reacted", "stuck", "off", "long-step"])
 def test_stuck_exit_ends_only_a_main_thread_that_cannot_react(tmp_path, mode: str) -> None:
     script, out = tmp_path / "w.py", tmp_path / "abandoned"
     script.write_text(SCRIPT)
