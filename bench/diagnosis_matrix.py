@@ -2,7 +2,7 @@
 
 Runs every case of ``steadytrain.testing.incidents.matrix`` on one node harness: each kind
 alone (storage, loader-memory, node-loss, hang, data-order), two kinds at once on different
-nodes, storage on 2 of 3 nodes, a CPU-quota straggler (one node held to a tenth of a core),
+nodes, storage on 2 of 3 nodes, a CPU-quota straggler (one node held to a twentieth of a core),
 an evaluation-heavy clean run, and ``--clean`` clean multi-node runs (alternating 2 and 3
 nodes), one after another. The faults are injected by the harness; the incidents are
 ``steadytrain report --json``'s alone (steadytrain.diagnose). Each case's incidents are

@@ -91,7 +91,7 @@ REPLAY_MODULES = {
 # read p99 with node-0's, which a CPU-starved object store inflates too). loader-memory
 # fills the machine's /dev/shm, which every rank's meter samples: it never runs beside
 # storage, whose report must find storage and nothing else (AFTER). The matrix's CPU-quota
-# case holds one node to a tenth of a core, which stretches the machine's other work: it
+# case holds one node to a twentieth of a core, which stretches the machine's other work: it
 # waits for the replays whose clean runs must stay clean.
 LANES = (("node-loss", "loader-memory", "matrix"), ("hang", "storage", "noisy-loss"))
 AFTER = {"loader-memory": ("storage",), "matrix": ("storage", "noisy-loss")}

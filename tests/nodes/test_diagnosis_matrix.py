@@ -17,7 +17,7 @@ records of three nodes in tests/unit/test_diagnose_stragglers.py:
 
 Here: ``matrix.CI_CASES``, run in the background (``replays`` in conftest.py):
 
-- ``cpu-quota`` (2 nodes): node-1's processes are held to a tenth of a core from step 4 (a
+- ``cpu-quota`` (2 nodes): node-1's processes are held to a twentieth of a core from step 4 (a
   cgroup quota, ``NodeHarness.cpu_quota``): ``host-contention`` on node-1, its rank's own
   cgroup throttling in the evidence (the node sees ``/sys/fs/cgroup``), and what the other
   rank waited charged as ``straggler_compute``. It used to be no incident at all: every
@@ -127,6 +127,25 @@ def matrix(replays) -> dict:
     return {c["case"]: c for c in out["cases"]}
 
 
+def _windows(run_dir: str) -> list[str]:
+    """What the straggler detector saw, window by window (each rank's forward pass and data
+    wait per step, and its host's throttled share): a miss on CI explains itself."""
+    from steadytrain.diagnose.inputs import load
+    from steadytrain.diagnose.stragglers import alert_config, healthy_ref, windows_of
+    from steadytrain.monitor.windows import host_state
+
+    rec = load(run_dir)
+    width, _, chunks, wins = windows_of(rec.view, alert_config(rec.starts))
+    out = []
+    for chunk, row in zip(chunks, wins, strict=True):
+        ref = healthy_ref(w.per(w.forward_s) for w in row.values())
+        cells = [f"r{r} fwd {w.per(w.forward_s) or 0:.4f} data {w.per(w.data_wait_s) or 0:.4f}"
+                 f" host {host_state(w)[1]}" for r, w in sorted(row.items())]  # fmt: skip
+        out.append(f"steps {chunk[0] * width + 1}-{(chunk[-1] + 1) * width} ref {ref}: "
+                   + " | ".join(cells))  # fmt: skip
+    return out
+
+
 @pytest.mark.nodes
 @pytest.mark.e2e
 @pytest.mark.s3
@@ -145,7 +164,8 @@ def test_matrix_case_is_diagnosed_by_the_report(matrix, name) -> None:
     # The report's incidents, checked afresh: every fault found, nothing else.
     result = check(want, case["incidents"])
     assert not result["missed"] and not result["extra"], (
-        f"{name}: {describe(result)}\nincidents: {json.dumps(case['incidents'], indent=1)}"
+        f"{name}: {describe(result)}\nincidents: {json.dumps(case['incidents'], indent=1)}\n"
+        + "\n".join(_windows(case["run_dir"]))
     )
     assert all(inc["lost_s"] > 0 for _, m in result["matched"]
                for inc in (m if isinstance(m, list) else [m])), result["matched"]  # fmt: skip

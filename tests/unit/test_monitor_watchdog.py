@@ -235,6 +235,18 @@ def test_a_rank_does_not_wait_for_the_record_of_a_silent_rank_0(tmp_path) -> Non
     assert exited[0] - wd.fired["detect_t"] < 3 * grace
 
 
+def _exec_argv(pid: int, marker: str, timeout_s: float = 30.0) -> list[str]:
+    """A child's argv once it has exec'd: until then /proc shows the forking parent's
+    command line, or nothing while the exec is under way (an empty read under CI's load)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        if marker in argv or time.monotonic() > deadline:
+            return argv
+        time.sleep(0.02)
+
+
 def test_a_reaper_runs_beside_the_watchdog_of_a_rank_and_ends_with_it(tmp_path) -> None:
     cfg = WatchdogConfig(floor_s=60, poll_s=0.5)
     alone = HangWatchdog(tmp_path, 0, 1, config=cfg)  # one rank: nobody decides a hang
@@ -248,8 +260,7 @@ def test_a_reaper_runs_beside_the_watchdog_of_a_rank_and_ends_with_it(tmp_path) 
     proc = wd.reaper
     try:
         assert proc is not None and proc.poll() is None
-        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
-            argv = f.read().decode().split("\0")
+        argv = _exec_argv(proc.pid, "--rank=1")
         assert argv[3].endswith("reaper.py") and f"--parent={os.getpid()}" in argv
         assert f"--dir={hang_dir(tmp_path, 2)}" in argv and "--rank=1" in argv
         assert "--world=2" in argv and not any(nonce in a for a in argv)  # public in /proc

@@ -115,7 +115,7 @@ CASES: dict[str, Case] = {
         Case("storage+loader-memory", nodes=3, storage=("node-1",), loader_memory=("node-2",)),
         # one kind on 2 of 3 nodes: the healthy mode is the minority
         Case("storage-2-of-3", nodes=3, storage=("node-1", "node-2")),
-        # one node held to a tenth of a core: a compute straggler on an equally loaded host
+        # one node held to a twentieth of a core: a compute straggler on an equally loaded host
         Case("cpu-quota", cpu_quota=("node-1",)),
         # clean, with every rank evaluating for about as long as it trains
         Case("eval-heavy", eval_every=EVAL_EVERY),
