@@ -68,7 +68,13 @@ def main() -> None:
         regroup_timeout_s=3 if mode == "slow" else 30,
     )
     step = recovery.start()
-    ddp = recovery.wrap(lambda: DistributedDataParallel(model))
+    # With 3 or more ranks a sum's rounding depends on where a gradient sits in DDP's
+    # bucket (gloo's ring sums chunk by chunk); DDP lays its buckets out again after its
+    # first step, in the order gradients came, so a DDP rebuilt by a regroup would redo its
+    # first step in another layout (1e-8 apart here). find_unused_parameters=True keeps one
+    # layout for good (docs/operations.md); 2 ranks (a + b == b + a) need nothing.
+    world = int(os.environ["WORLD_SIZE"])
+    ddp = recovery.wrap(lambda: DistributedDataParallel(model, find_unused_parameters=world > 2))
     record = open(os.path.join(out, f"r{rank}.jsonl"), "a")
     first = step
     while step < steps:
