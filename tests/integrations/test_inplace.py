@@ -9,6 +9,9 @@ something). Runs of ``inplace_worker.py``, side by side in each test:
   processes and every keeper keep their pids), the killed rank's training process alone is new (forked by the same keeper), and
   every step's loss on each rank, the redone ones included, and the final weights equal
   the reference's bit for bit;
+- 2 ranks: rank 1 SIGSTOPped mid-step, every rank running the hang watchdog with in-place
+  recovery on: rank 0's watchdog decides rank 1 hung (its reaper says it is stopped), the
+  reaper SIGKILLs it, rank 0 does not exit, and the run recovers in place as above;
 - the same fault repeating (rank 1's replacement dies before completing a step): the
   keeper leaves it to torchrun's whole restart, which finishes the job (attempt 1);
 - a replacement that arrives after the survivor's regroup timeout: the survivor raises
@@ -88,21 +91,32 @@ def final(run: str) -> dict[str, torch.Tensor]:
 
 
 # 2 ranks: each rank killed in turn (rank 0's replacement takes the replicated state from
-# rank 1); 3 ranks: the middle one, with two survivors in the regroup.
-@pytest.mark.parametrize("world,victims", [(2, (1, 0)), (3, (1,))], ids=["2-ranks", "3-ranks"])
-def test_a_sigkilled_rank_is_replaced_in_place_and_the_run_stays_exact(
-    tmp_path, world: int, victims: tuple[int, ...]
+# rank 1), and rank 1 stopped (SIGSTOP: the hang watchdog and the reaper make it a killed
+# one); 3 ranks: the middle one killed, with two survivors in the regroup.
+@pytest.mark.parametrize(
+    "world,faults",
+    [(2, ((1, "once"), (0, "once"), (1, "stop"))), (3, ((1, "once"),))],
+    ids=["2-ranks", "3-ranks"],
+)
+def test_a_lost_rank_is_replaced_in_place_and_the_run_stays_exact(
+    tmp_path, world: int, faults: tuple[tuple[int, str], ...]
 ) -> None:
     ref = str(tmp_path / "ref")
-    runs = {v: str(tmp_path / f"killed{v}") for v in victims}
+    runs = {(v, mode): str(tmp_path / f"{mode}{v}") for v, mode in faults}
     procs = [start(ref, 0, world=world)]
-    procs += [start(run, KILL_AT, v, world=world) for v, run in runs.items()]
+    procs += [start(run, KILL_AT, v, mode, world=world) for (v, mode), run in runs.items()]
     logs = [finish(p) for p in procs]
 
     expected = final(ref)
-    for (victim, run), log in zip(runs.items(), logs[1:], strict=True):
+    for ((victim, mode), run), log in zip(runs.items(), logs[1:], strict=True):
         check_in_place(ref, run, log, victim, world)
         assert all(torch.equal(final(run)[k], expected[k]) for k in expected), run
+        if mode == "stop":  # decided hung by the others, reaped, not one of them exiting
+            with open(os.path.join(run, "run", "hangs", "attempt-0", "decision-0.json")) as f:
+                assert json.load(f)["stuck_ranks"] == [victim], log[-4000:]
+            assert f"[reaper] rank {victim}" in log and "(stopped); sent SIGKILL" in log
+            assert "rank 0: not exiting: in-place recovery replaces rank(s) [1]" in log
+            assert "so the job restarts" not in log
 
 
 def test_a_repeating_fault_or_a_late_replacement_falls_back_to_the_whole_restart(
