@@ -192,6 +192,7 @@ class Reaper:
         self.reaped: dict[str, Any] | None = None
         self._seen_dir = False  # the attempt's hang directory exists: some rank fired
         self._noted = False  # stopped-rank-{R}.json published
+        self._noted_at = 0.0
 
     # -- what is true now ------------------------------------------------------------------
     def parent_alive(self) -> bool:
@@ -282,7 +283,7 @@ class Reaper:
         }
         try:
             _publish(self.dir / STOPPED_NOTE.format(rank=self.rank), note)
-            self._noted = True
+            self._noted, self._noted_at = True, time.monotonic()
         except OSError as e:  # the others wait out their grace instead
             print(f"[reaper] rank {self.rank}: {STOPPED_NOTE} not written: {e}", file=sys.stderr)
             self._noted = True
@@ -344,8 +345,14 @@ class Reaper:
 
     def run(self) -> None:
         while not self.tick():
-            # Before a hang: one stat per idle_s; once the directory exists, decisions.
-            time.sleep(self.poll_s if self._seen_dir else self.idle_s)
+            # Before a hang: one stat per idle_s; once the directory exists, decisions;
+            # with the parent stopped and noted, the decision is a few tens of ms away and
+            # a replacement waits on the kill (in-place recovery): look every 20 ms.
+            # Bounded: the others decide within their grace (record_wait_s is twice it).
+            fast = self._noted and time.monotonic() - self._noted_at < self.record_wait_s
+            time.sleep(
+                min(self.poll_s, 0.02) if fast else self.poll_s if self._seen_dir else self.idle_s
+            )
 
 
 def _list(v: Any) -> list[Any]:

@@ -337,6 +337,7 @@ class HangWatchdog:
             log.exception("hang watchdog: reporting failed; exiting anyway")
         if decision is not None and self._spare(decision):
             return  # closed: the loop recovered in place
+        faulthandler.dump_traceback_later(30, exit=True)  # the exit path's own backstop
         try:
             print(
                 f"[watchdog] rank {self.rank}: exiting {HANG_EXIT_CODE} so the job restarts",
@@ -363,10 +364,7 @@ class HangWatchdog:
             file=sys.stderr,
             flush=True,
         )
-        if self._stop.wait(self.hold_s):
-            return True
-        faulthandler.dump_traceback_later(30, exit=True)  # the exit path's own backstop
-        return False
+        return self._stop.wait(self.hold_s)
 
     def _report(self, seen: dict[str, Any]) -> dict[str, Any]:
         cfg, d = self.config, hang_dir(self.run_dir, self.attempt)
