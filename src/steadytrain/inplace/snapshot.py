@@ -52,7 +52,7 @@ def _walk(
     if isinstance(src, torch.Tensor):
         src = src.detach()
         dst = _dest(src, reuse)
-        if later is not None and src.data_ptr() in defer:
+        if later is not None and type(src) is torch.Tensor and src.data_ptr() in defer:
             later.append((dst, src))
             return dst
         return dst.copy_(src)
@@ -78,10 +78,11 @@ def deferrable(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
     parameters and their per-parameter state."""
     out: set[int] = set()
     for opt in optimizers:
-        for group in opt.param_groups:
-            out.update(p.data_ptr() for p in group["params"])
-        for state in opt.state.values():
-            out.update(t.data_ptr() for t in state.values() if isinstance(t, torch.Tensor))
+        tensors = [p for group in opt.param_groups for p in group["params"]]
+        tensors += [t for state in opt.state.values() for t in state.values()]
+        # Plain tensors only: a subclass (FSDP2's DTensor) may have no data pointer of its
+        # own; it is copied at the start of the step, as everything was before.
+        out.update(t.data_ptr() for t in tensors if type(t) in (torch.Tensor, torch.nn.Parameter))
     return out
 
 
@@ -113,15 +114,8 @@ class Copy:
         return cls(step, tree, own, pairs)
 
     def _run(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        try:
-            plain = [
-                (d, s) for d, s in pairs if type(d) is torch.Tensor and type(s) is torch.Tensor
-            ]
-            if plain:  # one call: torch releases the GIL for the whole copy
-                torch._foreach_copy_([d for d, _ in plain], [s for _, s in plain])
-            for d, s in pairs:
-                if not (type(d) is torch.Tensor and type(s) is torch.Tensor):
-                    d.copy_(s)  # a tensor subclass (DTensor): its own copy
+        try:  # one call (plain tensors only, deferrable()): torch releases the GIL for it all
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
         except BaseException as e:  # noqa: BLE001 - reported by wait(), never restored
             self.error = e
 
