@@ -88,6 +88,10 @@ def measure(faults: int, floor_s: float, ranks: int) -> list[dict]:
                     "killed_s": _after(reaped.get("t"), t_stop),
                     # the kill -> the job's next productive step: the SIGKILL path's share
                     "after_kill_s": _after(first["t"], reaped["t"]) if reaped else None,
+                    # the kill -> the replacement running the script (its pid file written)
+                    "replaced_s": _after(os.path.getmtime(os.path.join(out, "pid-r1")), reaped["t"])
+                    if reaped
+                    else None,
                     "stuck_ranks": decision.get("stuck_ranks"),
                     "cause": decision.get("cause"),
                     "reaped": reaped.get("reason"),
