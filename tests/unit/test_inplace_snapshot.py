@@ -161,3 +161,17 @@ def test_each_way_takes_the_same_snapshot(enabled, background: bool) -> None:
     assert all(equal(recovery._snaps[s][0], want[s]) for s in (2, 4))
     assert recovery.background is background
     recovery.close()
+
+
+class Sub(torch.Tensor):
+    """A tensor subclass, as FSDP2's DTensor is one (which has no data pointer of its own)."""
+
+
+def test_only_plain_tensors_and_parameters_are_copied_in_the_background() -> None:
+    from steadytrain.inplace.snapshot import deferrable
+
+    plain = torch.nn.Parameter(torch.randn(4))
+    sub = torch.nn.Parameter(torch.randn(4).as_subclass(Sub))
+    assert type(sub) is Sub  # a subclass stays one inside a Parameter
+    optim = torch.optim.SGD([plain, sub], lr=0.1)
+    assert deferrable([optim]) == {plain.data_ptr()}
