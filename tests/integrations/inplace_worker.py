@@ -1,7 +1,7 @@
 """A plain PyTorch DDP loop with in-place recovery (tests/integrations/test_inplace.py).
 
     torchrun --nproc-per-node 2 -m steadytrain.inplace.keeper inplace_worker.py OUT STEPS \
-        KILL_AT EVERY KILL_RANK [once|repeat|slow]
+        KILL_AT EVERY KILL_RANK [once|repeat|slow|stop]
 
 Every step appends ``{"step", "loss", "pid", "keeper", "restart", "incarnation"}`` to
 ``OUT/r{RANK}.jsonl``; rank 0 saves the final weights to ``OUT/final.pt``. With ``KILL_AT``
@@ -10,7 +10,9 @@ and its backward: the other rank is then blocked in DDP's gradient all-reduce. W
 replacement of the first torchrun attempt dies the same way in its first step (a fault
 that repeats: the keeper leaves it to torchrun's whole restart). With ``slow``, the
 replacement sleeps past the survivors' 3 s regroup timeout before it joins (the survivor
-gives up with InPlaceFallback: whole restart). The batch of a step comes
+gives up with InPlaceFallback: whole restart). With ``stop``, rank KILL_RANK SIGSTOPs
+itself instead, and every rank runs the hang watchdog with in-place recovery on: the
+others decide it hung, its reaper SIGKILLs it, and the keeper replaces it. The batch of a step comes
 from the loader's own position (not from the step number) and the model has dropout, so a
 loader state or a generator that was not rolled back changes the losses.
 """
@@ -25,6 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from steadytrain.inplace import Recovery
+from steadytrain.monitor.watchdog import HangWatchdog, WatchdogConfig
 
 
 class Loader:
@@ -68,7 +71,32 @@ def main() -> None:
         regroup_timeout_s=3 if mode == "slow" else 30,
     )
     step = recovery.start()
-    ddp = recovery.wrap(lambda: DistributedDataParallel(model))
+    world = int(os.environ["WORLD_SIZE"])
+
+    def watchdog() -> HangWatchdog | None:
+        """With ``stop``: the hang watchdog with in-place recovery on, one per group (its
+        generation names its hang directory). A 5 s floor: a machine this loaded can stall
+        a few seconds, and a false hang would end the run."""
+        if mode != "stop":
+            return None
+        cfg = WatchdogConfig(floor_s=5, warmup_steps=3, init_s=60, poll_s=0.25)
+        return HangWatchdog(
+            os.path.join(out, "run"),
+            rank,
+            world,
+            attempt=recovery.generation,
+            config=cfg,
+            nonce="inplace-test",
+            in_place=True,
+        )
+
+    wd = watchdog()
+    # With 3 or more ranks a sum's rounding depends on where a gradient sits in DDP's
+    # bucket (gloo's ring sums chunk by chunk); DDP lays its buckets out again after its
+    # first step, in the order gradients came, so a DDP rebuilt by a regroup would redo its
+    # first step in another layout (1e-8 apart here). find_unused_parameters=True keeps one
+    # layout for good (docs/operations.md); 2 ranks (a + b == b + a) need nothing.
+    ddp = recovery.wrap(lambda: DistributedDataParallel(model, find_unused_parameters=world > 2))
     record = open(os.path.join(out, f"r{rank}.jsonl"), "a")
     first = step
     while step < steps:
@@ -84,10 +112,15 @@ def main() -> None:
                     or (repeat and incarnation and step == first)
                 )
             ):
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
             loss.backward()
             optim.step()
             optim.zero_grad()
+        if wd is not None and s.recovered:  # a new group: a new watchdog
+            wd.close()
+            wd = watchdog()
+        elif wd is not None:
+            wd.beat(step)
         if not s.recovered:
             line = {"step": step, "loss": loss.item(), "pid": os.getpid(), "keeper": os.getppid()}
             line.update(restart=os.environ["TORCHELASTIC_RESTART_COUNT"], incarnation=incarnation)
@@ -96,6 +129,8 @@ def main() -> None:
         step = s.next
     if rank == 0:
         torch.save(model.state_dict(), os.path.join(out, "final.pt"))
+    if wd is not None:
+        wd.close()
     recovery.close()
 
 

@@ -1,14 +1,17 @@
 """In-place recovery of a SIGKILLed rank (``steadytrain.inplace``) under the real torchrun, 2
-gloo ranks, DDP, ``--max-restarts 1`` (a whole restart is possible, so its absence means
+and 3 gloo ranks, DDP, ``--max-restarts 1`` (a whole restart is possible, so its absence means
 something). Runs of ``inplace_worker.py``, side by side in each test:
 
 - uninterrupted: the reference;
-- rank 1, and in another run rank 0, SIGKILLed mid-step (between its forward and its
-  backward, the other rank blocked in DDP's all-reduce): torchrun's agent never restarts
-  (every record has restart count 0, the survivor's process and both keepers keep their
-  pids), the killed rank's training process alone is new (forked by the same keeper), and
+- 2 ranks: rank 1, and in another run rank 0; 3 ranks: the middle rank 1; SIGKILLed
+  mid-step (between its forward and its backward, the others blocked in DDP's all-reduce):
+  torchrun's agent never restarts (every record has restart count 0, the survivors'
+  processes and every keeper keep their pids), the killed rank's training process alone is new (forked by the same keeper), and
   every step's loss on each rank, the redone ones included, and the final weights equal
   the reference's bit for bit;
+- 2 ranks: rank 1 SIGSTOPped mid-step, every rank running the hang watchdog with in-place
+  recovery on: rank 0's watchdog decides rank 1 hung (its reaper says it is stopped), the
+  reaper SIGKILLs it, rank 0 does not exit, and the run recovers in place as above;
 - the same fault repeating (rank 1's replacement dies before completing a step): the
   keeper leaves it to torchrun's whole restart, which finishes the job (attempt 1);
 - a replacement that arrives after the survivor's regroup timeout: the survivor raises
@@ -33,9 +36,11 @@ WORKER = os.path.join(os.path.dirname(__file__), "inplace_worker.py")
 STEPS, KILL_AT, EVERY = 10, 7, 3  # snapshots at 0, 3, 6, 9: rank 0 rolls back to 6
 
 
-def start(out: str, kill_at: int, kill_rank: int = 1, *extra: str) -> subprocess.Popen:
+def start(
+    out: str, kill_at: int, kill_rank: int = 1, *extra: str, world: int = 2
+) -> subprocess.Popen:
     os.makedirs(out)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     cmd += ["--monitor-interval=0.2", "-m", "steadytrain.inplace.keeper", WORKER, out]
     cmd += [str(STEPS), str(kill_at), str(EVERY), str(kill_rank), *extra]
@@ -53,40 +58,65 @@ def records(out: str, rank: int) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def check_in_place(ref: str, run: str, log: str, victim: int) -> None:
-    survivor = 1 - victim
+def check_in_place(ref: str, run: str, log: str, victim: int, world: int = 2) -> None:
     assert f"rank {victim}: process" in log and "replacing it in place (1 of 3)" in log, log[-4000:]
-    kept, replaced = records(run, survivor), records(run, victim)
-    assert {r["restart"] for r in kept + replaced} == {"0"}, "torchrun's agent restarted the job"
-    assert len({r["pid"] for r in kept}) == 1, "the survivor's training process was replaced"
-    assert len({r["keeper"] for r in kept}) == 1 and len({r["keeper"] for r in replaced}) == 1
+    assert log.count("replacing it in place") == 1, log[-4000:]  # the victim alone
+    for survivor in (r for r in range(world) if r != victim):
+        check_survivor(run, records(run, survivor))
+    replaced = records(run, victim)
+    assert {r["restart"] for r in replaced} == {"0"}, "torchrun's agent restarted the job"
+    assert len({r["keeper"] for r in replaced}) == 1
     first, second = sorted({r["pid"] for r in replaced}, key=[r["pid"] for r in replaced].index)
     assert [r["step"] for r in replaced if r["pid"] == first] == list(range(KILL_AT))
     assert {r["incarnation"] for r in replaced if r["pid"] == second} == {1}
-    # The survivor redid the steps after its snapshot at 6; the replacement started there.
-    assert [r["step"] for r in kept] == [*range(KILL_AT), *range(6, STEPS)]
+    # The replacement started at the survivors' snapshot at 6.
     assert [r["step"] for r in replaced if r["pid"] == second] == list(range(6, STEPS))
-    for rank in (0, 1):  # every record of a step, the redone ones too, is the reference's
+    for rank in range(world):  # every record of a step, the redone ones too, is the reference's
         want = {r["step"]: r["loss"] for r in records(ref, rank)}
         assert sorted(want) == list(range(STEPS))
         for r in records(run, rank):
             assert r["loss"] == want[r["step"]], (rank, r, want[r["step"]])
 
 
+def check_survivor(run: str, kept: list[dict]) -> None:
+    assert {r["restart"] for r in kept} == {"0"}, "torchrun's agent restarted the job"
+    assert len({r["pid"] for r in kept}) == 1, "a survivor's training process was replaced"
+    assert len({r["keeper"] for r in kept}) == 1
+    # The survivor redid the steps after its snapshot at 6.
+    assert [r["step"] for r in kept] == [*range(KILL_AT), *range(6, STEPS)]
+
+
 def final(run: str) -> dict[str, torch.Tensor]:
     return torch.load(os.path.join(run, "final.pt"))
 
 
-def test_a_sigkilled_rank_is_replaced_in_place_and_the_run_stays_exact(tmp_path) -> None:
-    ref, killed1, killed0 = (str(tmp_path / n) for n in ("ref", "killed1", "killed0"))
-    procs = [start(ref, 0), start(killed1, KILL_AT, 1), start(killed0, KILL_AT, 0)]
+# 2 ranks: each rank killed in turn (rank 0's replacement takes the replicated state from
+# rank 1), and rank 1 stopped (SIGSTOP: the hang watchdog and the reaper make it a killed
+# one); 3 ranks: the middle one killed, with two survivors in the regroup.
+@pytest.mark.parametrize(
+    "world,faults",
+    [(2, ((1, "once"), (0, "once"), (1, "stop"))), (3, ((1, "once"),))],
+    ids=["2-ranks", "3-ranks"],
+)
+def test_a_lost_rank_is_replaced_in_place_and_the_run_stays_exact(
+    tmp_path, world: int, faults: tuple[tuple[int, str], ...]
+) -> None:
+    ref = str(tmp_path / "ref")
+    runs = {(v, mode): str(tmp_path / f"{mode}{v}") for v, mode in faults}
+    procs = [start(ref, 0, world=world)]
+    procs += [start(run, KILL_AT, v, mode, world=world) for (v, mode), run in runs.items()]
     logs = [finish(p) for p in procs]
 
-    check_in_place(ref, killed1, logs[1], victim=1)
-    check_in_place(ref, killed0, logs[2], victim=0)  # the replicated state comes from rank 1
     expected = final(ref)
-    for run in (killed1, killed0):
+    for ((victim, mode), run), log in zip(runs.items(), logs[1:], strict=True):
+        check_in_place(ref, run, log, victim, world)
         assert all(torch.equal(final(run)[k], expected[k]) for k in expected), run
+        if mode == "stop":  # decided hung by the others, reaped, not one of them exiting
+            with open(os.path.join(run, "run", "hangs", "attempt-0", "decision-0.json")) as f:
+                assert json.load(f)["stuck_ranks"] == [victim], log[-4000:]
+            assert f"[reaper] rank {victim}" in log and "(stopped); sent SIGKILL" in log
+            assert "rank 0: not exiting: in-place recovery replaces rank(s) [1]" in log
+            assert "so the job restarts" not in log
 
 
 def test_a_repeating_fault_or_a_late_replacement_falls_back_to_the_whole_restart(

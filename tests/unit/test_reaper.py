@@ -255,8 +255,8 @@ def test_a_stopped_rank_is_sigkilled_and_the_kill_published(tmp_path) -> None:
     assert got["pid"] == rank.pid and got["rank"] == 1 and got["node"] == "node-1"
     assert got["proc_state"] == "T" and got["proc_state_name"] == "stopped"
     assert got["signal"] == "SIGKILL" and got["reason"] == "stopped" and got["attempt"] == 0
-    assert sorted(p.name for p in d.iterdir()) == [
-        "decision-0.json", "reaped-rank-1.json", "recorded.json"]  # fmt: skip
+    assert sorted(p.name for p in d.iterdir()) == [  # the note: it cannot answer itself
+        "decision-0.json", "reaped-rank-1.json", "recorded.json", "stopped-rank-1.json"]  # fmt: skip
     assert "[reaper] rank 1 on node-1" in rank.stderr.read()
 
 

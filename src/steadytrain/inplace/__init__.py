@@ -13,7 +13,9 @@ which is forked from a process that already imported torch and the script's modu
 - ``regroup``: leave the broken group, agree on a generation through torchrun's store, join
   a fresh group, agree on the step to resume from (pure ``agree``);
 - ``recovery``: ``Recovery``, what a training loop holds (snapshots in the process's own
-  memory, ``with recovery.step(step)``, the rollback).
+  memory, ``with recovery.step(step)``, the rollback);
+- ``snapshot``: how a snapshot is copied (the optimizers' tensors by a background thread
+  that their ``step()`` waits for; a copy is a rollback point only once complete).
 
 Docs: docs/operations.md, "In-place recovery (foundation)".
 """

@@ -17,8 +17,11 @@ Run under the keeper (``torchrun ... -m steadytrain.inplace.keeper train.py``); 
 (or with it off) ``Recovery`` only initialises the group and lets every error through.
 
 Snapshots live in the process's own memory: every ``every_steps`` steps, at the start of a
-step, a deep copy of each state (``state_dict()``), plus the torch and ``random``
-generators. ``replicated`` states are the same on every rank (DDP's model and optimizer): a
+step, a copy of each state (``state_dict()``), plus the torch and ``random`` generators.
+The parameters and state of the replicated optimizers are copied by a background thread
+while the step's forward and backward run, and each optimizer's ``step()`` waits for that
+copy (snapshot.py; ``background=False``: all of it at the start of the step). So a loop
+must change those tensors only through their optimizer's ``step()``. ``replicated`` states are the same on every rank (DDP's model and optimizer): a
 replaced rank receives them from the lowest surviving rank. ``per_rank`` states (the
 loader, the generators) are this rank's alone: each snapshot also puts them into torchrun's
 store (a few KB; ``torch.save``, read back with ``weights_only=True``, since anyone on the
@@ -50,6 +53,7 @@ import torch.distributed as dist
 from steadytrain.checkpoint import torch_private as tp
 from steadytrain.inplace import regroup
 from steadytrain.inplace.contract import ENV_FD, ENV_INCARNATION, ENV_MAX, ENV_ON
+from steadytrain.inplace.snapshot import Copy, copy_state, deferrable
 
 __all__ = ["Rebuilt", "Recovery", "Step", "copy_state"]
 
@@ -67,29 +71,6 @@ def _loads(data: bytes) -> dict[str, Any]:
     """A per-rank state back from the store: tensors and plain values only (a state that
     needs more fails here, and the regroup falls back to the whole restart)."""
     return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def copy_state(src: Any, reuse: Any = None) -> Any:
-    """A deep copy of the state tree ``src``, its tensors copied into ``reuse``'s where that
-    tree (an evicted snapshot) has a tensor of the same shape, dtype and device at the same
-    place: a steady run allocates nothing per snapshot. (Fresh memory costs its first-touch
-    page faults, ~6x the copy itself on this machine; NOTES-environment's copy floor.)"""
-    if isinstance(src, torch.Tensor):
-        if (
-            isinstance(reuse, torch.Tensor)
-            and reuse.shape == src.shape
-            and reuse.dtype == src.dtype
-            and reuse.device == src.device
-        ):
-            return reuse.copy_(src.detach())
-        return src.detach().clone()
-    if isinstance(src, dict):
-        old = reuse if isinstance(reuse, dict) else {}
-        return {k: copy_state(v, old.get(k)) for k, v in src.items()}
-    if type(src) in (list, tuple):
-        old = reuse if type(reuse) is type(src) and len(reuse) == len(src) else [None] * len(src)
-        return type(src)(copy_state(v, o) for v, o in zip(src, old, strict=True))
-    return copy.deepcopy(src)
 
 
 class Rebuilt:
@@ -150,6 +131,7 @@ class Recovery:
         backend: str = "gloo",
         timeout_s: float = 600.0,
         regroup_timeout_s: float = 60.0,
+        background: bool = True,
     ) -> None:
         if every_steps < 1:
             raise ValueError(f"every_steps must be >= 1, not {every_steps}")
@@ -170,7 +152,16 @@ class Recovery:
         self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._prefix = f"steadytrain/inplace/{self._attempt}/state/r{self.rank}"
         self._fd = int(os.environ[ENV_FD]) if self.enabled and ENV_FD in os.environ else None
-        self._snaps: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._snaps: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # complete ones
+        self._writing: Copy | None = None  # the snapshot being copied (snapshot.py)
+        # The replicated optimizers: their step() waits for the snapshot's copy of the
+        # tensors it changes, which a background thread makes (snapshot.py). Off: the whole
+        # copy blocks the loop at the start of the step, as before.
+        self._optims = [o for o in replicated.values() if isinstance(o, torch.optim.Optimizer)]
+        self.background = background and bool(self._optims)
+        if self.enabled and self.background:
+            for optim in self._optims:
+                optim.register_step_pre_hook(lambda *_: self._settle())
         self._rebuilt: list[Rebuilt] = []
         self._store: dist.Store | None = None
         self.regroups = 0
@@ -213,6 +204,7 @@ class Recovery:
         ``destroy_process_group``). In that order: a DDP that outlives its group holds the
         group's last reference, and its release at interpreter exit joins gloo's threads
         with the GIL held while one of them waits for the GIL (a hang, seen here)."""
+        self._settle()
         for built in self._rebuilt:
             built.drop()
         gc.collect()
@@ -224,18 +216,26 @@ class Recovery:
     def _before(self, step: int) -> None:
         if not self.enabled or step % self.every_steps or step in self._snaps:
             return
+        self._settle()  # one copy at a time: the previous one becomes a snapshot first
         reuse: Any = None
         while len(self._snaps) >= _KEEP:  # the oldest goes; its tensors take the new copy
             reuse = self._snaps.pop(min(self._snaps))[0]
-        rep = {
-            k: copy_state(v.state_dict(), (reuse or {}).get(k)) for k, v in self.replicated.items()
-        }
         own = {k: copy.deepcopy(v.state_dict()) for k, v in self.per_rank.items()}
         own[_RNG] = (torch.get_rng_state(), random.getstate())
-        self._snaps[step] = (rep, own)
+        states = {k: v.state_dict() for k, v in self.replicated.items()}
+        defer = deferrable(self._optims) if self.background else set()
+        self._writing = Copy.start(step, states, reuse, own, defer)
+        if not self.background:
+            self._settle()
         store = self._the_store()
         store.set(f"{self._prefix}/s{step}", _dumps(own))
-        store.set(f"{self._prefix}/steps", json.dumps(sorted(self._snaps)))
+        store.set(f"{self._prefix}/steps", json.dumps(sorted({*self._snaps, step})))
+
+    def _settle(self) -> None:
+        """Wait for the snapshot being copied; it joins the complete ones unless it failed."""
+        writing, self._writing = self._writing, None
+        if writing is not None and writing.wait():
+            self._snaps[writing.step] = (writing.tree, writing.own)
 
     def _stepped(self) -> None:
         if self._fd is not None:  # tells the keeper this process is past its start
@@ -251,6 +251,7 @@ class Recovery:
     # -- recovery -------------------------------------------------------------------------
 
     def _recover(self, exc: BaseException) -> int:
+        self._settle()  # its sources are intact: the peer loss came before optimizer.step()
         self.regroups += 1
         if self.regroups > self.max_regroups:
             raise regroup.InPlaceFallback(

@@ -20,7 +20,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from steadytrain.monitor.reaper import DECISION, REAPED, reaped_path  # the reaper's files
+from steadytrain.monitor.reaper import (  # the reaper's files
+    DECISION,
+    REAPED,
+    STOPPED_NOTE,
+    reaped_path,
+)
 from steadytrain.monitor.records import VERDICT_FIELDS, Rejects, check_fields, read_json
 from steadytrain.storage.publish import publish_bytes
 
@@ -34,6 +39,7 @@ __all__ = [
     "hang_dir",
     "hang_record",
     "publish_decision",
+    "read_stopped",
     "read_verdicts",
     "reaped_path",
     "recover_hang_records",
@@ -170,6 +176,23 @@ def read_verdicts(
                 log.warning("hang verdict %s unusable (%s): counted as no response", path, why)
             continue
         out[int(v["rank"])] = v
+    return out
+
+
+def read_stopped(d: Path, *, nonce: str | None, world_size: int) -> set[int]:
+    """The ranks whose reaper published ``stopped-rank-{R}.json`` in ``d``: stopped, so no
+    verdict of theirs will come (reaper.py). A note that is not this job's (another run's
+    nonce, a rank outside the job, the wrong file name) is skipped: that rank is waited
+    for as before, never decided on sooner."""
+    out = set()
+    for path in d.glob(STOPPED_NOTE.format(rank="*")):
+        v = read_json(path, root=d.parent.parent, label=f"{HANGS_DIR}/{d.name}/{path.name}")
+        if not isinstance(v, dict) or type(v.get("rank")) is not int:
+            continue
+        r = v["rank"]
+        if path.name == STOPPED_NOTE.format(rank=r) and 0 <= r < world_size:
+            if nonce is None or v.get("nonce") == nonce:
+                out.add(r)
     return out
 
 

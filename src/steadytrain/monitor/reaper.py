@@ -18,6 +18,10 @@ one rank) that watches nothing but its own parent:
   ``/proc``), from a rank of the job, named after it, and naming only ranks of
   ``range(world_size)``. Anything else (a file dropped into ``RUN_DIR/hangs/``, another
   run's) is refused with one line naming it, and kills nothing;
+- a stopped parent (``/proc`` state ``T``/``t``) answers nothing: once the directory
+  exists the reaper says so (``stopped-rank-{R}.json``: rank, pid, state, time, the nonce),
+  so the answering ranks decide at once instead of waiting out their ``grace_s`` for a
+  verdict that cannot come (in-place recovery's SIGSTOP path pays no grace);
 - its parent is then SIGKILLed at once when it is stopped (``/proc`` state ``T``/``t``), or
   when a decision names it stuck and it published no verdict of its own (it cannot act) --
   after rank 0's hang record is on disk (``recorded.json``), as the answering ranks' own
@@ -55,6 +59,7 @@ from typing import Any, NamedTuple
 __all__ = [
     "DECISION",
     "REAPED",
+    "STOPPED_NOTE",
     "ProcState",
     "Reaper",
     "proc_state",
@@ -63,6 +68,7 @@ __all__ = [
 ]
 
 DECISION = "decision-{rank}.json"  # an answering rank's culprits (hangs.publish_decision)
+STOPPED_NOTE = "stopped-rank-{rank}.json"  # the rank is stopped: no verdict will come
 REAPED = "reaped-rank-{rank}.json"  # a kill made by the reaper
 VERDICT = "rank-{rank}.json"  # the rank's own verdict (watchdog.py): it could act
 RECORDED = "recorded.json"  # rank 0's hang record is on disk (hangs.RECORDED)
@@ -185,6 +191,8 @@ class Reaper:
         self.decided_at: float | None = None  # monotonic time the first decision was seen
         self.reaped: dict[str, Any] | None = None
         self._seen_dir = False  # the attempt's hang directory exists: some rank fired
+        self._noted = False  # stopped-rank-{R}.json published
+        self._noted_at = 0.0
 
     # -- what is true now ------------------------------------------------------------------
     def parent_alive(self) -> bool:
@@ -258,8 +266,27 @@ class Reaper:
                 return False
         st = proc_state(self.parent)
         state = st.state if st is not None else "?"
+        if state in STOPPED and not self._noted:
+            self._note_stopped(state)
         why = self.reason(now, state, self.decisions())
         return why is not None and self.reap(state, why)
+
+    def _note_stopped(self, state: str) -> None:
+        note = {
+            "rank": self.rank,
+            "node": self.node,
+            "pid": self.parent,
+            "proc_state": state,
+            "t": time.time(),
+            "attempt": self.attempt,
+            "nonce": self.nonce,
+        }
+        try:
+            _publish(self.dir / STOPPED_NOTE.format(rank=self.rank), note)
+            self._noted, self._noted_at = True, time.monotonic()
+        except OSError as e:  # the others wait out their grace instead
+            print(f"[reaper] rank {self.rank}: {STOPPED_NOTE} not written: {e}", file=sys.stderr)
+            self._noted = True
 
     def on_sigterm(self) -> bool:
         """torchrun stops the workers: a stopped parent cannot act on it. True if killed."""
@@ -318,8 +345,14 @@ class Reaper:
 
     def run(self) -> None:
         while not self.tick():
-            # Before a hang: one stat per idle_s; once the directory exists, decisions.
-            time.sleep(self.poll_s if self._seen_dir else self.idle_s)
+            # Before a hang: one stat per idle_s; once the directory exists, decisions;
+            # with the parent stopped and noted, the decision is a few tens of ms away and
+            # a replacement waits on the kill (in-place recovery): look every 20 ms.
+            # Bounded: the others decide within their grace (record_wait_s is twice it).
+            fast = self._noted and time.monotonic() - self._noted_at < self.record_wait_s
+            time.sleep(
+                min(self.poll_s, 0.02) if fast else self.poll_s if self._seen_dir else self.idle_s
+            )
 
 
 def _list(v: Any) -> list[Any]:

@@ -89,6 +89,7 @@ from steadytrain.monitor.hangs import (
     hang_dir,
     hang_record,
     publish_decision,
+    read_stopped,
     read_verdicts,
     recover_hang_records,
     thread_frames,
@@ -162,12 +163,17 @@ class HangWatchdog:
         config: WatchdogConfig | None = None,
         backend_timeout_s: float | None = None,
         nonce: str | None = None,
+        in_place: bool = False,
         exit: Callable[[int], Any] = os._exit,  # noqa: A002 - tests pass a stub
     ) -> None:
         self.config = cfg = config or WatchdogConfig()
         self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
         self.attempt, self.meter, self._exit = attempt, meter, exit
         self.nonce = nonce or ""
+        self.in_place = in_place
+        # A spared rank (in_place) waits this long to be closed before it exits after all.
+        self.hold_s = 2 * cfg.grace_s + 10
+        self.spared: dict[str, Any] | None = None  # the decision that spared this rank
         self.node = node_name()
         self._loop_ident = threading.get_ident()  # the thread that beats: the loop's
         self._t = self._left = time.monotonic()
@@ -324,16 +330,43 @@ class HangWatchdog:
         # Backstop: if anything below blocks (a full disk, a stuck flush), faulthandler's own
         # C thread dumps the stacks to stderr and exits after this long.
         faulthandler.dump_traceback_later(3 * cfg.grace_s + 30, exit=True)
+        decision = None
         try:
-            self._report(seen)
+            decision = self._report(seen)
         except Exception:
             log.exception("hang watchdog: reporting failed; exiting anyway")
+        if decision is not None and self._spare(decision):
+            return  # closed: the loop recovered in place
+        faulthandler.dump_traceback_later(30, exit=True)  # the exit path's own backstop
+        try:
+            print(
+                f"[watchdog] rank {self.rank}: exiting {HANG_EXIT_CODE} so the job restarts",
+                file=sys.stderr,
+                flush=True,
+            )
         finally:
-            sys.stderr.flush()
             self._exit(HANG_EXIT_CODE)
             faulthandler.cancel_dump_traceback_later()  # reached only with a test's stub
 
-    def _report(self, seen: dict[str, Any]) -> None:
+    def _spare(self, decision: dict[str, Any]) -> bool:
+        """In-place recovery (``in_place``): a rank the decision does not name waits in a
+        collective on the named ones. Their reapers kill them (a stopped rank at once), its
+        collective then raises (gloo: the dead peer's socket closes) and ``Recovery``
+        regroups with their replacements, after which the loop closes this watchdog. True
+        when that happened within ``hold_s``; False: exit after all (the whole restart)."""
+        if not self.in_place or self.rank in decision["stuck_ranks"]:
+            return False
+        self.spared = decision
+        faulthandler.cancel_dump_traceback_later()  # waiting here is no hang of the report
+        print(
+            f"[watchdog] rank {self.rank}: not exiting: in-place recovery replaces rank(s) "
+            f"{decision['stuck_ranks']} (waiting up to {self.hold_s:.0f}s for the regroup)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return self._stop.wait(self.hold_s)
+
+    def _report(self, seen: dict[str, Any]) -> dict[str, Any]:
         cfg, d = self.config, hang_dir(self.run_dir, self.attempt)
         d.mkdir(parents=True, exist_ok=True)
         detect_t = time.time()
@@ -386,8 +419,13 @@ class HangWatchdog:
         until = time.monotonic() + cfg.grace_s
         nonce = self.nonce or None  # none given (a watchdog made by hand): not checked
         mine = {"rejects": self._board.rejects, "nonce": nonce, "world_size": self.world_size}
+
+        def answered() -> int:  # a stopped rank's reaper answers for it (reaper.py)
+            stopped = read_stopped(d, nonce=nonce, world_size=self.world_size)
+            return len(verdicts.keys() | stopped)
+
         verdicts = read_verdicts(d, **mine)
-        while len(verdicts) < self.world_size and time.monotonic() < until:
+        while answered() < self.world_size and time.monotonic() < until:
             time.sleep(min(0.05, cfg.poll_s))
             verdicts = read_verdicts(d, **mine)
         decision = decide(verdicts, self.world_size)
@@ -416,7 +454,8 @@ class HangWatchdog:
                 time.sleep(min(0.05, cfg.poll_s))
         print(
             f"[watchdog] rank {self.rank}: hang of rank(s) {decision['stuck_ranks']} "
-            f"({decision['cause']}); exiting {HANG_EXIT_CODE} so the job restarts",
+            f"({decision['cause']})",
             file=sys.stderr,
             flush=True,
         )
+        return decision

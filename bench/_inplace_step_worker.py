@@ -1,0 +1,78 @@
+"""The job ``bench/inplace_step_cost.py`` times: one DDP loop, three ways in turn.
+
+    torchrun --nproc-per-node 2 -m steadytrain.inplace.keeper bench/_inplace_step_worker.py \
+        OUT ROUNDS BLOCK WIDTH LAYERS BATCH EVERY
+
+A ``LAYERS`` x Linear(WIDTH, WIDTH) MLP with AdamW (12 x 1024: 12.6 M parameters, ~150 MB of
+model and optimizer state), one intra-op thread per rank. In each of ``ROUNDS`` rounds it
+runs ``BLOCK`` steps each way, the order of the ways rotating from round to round:
+
+- ``off``: the plain DDP step, no ``Recovery`` around it (not ready for in-place recovery);
+- ``background``: inside ``with recovery.step(n)``, a snapshot every ``EVERY`` of these
+  steps (``n`` counts the steps taken with ``Recovery``), copied beside the step (the
+  default);
+- ``sync``: the same, the whole copy at the start of the step (``background=False``).
+
+Rank 0 appends ``{"round", "mode", "i", "s"}`` (seconds for the whole step, snapshot
+included) to ``OUT/steps.jsonl``.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from steadytrain.inplace import Recovery
+
+MODES = ("off", "background", "sync")
+
+
+def main() -> None:
+    out, rounds, block, width, layers, batch, every = sys.argv[1], *map(int, sys.argv[2:8])
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    recovery = Recovery(replicated={"model": model, "optim": optim}, every_steps=every)
+    assert recovery.enabled and recovery.background, "run it under the keeper"
+    recovery.start()
+    ddp = recovery.wrap(lambda: DistributedDataParallel(model))
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, width, generator=g)
+
+    def train() -> None:
+        ddp(x).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+    record = open(os.path.join(out, "steps.jsonl"), "a") if rank == 0 else None
+    n = 0  # steps taken inside Recovery: every EVERY-th snapshots
+    for _ in range(2 * every):  # warm-up: DDP's bucket rebuild, both snapshots' memory
+        with recovery.step(n):
+            train()
+        n += 1
+    for r in range(rounds):
+        for mode in MODES[r % 3 :] + MODES[: r % 3]:
+            recovery.background = mode == "background"
+            for i in range(block):
+                t = time.perf_counter()
+                if mode == "off":
+                    train()
+                else:
+                    with recovery.step(n):
+                        train()
+                    n += 1
+                dt = time.perf_counter() - t
+                if record is not None:
+                    record.write(json.dumps({"round": r, "mode": mode, "i": i, "s": dt}) + "\n")
+    if record is not None:
+        record.close()
+    recovery.close()
+
+
+if __name__ == "__main__":
+    main()
