@@ -37,7 +37,7 @@ with open(os.environ["OUT"], "w") as f:
     f.write(f"{os.getpid()} {os.getcwd()} {os.environ.get('ASKED')} {' '.join(sys.argv[1:])}")
 print("worker says hi", flush=True)
 if what == "sleep":
-    time.sleep(120)
+    time.sleep(900)  # far past any wait below: only a kill ends it in time
 sys.exit(int(what))
 """
 
