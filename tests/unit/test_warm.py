@@ -33,8 +33,9 @@ SCRIPT = """
 import os, sys, time
 import warm_marker
 what = sys.argv[1]
-with open(os.environ["OUT"], "w") as f:
+with open(os.environ["OUT"] + ".tmp", "w") as f:  # whole or not at all: the test polls it
     f.write(f"{os.getpid()} {os.getcwd()} {os.environ.get('ASKED')} {' '.join(sys.argv[1:])}")
+os.replace(os.environ["OUT"] + ".tmp", os.environ["OUT"])
 print("worker says hi", flush=True)
 if what == "sleep":
     time.sleep(900)  # far past any wait below: only a kill ends it in time
@@ -174,3 +175,19 @@ def test_listen_refuses_a_shared_directory_and_a_foreign_file(tmp_path):
     with pytest.raises(ConfigError, match="is not a socket of this user's: remove it"):
         listen(str(private / "warm.sock"))
     assert (private / "warm.sock").read_text() == "not a socket"  # nothing of it lost
+
+
+def test_cli_refuses_a_shared_socket_directory(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    script = tmp_path / "job.py"
+    script.write_text("print('never run')\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "steadytrain.cli", "warm", "--socket", str(shared / "w.sock"),
+         str(script)],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert f"steadytrain warm: error: {shared}" in r.stderr and "mode 0700" in r.stderr
+    assert not (shared / "w.sock").exists()

@@ -81,19 +81,33 @@ def main(argv: Sequence[str]) -> None:
     path = os.environ.get(protocol.ENV_SOCKET)
     if not path:
         return _cold(script, args, f"{protocol.ENV_SOCKET} is not set")
-    try:
-        sock, pid = ask(path, script, args)
-    except (OSError, ValueError) as e:
-        return _cold(script, args, f"no warm process at {path} ({e})")
+    worker: list[int] = []  # the worker's pid, once the warm process forked it
+    pending: list[int] = []  # signals that came before that: delivered once it exists
 
     def forward(sig: int, _frame: object) -> None:
+        if not worker:
+            pending.append(sig)
+            return
         try:
-            os.kill(pid, sig)
+            os.kill(worker[0], sig)
         except ProcessLookupError:
             pass
 
-    for sig in _FORWARDED:
+    for sig in _FORWARDED:  # before the request: a SIGTERM at once still reaches the worker
         signal.signal(sig, forward)
+    try:
+        sock, pid = ask(path, script, args)
+    except (OSError, ValueError) as e:
+        for sig in _FORWARDED:
+            signal.signal(
+                sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler
+            )
+        if pending:  # stopped while asking: end as that signal would have
+            _end_like(-pending[0])
+        return _cold(script, args, f"no warm process at {path} ({e})")
+    worker.append(pid)
+    for sig in pending:
+        forward(sig, None)
     reply, _ = protocol.recv(sock)
     if reply is None or "exit" not in reply:  # the warm process died: its workers with it
         print(f"steadytrain.warm: the warm process at {path} went away", file=sys.stderr)

@@ -31,14 +31,14 @@ from steadytrain.errors import ConfigError
 from steadytrain.inplace.keeper import _become_child, _preload, _warm_up, foreign_threads
 from steadytrain.warm import protocol
 
-__all__ = ["listen", "serve"]
+__all__ = ["check_path", "listen", "serve"]
 
 log = logging.getLogger("steadytrain.warm")
 
 
-def listen(path: str) -> socket.socket:
-    """A ``SOCK_SEQPACKET`` socket at ``path``, readable by this user only; a stale socket
-    of this user's is replaced, anything else at ``path`` is refused."""
+def check_path(path: str) -> None:
+    """Refuse a socket path another user could reach or has put something at (before the
+    preload: a wrong path fails in a second, not after the imports)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, mode=0o700, exist_ok=True)
     st = os.stat(parent)
@@ -51,10 +51,16 @@ def listen(path: str) -> socket.socket:
     try:
         old = os.lstat(path)
     except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(old.st_mode) or old.st_uid != os.getuid():
-            raise ConfigError(f"{path} exists and is not a socket of this user's: remove it")
+        return
+    if not stat.S_ISSOCK(old.st_mode) or old.st_uid != os.getuid():
+        raise ConfigError(f"{path} exists and is not a socket of this user's: remove it")
+
+
+def listen(path: str) -> socket.socket:
+    """A ``SOCK_SEQPACKET`` socket at ``path``, readable by this user only; a stale socket
+    of this user's is replaced, anything else at ``path`` is refused (``check_path``)."""
+    check_path(path)
+    if os.path.lexists(path):
         os.unlink(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.bind(path)
@@ -124,6 +130,7 @@ def serve(path: str, script: str) -> None:
     script = os.path.abspath(script)
     if not os.path.isfile(script):
         raise ConfigError(f"steadytrain.warm: no script at {script}")
+    check_path(path)
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` has it, for the preload too
     _preload(script)
     _warm_up()
