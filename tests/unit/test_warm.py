@@ -27,11 +27,19 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 MARKER = """
 import os
 with open(os.environ["IMPORTS"], "a") as f:
-    f.write(f"{os.getpid()}\\n")
+    f.write(f"marker {os.getpid()}\\n")
 """
+# A package that loads a name on first use (PEP 562), as ``from steadytrain import Run`` does.
+LAZY_INIT = """
+def __getattr__(name):
+    import importlib
+    return importlib.import_module("warm_lazy." + name)
+"""
+LAZY_THING = MARKER.replace("marker", "lazy")
 SCRIPT = """
 import os, sys, time
 import warm_marker
+from warm_lazy import thing
 what = sys.argv[1]
 with open(os.environ["OUT"] + ".tmp", "w") as f:  # whole or not at all: the test polls it
     f.write(f"{os.getpid()} {os.getcwd()} {os.environ.get('ASKED')} {' '.join(sys.argv[1:])}")
@@ -67,6 +75,9 @@ def _alive(pid: int) -> bool:
 def warm(tmp_path_factory):
     root = tmp_path_factory.mktemp("warm")
     (root / "warm_marker.py").write_text(MARKER)
+    (root / "warm_lazy").mkdir()
+    (root / "warm_lazy" / "__init__.py").write_text(LAZY_INIT)
+    (root / "warm_lazy" / "thing.py").write_text(LAZY_THING)
     (root / "job.py").write_text(SCRIPT)
     sock = root / "run" / "warm.sock"
     imports = root / "imports.txt"
@@ -115,8 +126,10 @@ def test_worker_runs_the_entrys_request_without_importing_again(warm):
     pid, cwd, asked, args = p.out.read_text().split(" ", 3)
     assert int(pid) != p.pid and cwd == str(warm["root"] / "run")
     assert asked == "by-the-entry" and args == "7"  # the entry's environment and argv
-    # the script's module was imported once, by the warm process, not by the worker
-    assert warm["imports"].read_text().split() == [str(warm["server"].pid)]
+    # the script's modules were imported once, by the warm process, not by the worker: the
+    # plain import, and the name a package loads on first use
+    server = warm["server"].pid
+    assert warm["imports"].read_text().splitlines() == [f"marker {server}", f"lazy {server}"]
     assert "starting cold" not in stderr
 
 
@@ -146,7 +159,7 @@ def test_without_a_warm_process_the_entry_runs_cold(warm):
     assert "no warm process at" in stderr and "starting cold" in stderr
     pid = p.out.read_text().split()[0]
     assert int(pid) == p.pid  # it ran in the entry itself
-    assert pid in warm["imports"].read_text().split()  # and paid the import
+    assert f"lazy {pid}" in warm["imports"].read_text().splitlines()  # and paid the imports
 
 
 def test_a_request_for_another_script_is_refused_and_runs_cold(warm, tmp_path):

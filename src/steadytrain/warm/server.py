@@ -125,6 +125,34 @@ def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) 
     return pid
 
 
+def _touch_names(script: str) -> None:
+    """Resolve the names of the script's top-level ``from X import Y``: a package that
+    loads ``Y`` on first use (``from steadytrain import Run``, PEP 562) or a submodule
+    ``X.Y`` is imported here, not in every worker (the preload imports ``X`` alone)."""
+    import ast
+    import importlib
+
+    with open(script, "rb") as f:
+        tree = ast.parse(f.read(), filename=script)
+    for node in tree.body:
+        if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+            continue
+        module = sys.modules.get(node.module)
+        for alias in node.names:
+            if module is None or alias.name == "*":
+                continue
+            try:
+                getattr(module, alias.name)
+            except AttributeError:
+                try:
+                    importlib.import_module(f"{node.module}.{alias.name}")
+                except Exception as e:  # noqa: BLE001 - the worker imports it and says why
+                    log.debug("steadytrain.warm: could not preload %s.%s: %s", node.module,
+                              alias.name, e)  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - as above
+                log.debug("steadytrain.warm: could not preload %s: %s", alias.name, e)
+
+
 def serve(path: str, script: str) -> None:
     """Preload for ``script``, then serve ``path`` until SIGTERM/SIGINT."""
     script = os.path.abspath(script)
@@ -133,6 +161,7 @@ def serve(path: str, script: str) -> None:
     check_path(path)
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` has it, for the preload too
     _preload(script)
+    _touch_names(script)
     _warm_up()
     if threads := foreign_threads():
         print(
