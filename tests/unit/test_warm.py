@@ -40,7 +40,13 @@ SCRIPT = """
 import os, sys, time
 import warm_marker
 from warm_lazy import thing
+from steadytrain import Run  # as a training script has it: the warm process preloads it
 what = sys.argv[1]
+if what == "birth":
+    from steadytrain import run
+    with open(os.environ["OUT"][:-4] + ".birth", "w") as f:
+        f.write(f"{run.PROCESS_START} {run.IMPORTED_AT}")
+    what = "0"
 with open(os.environ["OUT"] + ".tmp", "w") as f:  # whole or not at all: the test polls it
     f.write(f"{os.getpid()} {os.getcwd()} {os.environ.get('ASKED')} {' '.join(sys.argv[1:])}")
 os.replace(os.environ["OUT"] + ".tmp", os.environ["OUT"])
@@ -204,3 +210,21 @@ def test_cli_refuses_a_shared_socket_directory(tmp_path):
     assert r.returncode == 2
     assert f"steadytrain warm: error: {shared}" in r.stderr and "mode 0700" in r.stderr
     assert not (shared / "w.sock").exists()
+
+
+def test_a_workers_start_up_counts_from_its_fork(warm):
+    """``steadytrain.run`` (preloaded: the script's ``from warm_lazy import thing`` pattern
+    is how a script gets ``Run``) dates the process's birth as it is imported; a worker's
+    must be its fork, or its start-up would hold the warm process's whole idle time."""
+    import steadytrain.run  # noqa: F401 - the same module the warm process preloaded
+    from steadytrain.run_birth import process_start
+
+    t0 = process_start()  # this process: born before the entry below, by construction
+    time.sleep(0.05)
+    t_ask = time.time()
+    p = enter(warm, "birth")
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    born, imported = (float(x) for x in p.out.with_suffix(".birth").read_text().split())
+    assert born >= t_ask - 0.01 and imported >= born  # one clock tick of /proc's birth
+    assert born > t0

@@ -76,6 +76,25 @@ def _peer_uid(conn: socket.socket) -> int:
     return struct.unpack("3i", creds)[1]
 
 
+def _reborn() -> None:
+    """In the worker: its start-up counts from the fork, not from the warm process's birth.
+    ``steadytrain.run`` takes the process's birth and the end of its imports as it is
+    imported -- here once, in the warm process, minutes or hours before this worker -- so a
+    preloaded copy would book all that time as the worker's start-up (and the restart's
+    relaunch and imports as its build). The worker was born now, with its imports done."""
+    import time
+
+    from steadytrain.run_birth import process_start
+
+    run = sys.modules.get("steadytrain.run")
+    if run is not None:
+        run.PROCESS_START = process_start()  # the fork, from /proc
+        run.IMPORTED_AT = time.time()
+    hooks = sys.modules.get("steadytrain.integrations.hooks")  # holds a copy of the birth
+    if hooks is not None and run is not None:
+        hooks.PROCESS_START = run.PROCESS_START
+
+
 def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) -> int | None:
     """Read one request from ``conn`` and fork its worker; its pid (None: refused).
     ``others``: the warm process's other sockets, which the worker closes (it must not hold
@@ -114,6 +133,7 @@ def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) 
             os.chdir(req["cwd"])
             os.umask(int(req["umask"]))
             os.environ.clear()
+            _reborn()
             code = _become_child(script, [str(a) for a in argv[1:]], req["env"], me)
         finally:
             sys.stdout.flush()
