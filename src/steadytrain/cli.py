@@ -48,6 +48,7 @@ COMMANDS = [
     "verify",
     "shuffle",
     "stage",
+    "warm",
     "train",
     "demo",
     "checkpoints",

@@ -300,6 +300,16 @@ assert h.leftovers() == [], h.leftovers()
         marks=(pytest.mark.nodes,),
     ),
     Sample(
+        "docs/planning.md",
+        r"restart_plan\.scaled_profile\(16384\)",
+        check="""
+assert abs(sum(loss.values()) - (1 - best["goodput"])) < 1e-9, loss
+assert costs.restart_s == sum(phases.values()) and costs.durable_restore_s == 480.0
+# as the prose says: 98 % is out of reach from the restart alone at these costs
+assert goal["scale"] is None and best["goodput"] < goal["free_restarts_goodput"] < 0.98, goal
+""",
+    ),
+    Sample(
         "docs/storage.md",
         r"Prefetcher\.for_loader\(loader, ranks=node_ranks",
         prelude="""

@@ -107,16 +107,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FRAC",
         help="share of failures memory survives: crashes, one node lost (default 0.75)",
     )
+    r = p.add_argument_group(
+        "restart in phases (imply --two-tier; docs/planning.md, 'The restart in phases')"
+    )
+    r.add_argument(
+        "--restart-phases",
+        metavar="SPEC",
+        help="the whole restart as phases: detection=S,teardown=S,relaunch=S,imports=S,"
+        "group=S,build=S,setup=S,restore=S,first_step_excess=S, or a .json/.toml file of them",
+    )
+    r.add_argument(
+        "--scale-to-gpus",
+        type=int,
+        metavar="N",
+        help="the phases of a whole restart on N GPUs from published figures (16384: Llama 3's "
+        "cluster)",
+    )
+    r.add_argument(
+        "--in-place-share",
+        type=float,
+        metavar="FRAC",
+        help="share of failures recovered in place: process faults on a live node (default "
+        "63/466, Llama 3's software faults)",
+    )
+    r.add_argument(
+        "--in-place-cost",
+        type=float,
+        metavar="S",
+        help="seconds one recovery in place costs (default 0.65 measured here; with "
+        "--scale-to-gpus plus that job's detection and group phases)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
+    from steadytrain.commands._plan_phases import phases_from_flags
     from steadytrain.commands._util import print_json
+    from steadytrain.planning import restart_plan
     from steadytrain.planning.from_run import plan_from_run
 
+    phased = phases_from_flags(args)
+    gpus = args.gpus
+    rate_given = any(v is not None for v in (args.afr, args.mtbf_hours, args.interruptions_per_day))
+    if phased and args.scale_to_gpus and gpus is None and not rate_given:
+        gpus = args.scale_to_gpus  # the default per-GPU rate, on the job the phases are for
     result = plan_from_run(
         args.from_run,
-        gpus=args.gpus,
+        gpus=gpus,
         afr=args.afr,
         mtbf_hours=args.mtbf_hours,
         interruptions_per_day=args.interruptions_per_day,
@@ -124,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         ckpt_cost_s=args.ckpt_cost,
         durable_s=args.durable_time,
         async_ckpt_cost_s=args.async_ckpt_cost,
-        restart_cost_s=args.restart_cost,
+        restart_cost_s=sum(phased[0].values()) if phased else args.restart_cost,
         data_stall_frac=args.data_stall,
         interval_min=args.interval,
         simulate_runs=args.sim_runs,
@@ -138,18 +175,40 @@ def run(args: argparse.Namespace) -> int:
         args.durable_restore,
         args.memory_survives,
     )
-    if args.two_tier or any(v is not None for v in tier_flags):
+    if args.two_tier or phased or any(v is not None for v in tier_flags):
         from steadytrain.planning.two_tier_plan import measure_tiers, two_tier_section
 
+        in_place: dict[str, float] = {}
+        if phased:
+            phases = phased[0]
+            cost = args.in_place_cost
+            if cost is None:  # a regroup at scale pays that job's detection and group init
+                cost = restart_plan.IN_PLACE_MEASURED_S
+                if args.scale_to_gpus:
+                    cost += phases.get("detection_s", 0.0) + phases.get("group_s", 0.0)
+            share = args.in_place_share
+            in_place = {
+                "in_place_share": restart_plan.LLAMA3_IN_PLACE_SHARE if share is None else share,
+                "in_place_s": cost,
+            }
         result["two_tier"] = two_tier_section(
             result,
             measured=measure_tiers(args.from_run) if args.from_run else None,
             step_s=args.step_time,
             memory_cost_s=args.memory_cost,
             memory_restore_s=args.memory_restore,
-            durable_restore_s=args.durable_restore,
+            durable_restore_s=phased[0].get("restore_s", 0.0) if phased else args.durable_restore,
             survives=args.memory_survives,
+            **in_place,
         )
+        if phased:
+            result["two_tier"]["phases"] = restart_plan.phase_section(
+                result["two_tier"],
+                phased[0],
+                result["mtbf_hours"] * 3600.0,
+                source=phased[1],
+                basis=phased[2],
+            )
     if args.json:
         print_json(result)
     else:
@@ -324,3 +383,7 @@ def _print_two_tier(con: Any, tt: dict[str, Any], r: dict[str, Any]) -> None:
         con.print(line, markup=False, highlight=False, soft_wrap=True)
     for note in tt["notes"]:
         con.print(f"note: {note}", markup=False)
+    if tt.get("phases"):
+        from steadytrain.commands._plan_phases import print_phases
+
+        print_phases(con, tt["phases"], tt)

@@ -81,10 +81,15 @@ class TierCosts:
     memory_landed_s: float | None = None  # l_m (None: = c_m)
     durable_s: float | None = None  # L_d (None: = c_d)
     stall_frac: float = 0.0  # s
+    # q: the share of all failures recovered in place (survivors keep their processes and
+    # roll back from memory; issue 44), each costing in_place_s instead of R_m. A subset of
+    # the failures memory survives: q <= f.
+    in_place_share: float = 0.0
+    in_place_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("memory_cost_s", "memory_restore_s", "durable_cost_s", "restart_s",
-                     "durable_restore_s", "memory_landed_s", "durable_s"):  # fmt: skip
+                     "durable_restore_s", "memory_landed_s", "durable_s", "in_place_s"):  # fmt: skip
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and 0 <= v < math.inf):
                 raise ConfigError(f"{name}={v!r} must be a finite number of seconds >= 0")
@@ -97,11 +102,28 @@ class TierCosts:
             )
         if not 0.0 <= self.stall_frac < 1.0:
             raise ConfigError(f"stall_frac={self.stall_frac!r} must be in [0, 1)")
+        if not 0.0 <= self.in_place_share <= self.survives:
+            raise ConfigError(
+                f"in_place_share={self.in_place_share!r} must be between 0 and survives="
+                f"{self.survives!r}: a recovery in place rolls back from the memory tier, so "
+                "only failures memory survives can take it (--in-place-share <= "
+                "--memory-survives)"
+            )
+
+    @property
+    def whole_memory_restart_s(self) -> float:
+        """A whole restart from memory: ``R - r_d + r_m`` (``r_d`` capped at ``R``)."""
+        return self.restart_s - min(self.durable_restore_s, self.restart_s) + self.memory_restore_s
 
     @property
     def memory_restart_s(self) -> float:
-        """``R_m = R - r_d + r_m`` (``r_d`` capped at ``R``: it is part of it)."""
-        return self.restart_s - min(self.durable_restore_s, self.restart_s) + self.memory_restore_s
+        """``R_m``: the mean restart of a failure memory survives -- in place for ``q/f`` of
+        them, a whole restart from memory for the rest (``R - r_d + r_m`` when ``q = 0``)."""
+        whole = self.whole_memory_restart_s
+        if self.in_place_share <= 0.0:
+            return whole
+        q = self.in_place_share / self.survives
+        return q * self.in_place_s + (1.0 - q) * whole
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "memory_restart_s": self.memory_restart_s}
@@ -144,10 +166,12 @@ def evaluate(k: int | None, tau: float, c: TierCosts, mtbf_s: float) -> dict[str
     l_d = max(c.durable_cost_s, c.durable_s or 0.0)
     if math.isinf(tau):
         train, w_d = 1.0 / (1.0 + a), math.inf
+        snap = a / (1.0 + a)
     else:
         block = max(c.durable_cost_s, l_d - tau)
         period = tau * (1.0 + a) + block
         train = tau / period if period > 0 else 1.0 / (1.0 + a)
+        snap = tau * a / period if period > 0 else a / (1.0 + a)
         w_d = period / 2.0 + l_d - block
     # The newest usable point wins (a tie: memory): a memory-kind failure whose snapshot is
     # older than the durable save restarts from durable storage.
@@ -164,6 +188,10 @@ def evaluate(k: int | None, tau: float, c: TierCosts, mtbf_s: float) -> dict[str
         "restart_per_failure_s": f * (c.memory_restart_s if w_m <= w_d else c.restart_s)
         + (1.0 - f) * c.restart_s,
         "blocking_share": 1.0 - train,
+        # Where the time goes (planning/restart_plan.py splits the failures' part by phase):
+        "snapshot_blocking_share": snap,
+        "from_memory": w_m <= w_d,
+        "failures_per_s": lam,
     }
 
 

@@ -133,9 +133,13 @@ def two_tier_section(
     memory_restore_s: float | None = None,
     durable_restore_s: float | None = None,
     survives: float | None = None,
+    in_place_share: float = 0.0,
+    in_place_s: float = 0.0,
 ) -> dict[str, Any]:
     """The ``two_tier`` key of ``plan --json`` (module docstring). ``plan``: what
-    ``plan_from_run`` returned; ``measured``: ``measure_tiers`` of its run, or None."""
+    ``plan_from_run`` returned; ``measured``: ``measure_tiers`` of its run, or None;
+    ``in_place_share`` of the failures recovered in place at ``in_place_s`` each
+    (``TierCosts``; ``plan --in-place-share``)."""
     m = measured or {}
     src: dict[str, str] = {}
     notes: list[str] = []
@@ -189,6 +193,8 @@ def two_tier_section(
         durable_restore_s=r_d,
         survives=f,
         stall_frac=plan["data_stall_frac"],
+        in_place_share=in_place_share,
+        in_place_s=in_place_s,
     )
     here = recommend(costs, plan["mtbf_hours"] * 3600.0)
     scenarios = [

@@ -1,0 +1,5 @@
+import sys
+
+from steadytrain.warm.server import main
+
+main(sys.argv[1:])

@@ -1,0 +1,119 @@
+"""torchrun's entry point for a worker forked from the node's warm process.
+
+    torchrun ... -m steadytrain.warm.enter train.py --its-args
+    (with STEADYTRAIN_WARM_SOCKET=PATH, the socket of ``python -m steadytrain.warm``)
+
+Standard library only, so this process starts in tens of milliseconds. It asks the warm
+process for a worker (``protocol.py``), forwards SIGTERM, SIGINT and SIGHUP to it, and ends
+the way it ended (the same exit status or signal), so torchrun's agent sees the worker's
+own outcome. Without an answer it warns and runs the script in this process, cold: a
+missing warm process costs the imports, never the job.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+from steadytrain.warm import protocol
+
+__all__ = ["main"]
+
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _cold(script: str, args: Sequence[str], why: str) -> None:
+    """Run ``script`` here, as ``python SCRIPT ARGS`` would."""
+    print(
+        f"steadytrain.warm: {why}; starting cold (the imports are paid now)",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(script)
+    runpy.run_path(script, run_name="__main__")
+
+
+def _end_like(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0 and -code not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def ask(path: str, script: str, args: Sequence[str]) -> tuple[socket.socket, int]:
+    """Connect to the warm process at ``path`` and have it fork the worker: the connection
+    (open while the worker lives) and the worker's pid. ``OSError`` when none answers."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.settimeout(30.0)  # a warm process that accepts but never answers
+        sock.connect(path)
+        request = {
+            "argv": [script, *args],
+            "env": dict(os.environ),
+            "cwd": os.getcwd(),
+            "umask": os.umask(0o022),
+        }
+        os.umask(request["umask"])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        protocol.send(sock, request, [0, 1, 2])
+        reply, _ = protocol.recv(sock)
+        if reply is None or "pid" not in reply:
+            raise OSError(f"the warm process refused: {(reply or {}).get('error', 'closed')}")
+        sock.settimeout(None)
+        return sock, int(reply["pid"])
+    except BaseException:
+        sock.close()
+        raise
+
+
+def main(argv: Sequence[str]) -> None:
+    if not argv or argv[0].startswith("-"):
+        raise SystemExit("usage: torchrun ... -m steadytrain.warm.enter SCRIPT.py [ARGS...]")
+    script, args = os.path.abspath(argv[0]), list(argv[1:])
+    path = os.environ.get(protocol.ENV_SOCKET)
+    if not path:
+        return _cold(script, args, f"{protocol.ENV_SOCKET} is not set")
+    worker: list[int] = []  # the worker's pid, once the warm process forked it
+    pending: list[int] = []  # signals that came before that: delivered once it exists
+
+    def forward(sig: int, _frame: object) -> None:
+        if not worker:
+            pending.append(sig)
+            return
+        try:
+            os.kill(worker[0], sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in _FORWARDED:  # before the request: a SIGTERM at once still reaches the worker
+        signal.signal(sig, forward)
+    try:
+        sock, pid = ask(path, script, args)
+    except (OSError, ValueError) as e:
+        for sig in _FORWARDED:
+            signal.signal(
+                sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler
+            )
+        if pending:  # stopped while asking: end as that signal would have
+            _end_like(-pending[0])
+        return _cold(script, args, f"no warm process at {path} ({e})")
+    worker.append(pid)
+    for sig in pending:
+        forward(sig, None)
+    reply, _ = protocol.recv(sock)
+    if reply is None or "exit" not in reply:  # the warm process died: its workers with it
+        print(f"steadytrain.warm: the warm process at {path} went away", file=sys.stderr)
+        _end_like(1)
+    _end_like(int(reply["exit"]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,230 @@
+"""The warm process and torchrun's entry into it (steadytrain.warm), with real processes and
+a real socket, no torchrun: a worker forked from the warm interpreter runs the script with
+the entry's arguments, environment, directory and streams, without importing its modules
+again; signals and exits pass through both ways; without a warm process the entry runs cold.
+The node-loss measurement is bench/spare_warm.py's (the node harness)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from steadytrain.errors import ConfigError
+from steadytrain.warm.server import listen
+
+pytestmark = pytest.mark.timeout(300)
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+# The script's own module: it appends a line to IMPORTS each time it is imported, so the
+# file shows who imported it (the warm process once, a cold start again).
+MARKER = """
+import os
+with open(os.environ["IMPORTS"], "a") as f:
+    f.write(f"marker {os.getpid()}\\n")
+"""
+# A package that loads a name on first use (PEP 562), as ``from steadytrain import Run`` does.
+LAZY_INIT = """
+def __getattr__(name):
+    import importlib
+    return importlib.import_module("warm_lazy." + name)
+"""
+LAZY_THING = MARKER.replace("marker", "lazy")
+SCRIPT = """
+import os, sys, time
+import warm_marker
+from warm_lazy import thing
+from steadytrain import Run  # as a training script has it: the warm process preloads it
+what = sys.argv[1]
+if what == "birth":
+    from steadytrain import run
+    with open(os.environ["OUT"][:-4] + ".birth", "w") as f:
+        f.write(f"{run.PROCESS_START} {run.IMPORTED_AT}")
+    what = "0"
+with open(os.environ["OUT"] + ".tmp", "w") as f:  # whole or not at all: the test polls it
+    f.write(f"{os.getpid()} {os.getcwd()} {os.environ.get('ASKED')} {' '.join(sys.argv[1:])}")
+os.replace(os.environ["OUT"] + ".tmp", os.environ["OUT"])
+print("worker says hi", flush=True)
+if what == "sleep":
+    time.sleep(900)  # far past any wait below: only a kill ends it in time
+sys.exit(int(what))
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _until(pred, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("warm")
+    (root / "warm_marker.py").write_text(MARKER)
+    (root / "warm_lazy").mkdir()
+    (root / "warm_lazy" / "__init__.py").write_text(LAZY_INIT)
+    (root / "warm_lazy" / "thing.py").write_text(LAZY_THING)
+    (root / "job.py").write_text(SCRIPT)
+    sock = root / "run" / "warm.sock"
+    imports = root / "imports.txt"
+    log = open(root / "server.log", "w")  # noqa: SIM115
+    server = subprocess.Popen(
+        [sys.executable, "-m", "steadytrain.warm", "--socket", str(sock), str(root / "job.py")],
+        env=_env(IMPORTS=str(imports)),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        _until(lambda: sock.exists() or server.poll() is not None, "the warm process")
+        assert server.poll() is None, (root / "server.log").read_text()
+        yield {"root": root, "sock": str(sock), "imports": imports, "server": server}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+def enter(warm, *args: str, sock: str | None = None, **kw) -> subprocess.Popen:
+    out = warm["root"] / f"out-{time.monotonic_ns()}.txt"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "steadytrain.warm.enter", str(warm["root"] / "job.py"), *args],
+        env=_env(
+            STEADYTRAIN_WARM_SOCKET=sock or warm["sock"],
+            IMPORTS=str(warm["imports"]),
+            OUT=str(out),
+            ASKED="by-the-entry",
+        ),
+        cwd=str(warm["root"] / "run"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+    p.out = out  # type: ignore[attr-defined]
+    return p
+
+
+def test_worker_runs_the_entrys_request_without_importing_again(warm):
+    p = enter(warm, "7")
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 7, stderr  # the worker's exit status is the entry's
+    assert "worker says hi" in stdout  # the entry's own stdout, handed to the worker
+    pid, cwd, asked, args = p.out.read_text().split(" ", 3)
+    assert int(pid) != p.pid and cwd == str(warm["root"] / "run")
+    assert asked == "by-the-entry" and args == "7"  # the entry's environment and argv
+    # the script's modules were imported once, by the warm process, not by the worker: the
+    # plain import, and the name a package loads on first use
+    server = warm["server"].pid
+    assert warm["imports"].read_text().splitlines() == [f"marker {server}", f"lazy {server}"]
+    assert "starting cold" not in stderr
+
+
+def test_sigterm_reaches_the_worker_and_the_entry_ends_by_it(warm):
+    p = enter(warm, "sleep")
+    _until(lambda: p.out.exists(), "the worker to start")
+    worker = int(p.out.read_text().split()[0])
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == -signal.SIGTERM
+    _until(lambda: not _alive(worker), "the worker to end")
+
+
+def test_a_killed_entry_takes_its_worker_with_it(warm):
+    p = enter(warm, "sleep")
+    _until(lambda: p.out.exists(), "the worker to start")
+    worker = int(p.out.read_text().split()[0])
+    p.kill()  # torchrun's SIGKILL after its grace: the warm process must end the worker
+    p.wait(timeout=60)
+    _until(lambda: not _alive(worker), "the worker to be killed")
+    assert warm["server"].poll() is None  # and stays warm for the next restart
+
+
+def test_without_a_warm_process_the_entry_runs_cold(warm):
+    p = enter(warm, "3", sock=str(warm["root"] / "nobody.sock"))
+    _, stderr = p.communicate(timeout=240)
+    assert p.returncode == 3
+    assert "no warm process at" in stderr and "starting cold" in stderr
+    pid = p.out.read_text().split()[0]
+    assert int(pid) == p.pid  # it ran in the entry itself
+    assert f"lazy {pid}" in warm["imports"].read_text().splitlines()  # and paid the imports
+
+
+def test_a_request_for_another_script_is_refused_and_runs_cold(warm, tmp_path):
+    other = warm["root"] / "other.py"
+    other.write_text("import sys; sys.exit(5)\n")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "steadytrain.warm.enter", str(other)],
+        env=_env(STEADYTRAIN_WARM_SOCKET=warm["sock"]),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 5
+    assert "refused" in stderr and "runs " + str(warm["root"] / "job.py") in stderr
+
+
+def test_listen_refuses_a_shared_directory_and_a_foreign_file(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ConfigError, match="not writable by others"):
+        listen(str(shared / "warm.sock"))
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "warm.sock").write_text("not a socket")
+    with pytest.raises(ConfigError, match="is not a socket of this user's: remove it"):
+        listen(str(private / "warm.sock"))
+    assert (private / "warm.sock").read_text() == "not a socket"  # nothing of it lost
+
+
+def test_cli_refuses_a_shared_socket_directory(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    script = tmp_path / "job.py"
+    script.write_text("print('never run')\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "steadytrain.cli", "warm", "--socket", str(shared / "w.sock"),
+         str(script)],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert f"steadytrain warm: error: {shared}" in r.stderr and "mode 0700" in r.stderr
+    assert not (shared / "w.sock").exists()
+
+
+def test_a_workers_start_up_counts_from_its_fork(warm):
+    """``steadytrain.run`` (preloaded: the script's ``from warm_lazy import thing`` pattern
+    is how a script gets ``Run``) dates the process's birth as it is imported; a worker's
+    must be its fork, or its start-up would hold the warm process's whole idle time."""
+    import steadytrain.run  # noqa: F401 - the same module the warm process preloaded
+    from steadytrain.run_birth import process_start
+
+    t0 = process_start()  # this process: born before the entry below, by construction
+    time.sleep(0.05)
+    t_ask = time.time()
+    p = enter(warm, "birth")
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    born, imported = (float(x) for x in p.out.with_suffix(".birth").read_text().split())
+    assert born >= t_ask - 0.01 and imported >= born  # one clock tick of /proc's birth
+    assert born > t0
