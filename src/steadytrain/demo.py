@@ -154,7 +154,9 @@ def run_demo(
     from steadytrain.train.demo_run import run_demo_training
 
     say("[demo] 2/4 training under torchrun with injected crashes")
-    t = run_demo_training(run_dir, data_dir, steps=steps, out=say)
+    # In place: the mid-step crash's survivor keeps its process (issue 44); the whole
+    # restart remains the fallback, and the report says which path each recovery took.
+    t = run_demo_training(run_dir, data_dir, steps=steps, out=say, inplace=True)
     summary.update(
         steps=t["steps"],
         restarts=t["restarts"],

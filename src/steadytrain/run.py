@@ -38,6 +38,10 @@ What it owns, and why each is here rather than in the loop (issue 27):
   is a clear error;
 - the final save: on a clean exit the last step is committed even when it is not a
   multiple of ``every_steps``;
+- in-place recovery, opt-in (``recovery={"inplace": True}``, run_inplace.py): under the
+  keeper, Run forms the group, ``run.wrap`` rebuilds DDP and ``with run.recoverable(step)``
+  turns a lost peer into a rollback and a regroup instead of a whole restart; the decision
+  and its reason are ``run_inplace.decide``'s, the records ``run_inplace_step.py``'s;
 - the closing order: the final save and the in-flight save finish (the meter records
   them), the watchdog stops, the meter writes ``job_end`` last; the process group is the
   caller's unless Run created it.
@@ -55,6 +59,7 @@ import torch.distributed as dist
 
 from steadytrain.checkpoint.checkpointer import Checkpointer
 from steadytrain.checkpoint.config import CheckpointerConfig
+from steadytrain.inplace.contract import ENV_INCARNATION
 from steadytrain.monitor.extras import loader_fields
 from steadytrain.monitor.meter import GoodputMeter
 from steadytrain.monitor.meter_config import MeterConfig
@@ -190,7 +195,12 @@ class Run:
         return self
 
     def _start(self) -> None:
-        clock = StartupClock(PROCESS_START, IMPORTED_AT)  # the start-up's phases
+        born, imported = PROCESS_START, IMPORTED_AT
+        if int(os.environ.get(ENV_INCARNATION, "0")) > 0:
+            # A replacement the keeper forked (run_inplace.py): its birth is the fork, and
+            # its imports were done before it (both times above are the keeper's).
+            born = imported = process_start()
+        clock = StartupClock(born, imported)  # the start-up's phases
         os.makedirs(self.run_dir, exist_ok=True)
         self._signals.install()
         if self._signals.installed:
@@ -272,14 +282,14 @@ class Run:
             step = self.meter.position
         self.start_step = self.step = int(step)
         self.tokens_seen = int(getattr(ckpt, "tokens_seen", 0) or 0)
-        startup_s = max(0.0, time.time() - PROCESS_START - restore_s)
+        startup_s = max(0.0, time.time() - born - restore_s)
         self.meter.job_start(
             attempt=self.attempt,
             restored_step=self.start_step,
             startup_s=startup_s,
             restore_s=restore_s,
             startup_phases=clock.phases(startup_s),
-            born_t=PROCESS_START,
+            born_t=born,
             config=self._config,
             device=self._device,
             run_nonce=self.nonce,

@@ -1,14 +1,16 @@
 """``Run`` with in-place recovery on (``recovery.inplace``), under the real torchrun, 2 gloo
 ranks, DDP, the keeper, ``--max-restarts 1`` (a whole restart is possible, so its absence
-means something): ``inplace_run_worker.py`` run uninterrupted and with rank 1 SIGKILLed
-mid-step (between its forward and its backward, rank 0 blocked in DDP's all-reduce), side
-by side. The killed run:
+means something): ``inplace_run_worker.py`` run uninterrupted and with rank 0 SIGKILLed
+mid-step (between its forward and its backward, the other rank blocked in DDP's
+all-reduce), side by side. The victim is rank 0, whose ledger the replaced process then
+keeps. The killed run:
 
 - is never restarted by torchrun (every step record has restart count 0), and the
-  survivor's training process keeps its pid; only rank 1's process is new;
-- has one ``inplace_recovery`` record in its ledger: path ``in_place``, rank 1 lost at
+  survivor's training process keeps its pid; only rank 0's process is new;
+- has one ``inplace_recovery`` record in its ledger: path ``in_place``, rank 0 lost at
   step 7, rolled back to the snapshot of step 6, with its phases; and the goodput ledger
-  books the gap as a restart (a second ``job_start`` whose restored step is 6);
+  books the gap as a restart (a second ``job_start`` whose restored step is 6, dated from
+  the replaced process's birth, after the first attempt started);
 - is exact: every step's loss on each rank (the redone one too) and the final weights
   equal the uninterrupted run's bit for bit.
 """
@@ -35,7 +37,7 @@ def start(run_dir: str, kill_at: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     cmd += ["--monitor-interval=0.2", "-m", "steadytrain.inplace.keeper", WORKER, run_dir]
-    cmd += [str(STEPS), str(kill_at), "1"]
+    cmd += [str(STEPS), str(kill_at), "0"]
     e = env()
     e.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")  # the regroup needs torchrun's shared store
     return subprocess.Popen(
@@ -54,8 +56,8 @@ def test_run_recovers_a_sigkilled_rank_in_place_and_stays_exact(tmp_path) -> Non
     logs = [finish(p) for p in procs]
     log = logs[1]
 
-    assert "rank 1: process" in log and "replacing it in place (1 of 3)" in log, log[-4000:]
-    kept, replaced = (lines(os.path.join(killed, f"r{r}.jsonl")) for r in (0, 1))
+    assert "rank 0: process" in log and "replacing it in place (1 of 3)" in log, log[-4000:]
+    replaced, kept = (lines(os.path.join(killed, f"r{r}.jsonl")) for r in (0, 1))
     assert {r["restart"] for r in kept + replaced} == {"0"}, "torchrun restarted the job"
     assert len({r["pid"] for r in kept}) == 1, "the survivor's process was replaced"
     assert [r["step"] for r in kept] == [*range(KILL_AT), *range(6, STEPS)]
@@ -75,13 +77,16 @@ def test_run_recovers_a_sigkilled_rank_in_place_and_stays_exact(tmp_path) -> Non
     rec = recs[0]
     assert (rec["path"], rec["failed_ranks"], rec["from_step"], rec["step"]) == (
         "in_place",
-        [1],
+        [0],
         KILL_AT,
         6,
     )
     assert set(rec["phases"]) >= {"detection_s", "regroup_s", "restore_s", "redo_s"}
     starts = [r for r in ledger if r["type"] == "job_start"]
     assert [s["restored_step"] for s in starts] == [0, 6]  # the gap is a restart's
+    # the replacement's start-up counts from its fork, not from its keeper's birth
+    assert starts[0]["t"] < starts[1]["born_t"] < starts[1]["t"], starts
+    assert starts[1]["startup_s"] < starts[1]["t"] - starts[0]["t"], starts
     assert not [
         r for r in lines(os.path.join(ref, "ledger.jsonl")) if r["type"] == "inplace_recovery"
     ]

@@ -151,3 +151,18 @@ def test_the_report_lists_each_recovery_with_its_path_reason_and_phases() -> Non
     assert "repeated_fault" in lines[1]
     html = recoveries_html({"recoveries": rows})
     assert html.count("<tr><td>") == 3 and "whole restart" in html and "repeated_fault" in html
+
+
+def test_the_keeper_preloads_an_optional_import_and_the_train_entrys_lazy_modules(tmp_path):
+    """A top-level ``try: import x`` is preloaded too (an optional module), so the file the
+    keeper runs for ``steadytrain train`` names the modules a replaced process would
+    otherwise import again: the training loop and MLflow."""
+    import steadytrain.inplace.train_entry as entry
+    from steadytrain.inplace.keeper import imports_of
+
+    script = tmp_path / "train.py"
+    script.write_text("import os\ntry:\n    import mlflow\nexcept ImportError:\n    pass\n")
+    assert imports_of(str(script)) == ["os", "mlflow"]
+    assert {"steadytrain.train.loop", "steadytrain.cli", "mlflow"} <= set(
+        imports_of(entry.__file__)
+    )

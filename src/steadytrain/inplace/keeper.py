@@ -60,11 +60,13 @@ _PR_SET_PDEATHSIG = 1
 
 def imports_of(script: str) -> list[str]:
     """The absolute module names ``script`` imports at its top level (``import a.b``, ``from
-    a.b import c``), in order; what sits in functions or under ``if`` is not imported."""
+    a.b import c``), in order, those in a top-level ``try:`` too (an optional module); what
+    sits in functions or under ``if`` is not imported."""
     with open(script, "rb") as f:
         tree = ast.parse(f.read(), filename=script)
     names: list[str] = []
-    for node in tree.body:
+    body = [n for top in tree.body for n in (top.body if isinstance(top, ast.Try) else [top])]
+    for node in body:
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
