@@ -20,7 +20,7 @@ import torch
 from inplace_worker import Loader
 from torch.nn.parallel import DistributedDataParallel
 
-from steadytrain import Run
+from steadytrain.run import Run  # preloaded by the keeper: Run's import-time clock too
 
 
 def main() -> None:
