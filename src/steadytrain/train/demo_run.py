@@ -227,6 +227,8 @@ def _summarise(run_dir: str, wall_s: float, crashes: list[int]) -> dict[str, Any
         "goodput": report["goodput"],
         "breakdown": {k: report[k] for k in BREAKDOWN_KEYS if k in report},
         "job_state": report.get("job_state"),
+        # each recovery: in place or whole restart, why, its phases (report/recoveries.py)
+        "recoveries": report.get("recoveries") or [],
         "report": report.get("html") or report.get("json"),
         "report_json": report.get("json"),
         "ledger": path,
