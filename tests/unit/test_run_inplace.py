@@ -166,3 +166,46 @@ def test_the_keeper_preloads_an_optional_import_and_the_train_entrys_lazy_module
     assert {"steadytrain.train.loop", "steadytrain.cli", "mlflow"} <= set(
         imports_of(entry.__file__)
     )
+
+
+def test_a_fallback_left_in_the_store_becomes_the_next_attempts_whole_restart_record(
+    tmp_path, monkeypatch
+) -> None:
+    """The keeper (or a survivor's InPlaceFallback) notes why attempt 0 fell back to the
+    whole restart in torchrun's store; attempt 1's rank 0 writes it into the ledger as an
+    ``inplace_recovery`` of path ``whole_restart`` with the reason. A real TCPStore and a
+    real meter; only rank 1's note exists, so only rank 1 is named."""
+    import datetime
+    import json
+    import types
+
+    import torch.distributed as dist
+
+    from steadytrain.inplace.recovery import Recovery
+    from steadytrain.monitor.meter import GoodputMeter
+    from steadytrain.run_inplace_step import InPlaceLedger, note_fallback
+    from steadytrain.testing.ports import free_ports
+
+    port = free_ports(1)[0]
+    server = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10)
+    )
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    why = "process killed by SIGKILL: the training process was killed by SIGKILL before it completed a step"
+    note_fallback(server, 0, 1, why, None)
+    meter = GoodputMeter(tmp_path, sinks=("jsonl",), total_steps=10)
+    run = types.SimpleNamespace(rank=0, world_size=2, meter=meter, start_step=4, attempt=1)
+    ledger = InPlaceLedger(types.SimpleNamespace(recovery=Recovery(replicated={})))
+    ledger.started(run, replaced=False)
+    meter.close()
+    recs = [json.loads(line) for line in open(tmp_path / "ledger.jsonl")]
+    (rec,) = [r for r in recs if r["type"] == "inplace_recovery"]
+    assert (rec["path"], rec["failed_ranks"], rec["fallback"], rec["why"]) == (
+        "whole_restart",
+        [1],
+        "repeated_fault",
+        why,
+    )
+    assert rec["from_step"] == 4 and rec["step"] is None and rec["attempt"] == 1

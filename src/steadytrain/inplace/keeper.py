@@ -143,6 +143,20 @@ def _become_child(script: str, args: Sequence[str], env: dict[str, str], keeper:
     return 0
 
 
+def _note_fallback(rank: str, why: str) -> None:
+    """Leave the reason of this whole restart in torchrun's store, where the next attempt's
+    rank 0 reads it into an ``inplace_recovery`` record (best effort, a few seconds at most:
+    the restart must not wait for it)."""
+    try:
+        from steadytrain.inplace.regroup import store
+        from steadytrain.run_inplace_step import note_fallback
+
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        note_fallback(store(5.0), attempt, int(rank), why, None)
+    except Exception as e:  # noqa: BLE001 - the reason is lost, never the restart
+        log.warning("keeper: could not note the fallback in the store: %s", e)
+
+
 def _end_like(code: int) -> None:
     """End this process the way its child ended: torchrun sees the same failure."""
     sys.stdout.flush()
@@ -230,6 +244,8 @@ def main(argv: Sequence[str]) -> None:
                 file=sys.stderr,
                 flush=True,
             )
+            if on:  # for the next attempt's ledger: which path, and why (Run writes it)
+                _note_fallback(rank, f"process {death.describe()}: {why}")
             _end_like(code)
         recovered += 1
         print(
