@@ -209,3 +209,16 @@ def test_a_fallback_left_in_the_store_becomes_the_next_attempts_whole_restart_re
         why,
     )
     assert rec["from_step"] == 4 and rec["step"] is None and rec["attempt"] == 1
+
+
+def test_the_demo_shows_the_keepers_verdicts() -> None:
+    from steadytrain.train.demo_run import _Presenter
+
+    show = _Presenter()
+    line = (
+        "steadytrain.inplace: rank 0: process 12 killed by SIGKILL; replacing it in place (1 of 3)"
+    )
+    assert (
+        show(line)
+        == "[keeper] rank 0: process 12 killed by SIGKILL; replacing it in place (1 of 3)"
+    )

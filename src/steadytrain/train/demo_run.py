@@ -187,6 +187,8 @@ class _Presenter:
             self.failure_told = False
         if line.startswith(("[train]", "[fault]")):
             return line
+        if line.startswith("steadytrain.inplace: "):  # the keeper: in place, or why not
+            return "[keeper] " + line[len("steadytrain.inplace: ") :]
         if line.startswith("steadytrain train: error:"):
             return "[error] " + line[len("steadytrain train: error:") :].strip()
         m = _EXIT.search(line)
