@@ -151,10 +151,13 @@ def run_demo(
     if not train:
         return summary
 
+    from steadytrain.report.recoveries import recovery_lines
     from steadytrain.train.demo_run import run_demo_training
 
     say("[demo] 2/4 training under torchrun with injected crashes")
-    t = run_demo_training(run_dir, data_dir, steps=steps, out=say)
+    # In place: the mid-step crash's survivor keeps its process (issue 44); the whole
+    # restart remains the fallback, and the report says which path each recovery took.
+    t = run_demo_training(run_dir, data_dir, steps=steps, out=say, inplace=True)
     summary.update(
         steps=t["steps"],
         restarts=t["restarts"],
@@ -167,6 +170,7 @@ def run_demo(
         job_state=t.get("job_state"),
         training_wall_s=t.get("wall_s"),
         mlflow=t.get("mlflow"),
+        recoveries=t.get("recoveries"),
     )
     # The report's numbers (steadytrain report of this run), not a second computation.
     say("[demo] 3/4 goodput: where the wall time went (the run's report)")
@@ -176,6 +180,8 @@ def run_demo(
     say(f"[demo]     {'goodput':<18} {100 * (t['goodput'] or 0):5.1f} %  (productive steps kept)")
     for name, share in sorted((b.get("badput") or {}).items(), key=lambda kv: -kv[1]):
         say(f"[demo]     {name:<18} {100 * share:5.1f} %  ({b['badput_s'][name]:.1f} s)")
+    for line in recovery_lines(t):  # which path each recovery took, why, its phases
+        say(f"[demo]     {line}")
     say(f"[demo]     report: {t['report']}")
     if t.get("mlflow"):  # None: the MLflow extra is missing (training said so, once)
         m = t["mlflow"]

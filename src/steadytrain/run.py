@@ -38,6 +38,10 @@ What it owns, and why each is here rather than in the loop (issue 27):
   is a clear error;
 - the final save: on a clean exit the last step is committed even when it is not a
   multiple of ``every_steps``;
+- in-place recovery, opt-in (``recovery={"inplace": True}``, run_inplace.py): under the
+  keeper, Run forms the group, ``run.wrap`` rebuilds DDP and ``with run.recoverable(step)``
+  turns a lost peer into a rollback and a regroup instead of a whole restart; the decision
+  and its reason are ``run_inplace.decide``'s, the records ``run_inplace_step.py``'s;
 - the closing order: the final save and the in-flight save finish (the meter records
   them), the watchdog stops, the meter writes ``job_end`` last; the process group is the
   caller's unless Run created it.
@@ -55,6 +59,7 @@ import torch.distributed as dist
 
 from steadytrain.checkpoint.checkpointer import Checkpointer
 from steadytrain.checkpoint.config import CheckpointerConfig
+from steadytrain.inplace.contract import ENV_INCARNATION
 from steadytrain.monitor.extras import loader_fields
 from steadytrain.monitor.meter import GoodputMeter
 from steadytrain.monitor.meter_config import MeterConfig
@@ -62,6 +67,8 @@ from steadytrain.monitor.watchdog import HangWatchdog, backend_timeout_s, recove
 from steadytrain.run_birth import process_start
 from steadytrain.run_final_save import final_save_failed
 from steadytrain.run_identity import establish as establish_identity
+from steadytrain.run_inplace import InPlace, RecoveryConfig, decide, recovery_config
+from steadytrain.run_inplace_step import InPlaceLedger, RecoverableStep
 from steadytrain.run_lease import lease_settings, take_run_lease
 from steadytrain.run_phases import StartupClock
 from steadytrain.run_stuck import StuckExit
@@ -123,6 +130,7 @@ class Run:
         device: str | None = None,
         backend_timeout_s: float | None = None,
         restored_step: int = 0,
+        recovery: RecoveryConfig | dict[str, Any] | None = None,
         say: Callable[[str], None] = say,
     ) -> None:
         self.run_dir = os.fspath(run_dir)
@@ -138,6 +146,10 @@ class Run:
         self._config, self._device = config, device
         self._backend_timeout_s = backend_timeout_s
         self._restored_step = int(restored_step)
+        self.recovery = recovery_config(recovery)
+        self._inplace: InPlace | None = None  # in-place recovery, when decide() chose it
+        self._inplace_ledger: InPlaceLedger | None = None
+        self.inplace_why = ""  # why in-place recovery is on or off (run_inplace.decide)
         self._say = say
         self.meter: GoodputMeter | None = None
         self.checkpointer: Any = None
@@ -183,15 +195,41 @@ class Run:
         return self
 
     def _start(self) -> None:
-        clock = StartupClock(PROCESS_START, IMPORTED_AT)  # the start-up's phases
+        born, imported = PROCESS_START, IMPORTED_AT
+        if int(os.environ.get(ENV_INCARNATION, "0")) > 0:
+            # A replacement the keeper forked (run_inplace.py): its birth is the fork, and
+            # its imports were done before it (both times above are the keeper's).
+            born = imported = process_start()
+        clock = StartupClock(born, imported)  # the start-up's phases
         os.makedirs(self.run_dir, exist_ok=True)
-        warning = agent_store_warning()
-        if warning and self.rank == 0:
-            self._say(warning)
         self._signals.install()
         if self._signals.installed:
             self._stuck.start()
-        if not dist.is_initialized() and "MASTER_ADDR" in os.environ and self.world_size > 1:
+        given = self._checkpoint
+        inplace, self.inplace_why = decide(
+            self.recovery,
+            os.environ,
+            world_size=self.world_size,
+            group_exists=dist.is_initialized(),
+            rebuildable_checkpoint=given is None
+            or isinstance(given, (bool, dict, CheckpointerConfig)),
+        )
+        if self.recovery.inplace and not inplace and self.rank == 0:
+            self._say(f"in-place recovery is off: {self.inplace_why}; a fault restarts the job")
+        # In place, the shared store is what a regroup needs (pytorch#135712 is avoided by
+        # the per-attempt prefix): no warning then.
+        warning = None if inplace else agent_store_warning()
+        if warning and self.rank == 0:
+            self._say(warning)
+        replaced_step: int | None = None  # this process replaces a lost one: its step
+        if inplace:
+            clock.group_begin()  # a replacement also rejoins and restores here (run_inplace)
+            self._inplace = InPlace(self.recovery, self.states, self)
+            first = self._inplace.start()
+            clock.group_end()
+            self._made_group = True
+            replaced_step = first if self._inplace.replaced else None
+        elif not dist.is_initialized() and "MASTER_ADDR" in os.environ and self.world_size > 1:
             clock.group_begin()
             dist.init_process_group()  # torchrun's env; destroyed at exit (ours, not yours)
             clock.group_end()
@@ -199,17 +237,19 @@ class Run:
         # Before any rank writes a record or restores: another live job may hold RUN_DIR.
         job, lease_timeout_s = lease_settings(self._checkpoint)
         self._lease = take_run_lease(
-            self.run_dir, self.rank, job=job, timeout_s=lease_timeout_s, say=self._say
-        )
-        self.meter = GoodputMeter(
             self.run_dir,
-            rank=self.rank,
-            world_size=self.world_size,
-            total_steps=self.total_steps,
-            config=self.monitor,
+            self.rank,
+            job=job,
+            timeout_s=lease_timeout_s,
+            say=self._say,
+            share=replaced_step is None,  # a replacement's survivors are past this collective
         )
+        self.meter = self._make_meter()
         held: list[dict[str, Any]] = []  # the restore event waits for job_start (see above)
-        ckpt = self._make_checkpointer(held.append)
+        if self._inplace is not None:  # rebuilt after each regroup, before the loop's DDP
+            ckpt = self._inplace.wrap_checkpointer(lambda: self._make_checkpointer(held.append))
+        else:
+            ckpt = self._make_checkpointer(held.append)
         # One id per attempt, shared by all ranks (each agent counts its own restarts),
         # rank 0's attempt number (from the ledger) for every rank's own file, and the
         # run's identity (run_identity.py), which the restore needs: nothing another run
@@ -218,7 +258,10 @@ class Run:
         if self.rank == 0:
             adopt = getattr(ckpt, "newest_run_nonce", None)
             ids[2] = establish_identity(self.run_dir, adopt).nonce
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if replaced_step is not None:  # the survivors are past their broadcast: the store
+            self._inplace_ledger = InPlaceLedger(self._inplace)
+            ids = self._inplace_ledger.share_ids(self.rank, ids)
+        elif dist.is_initialized() and dist.get_world_size() > 1:
             clock.group_begin()  # the first collective: it waits for the slowest rank
             dist.broadcast_object_list(ids, src=0)
             clock.group_end()
@@ -226,8 +269,11 @@ class Run:
         if ckpt is not None and hasattr(ckpt, "run_nonce"):
             ckpt.run_nonce = self.nonce
         t_restore = time.perf_counter()
-        step = ckpt.restore_latest(self.states) if ckpt is not None else self._restored_step
-        restore_s = time.perf_counter() - t_restore if ckpt is not None else 0.0
+        if replaced_step is not None:  # restored from a survivor and its own snapshot
+            step, restore_s = replaced_step, self._inplace_ledger.restore_s()
+        else:
+            step = ckpt.restore_latest(self.states) if ckpt is not None else self._restored_step
+            restore_s = time.perf_counter() - t_restore if ckpt is not None else 0.0
         unknown = step is None
         if unknown:
             # The restore point is not known (a trainer that failed before it restored): the
@@ -236,14 +282,14 @@ class Run:
             step = self.meter.position
         self.start_step = self.step = int(step)
         self.tokens_seen = int(getattr(ckpt, "tokens_seen", 0) or 0)
-        startup_s = max(0.0, time.time() - PROCESS_START - restore_s)
+        startup_s = max(0.0, time.time() - born - restore_s)
         self.meter.job_start(
             attempt=self.attempt,
             restored_step=self.start_step,
             startup_s=startup_s,
             restore_s=restore_s,
             startup_phases=clock.phases(startup_s),
-            born_t=PROCESS_START,
+            born_t=born,
             config=self._config,
             device=self._device,
             run_nonce=self.nonce,
@@ -257,6 +303,9 @@ class Run:
             if hasattr(ckpt, "before_commit"):
                 # A committed step is a recorded step: COMMIT waits for rank 0's ledger.
                 ckpt.before_commit = self.meter.record_through
+        if self._inplace is not None:
+            self._inplace_ledger = self._inplace_ledger or InPlaceLedger(self._inplace)
+            self._inplace_ledger.started(self, replaced=replaced_step is not None)
         self.meter.flush()  # the attempt's start is on disk even if it dies in step 1
         if self.rank == 0:
             # An earlier rank 0 was stuck: its verdicts, this run's own (the nonce) only.
@@ -274,6 +323,55 @@ class Run:
             backend_timeout_s=timeout,
             nonce=self.nonce,  # its reaper acts only on decisions that carry it
         )
+        self._mark = self._eval.outside()
+
+    def _make_meter(self) -> GoodputMeter:
+        return GoodputMeter(
+            self.run_dir,
+            rank=self.rank,
+            world_size=self.world_size,
+            total_steps=self.total_steps,
+            config=self.monitor,
+        )
+
+    def _reopen_after_regroup(self, step: int) -> None:
+        """After an in-place regroup rolled back to ``step`` (run_inplace_step.py): the next
+        attempt in the ledger, the rebuilt checkpointer wired to it, the step counters."""
+        info = self._inplace.recovery.last_regroup or {}
+        phases = dict(info.get("phases", {}))
+        t0 = time.perf_counter()
+        self.meter = self._make_meter()
+        ids = self._inplace_ledger.next_ids(self.rank)
+        self.attempt_id, self.attempt = float(ids[0]), int(ids[1])
+        ckpt = self.checkpointer
+        if ckpt is not None:
+            if hasattr(ckpt, "run_nonce"):
+                ckpt.run_nonce = self.nonce
+            ckpt.on_event = self.meter.event
+            if hasattr(ckpt, "before_commit"):
+                ckpt.before_commit = self.meter.record_through
+        restore_s = phases.pop("restore_s", 0.0)
+        setup_s = phases.pop("rebuild_s", 0.0) + time.perf_counter() - t0
+        group_s = phases.pop("regroup_s", 0.0)
+        self.meter.job_start(
+            attempt=self.attempt,
+            restored_step=step,
+            startup_s=group_s + setup_s,
+            restore_s=restore_s,
+            startup_phases={
+                "imports_s": 0.0,
+                "build_s": 0.0,
+                "group_s": group_s,
+                "setup_s": setup_s,
+            },
+            config=self._config,
+            device=self._device,
+            run_nonce=self.nonce,
+        )
+        self.meter.flush()
+        self.start_step = self.step = int(step)
+        self._last_step_t = None
+        self._wait_s = self._save_block_s = 0.0
         self._mark = self._eval.outside()
 
     def _saving(self) -> bool:
@@ -307,6 +405,23 @@ class Run:
         return self.checkpointer
 
     # -- the loop's calls ------------------------------------------------------------------
+    def wrap(self, factory: Callable[[], Any]) -> Any:
+        """``ddp = run.wrap(lambda: DistributedDataParallel(model))``: the object built over
+        the process group, built again after each in-place regroup (hold no other reference
+        to it). Without in-place recovery: ``factory()`` itself."""
+        self._check_open("wrap")
+        return factory() if self._inplace is None else self._inplace.recovery.wrap(factory)
+
+    def recoverable(self, step: int) -> RecoverableStep:
+        """``with run.recoverable(step) as s: ...`` around one training step (its forward,
+        backward, update and ``step_done``), then ``step = s.next``. ``step``: the steps done
+        so far (``run.step``). With in-place recovery on (``recovery.inplace`` under the
+        keeper), a peer lost inside the block is recovered in place: the block ends early,
+        the states roll back and ``s.next`` is the step to redo from (``s.recovered``).
+        Otherwise ``s.next`` is ``step + 1`` and every error goes through."""
+        self._check_open("recoverable")
+        return RecoverableStep(self, step)
+
     def data_wait(self) -> DataWait:
         """``with run.data_wait(): batch = next(loader)`` -- counted as this step's data
         wait (or pass ``data_wait_s=`` to ``step_done``)."""
@@ -377,6 +492,8 @@ class Run:
         )
         self.watchdog.beat(step)  # liveness is loop progress, on every rank
         self.step = step
+        if self._inplace_ledger is not None:  # a recovery's record, once its redo is done
+            self._inplace_ledger.on_step(self, step)
         self._mark = self._eval.outside()
         return block
 
@@ -450,6 +567,8 @@ class Run:
         finally:
             if self.watchdog is not None:
                 self.watchdog.close()
+            if self._inplace_ledger is not None:
+                self._inplace_ledger.close(self)
             if self.meter is not None:
                 # an evaluation after the last step (a final one, or one a crash cut short)
                 tail = max(0.0, self._eval.read()[1] - self._eval_seen)
@@ -457,7 +576,9 @@ class Run:
             if self._lease is not None:  # after job_end: the next job may start now
                 self._lease.release()
                 self._lease = None
-            if self._made_group and dist.is_initialized():
+            if self._inplace is not None:  # the wrapped objects first, then the groups
+                self._inplace.close()
+            elif self._made_group and dist.is_initialized():
                 dist.destroy_process_group()
             self._stuck.stop()
             self._signals.restore()

@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         state_text,
     )
     from steadytrain.report.ranks import node_rows, where
+    from steadytrain.report.recoveries import recovery_lines
     from steadytrain.report.restarts import phase_words, restart_lines
     from steadytrain.report.restores import restore_lines
 
@@ -84,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
             r = a["restart"]
             say(f"  its restart: {r['wall_s']:.2f} s: {phase_words(r['phases'])}")
     for line in restart_lines(s):  # each restart, phase by phase
+        say(line)
+    for line in recovery_lines(s):  # in place or whole restart, and why
         say(line)
     for line in restore_lines(s):  # which tier each restart came back from, snapshot costs
         say(line)

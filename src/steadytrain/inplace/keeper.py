@@ -60,11 +60,13 @@ _PR_SET_PDEATHSIG = 1
 
 def imports_of(script: str) -> list[str]:
     """The absolute module names ``script`` imports at its top level (``import a.b``, ``from
-    a.b import c``), in order; what sits in functions or under ``if`` is not imported."""
+    a.b import c``), in order, those in a top-level ``try:`` too (an optional module); what
+    sits in functions or under ``if`` is not imported."""
     with open(script, "rb") as f:
         tree = ast.parse(f.read(), filename=script)
     names: list[str] = []
-    for node in tree.body:
+    body = [n for top in tree.body for n in (top.body if isinstance(top, ast.Try) else [top])]
+    for node in body:
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -139,6 +141,20 @@ def _become_child(script: str, args: Sequence[str], env: dict[str, str], keeper:
         traceback.print_exc()
         return 1
     return 0
+
+
+def _note_fallback(rank: str, why: str) -> None:
+    """Leave the reason of this whole restart in torchrun's store, where the next attempt's
+    rank 0 reads it into an ``inplace_recovery`` record (best effort, a few seconds at most:
+    the restart must not wait for it)."""
+    try:
+        from steadytrain.inplace.regroup import store
+        from steadytrain.run_inplace_step import note_fallback
+
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        note_fallback(store(5.0), attempt, int(rank), why, None)
+    except Exception as e:  # noqa: BLE001 - the reason is lost, never the restart
+        log.warning("keeper: could not note the fallback in the store: %s", e)
 
 
 def _end_like(code: int) -> None:
@@ -228,6 +244,8 @@ def main(argv: Sequence[str]) -> None:
                 file=sys.stderr,
                 flush=True,
             )
+            if on:  # for the next attempt's ledger: which path, and why (Run writes it)
+                _note_fallback(rank, f"process {death.describe()}: {why}")
             _end_like(code)
         recovered += 1
         print(

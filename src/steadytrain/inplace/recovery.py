@@ -44,6 +44,7 @@ import io
 import json
 import os
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -166,6 +167,9 @@ class Recovery:
         self._store: dist.Store | None = None
         self.regroups = 0
         self.generation = 0
+        # The newest regroup, for the caller's records (Run's inplace_recovery): the step
+        # agreed, the replaced ranks, and its phases in seconds.
+        self.last_regroup: dict[str, Any] | None = None
 
     # -- start ----------------------------------------------------------------------------
 
@@ -274,6 +278,7 @@ class Recovery:
 
     def _regroup(self, replaced: bool) -> int:
         """Join the next group, agree on the step, restore the states, rebuild. The step."""
+        t0 = time.monotonic()
         self.generation, _ = regroup.join(
             self.backend, self.rank, self.world, self.regroup_timeout_s, self._attempt
         )
@@ -281,6 +286,7 @@ class Recovery:
             held = self._held_steps(replaced)
             reports = regroup.exchange(regroup.Report(self.rank, held, replaced))
             step, source = regroup.agree(reports)
+            t_agreed = time.monotonic()
             rep: list[Any] = [self._snaps[step][0] if self.rank == source else None]
             dist.broadcast_object_list(rep, src=source)
             if replaced:
@@ -296,8 +302,18 @@ class Recovery:
                 f"rank {self.rank}: in-place restore failed ({type(e).__name__}: {e}); "
                 "torchrun's whole restart takes over"
             ) from e
+        t_restored = time.monotonic()
         for built in self._rebuilt:
             built.rebuild()
+        self.last_regroup = {
+            "step": step,
+            "replaced": [r.rank for r in reports if r.replaced],
+            "phases": {
+                "regroup_s": t_agreed - t0,
+                "restore_s": t_restored - t_agreed,
+                "rebuild_s": time.monotonic() - t_restored,
+            },
+        }
         return step
 
     def _load(self, rep: dict[str, Any], own: dict[str, Any]) -> None:

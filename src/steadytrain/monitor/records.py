@@ -161,6 +161,19 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
     # eval_s: an evaluation after the last step (no step record follows to carry it)
     "job_end": {"t": "time?", "step": "int?", "reason": "str?", "eval_s": "dur?"},
     "hang": {"t": "time?", "attempt": "int?", "step": "int?", "stuck_ranks": "ints?"},
+    # one per in-place recovery or its fallback (run_inplace.recovery_record, issue 44)
+    "inplace_recovery": {
+        "t": "time?",
+        "attempt": "int?",
+        "path": "!str",  # "in_place" or "whole_restart"
+        "failed_ranks": "ints?",
+        "from_step": "int?",
+        "step": "int?",
+        "phases": "dict?",  # seconds, values checked on use
+        "why": "str?",
+        "fallback": "str?",
+        "redo_done": "bool?",
+    },
 }
 # Any other type (keys may be added, docs/format.md part E): only these common fields.
 _COMMON = {"t": "time?", "step": "int?", "attempt": "int?"}

@@ -53,6 +53,7 @@ from steadytrain.report.ranks import (
     where,
     who,
 )
+from steadytrain.report.recoveries import recoveries_html, recovery_rows
 from steadytrain.report.restarts import attempt_rows, restart_rows, restarts_html
 from steadytrain.report.restores import RestoreLog, restores_html
 from steadytrain.storage.publish import publish_bytes
@@ -435,6 +436,7 @@ recovery point age at the end {summary["recovery_point_age_s"] or 0:.0f} s.</p>
 {"<details><summary>Live alerts (" + str(len(summary["alerts"])) + ")</summary><table><tr><th>min</th><th>step</th><th>where</th><th>alert</th><th>diagnosis</th><th>what</th></tr>" + alerts + "</table></details>" if alerts else ""}
 {"<h2>Timeline per node</h2>" + tl if (tl := img("timeline")) else ""}
 {restarts_html(summary)}
+{recoveries_html(summary)}
 {restores_html(summary)}
 {ranks_html(summary, img)}
 <h2>Throughput</h2>{img("throughput")}
@@ -497,6 +499,8 @@ def build_report(
             # last progress -> next first step, in phases (report/restarts.py)
             "attempt_phases": attempt_rows(records),
             "restart_phases": restarts,
+            # each in-place recovery or its fallback: path, reason, phases (report/recoveries.py)
+            "recoveries": recovery_rows(records.events),
             "expected_tokens_per_s": data["band"],
             # per attempt: {"band": [low, high or null], "kind": "expected" | "learned"} or
             # null, as the throughput plot shades it

@@ -28,6 +28,7 @@ from steadytrain.data.read.loader import LoaderConfig
 from steadytrain.errors import ConfigError
 from steadytrain.monitor.meter import MeterConfig
 from steadytrain.monitor.mlflow_sink import mlflow_missing
+from steadytrain.run_inplace import RecoveryConfig
 from steadytrain.settings import Text, check, check_choices, coerce, from_table, read_toml
 
 __all__ = [
@@ -276,6 +277,8 @@ class Config:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     monitor: MonitorSection = dataclasses.field(default_factory=MonitorSection)
     faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)
+    # [recovery]: in-place recovery of a process fault (steadytrain/run_inplace.py)
+    recovery: RecoveryConfig = dataclasses.field(default_factory=RecoveryConfig)
 
     def __post_init__(self) -> None:
         check(bool(self.run_dir), "run_dir", self.run_dir, "set a directory for this run")
@@ -304,6 +307,7 @@ _SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointSection,
     "monitor": MonitorSection,
     "faults": FaultConfig,
+    "recovery": RecoveryConfig,
 }
 _build_section = from_table  # the name train/faults.py imports
 

@@ -41,6 +41,17 @@ def demo_crash_steps(steps: int, every_steps: int) -> tuple[int, int]:
     return kill, min(save_kill, steps - 1)
 
 
+def _entry(inplace: bool) -> list[str]:
+    """What torchrun starts for each rank: the CLI, or the keeper running the CLI's file
+    with its lazy imports made top-level (``steadytrain/inplace/train_entry.py``)."""
+    if not inplace:
+        return ["-m", "steadytrain.cli"]
+    import steadytrain.inplace
+
+    entry = os.path.join(os.path.dirname(steadytrain.inplace.__file__), "train_entry.py")
+    return ["-m", "steadytrain.inplace.keeper", entry]
+
+
 def run_demo_training(
     run_dir: str,
     dataset: str,
@@ -54,13 +65,17 @@ def run_demo_training(
     settings: Sequence[str] = (),
     out: Callable[[str], None] | None = print,
     timeout_s: float = 600.0,
+    inplace: bool = False,
 ) -> dict[str, Any]:
     """Train the demo model under torchrun with injected crashes; returns the outcome.
 
     ``crashes``: steps at which rank 0 is SIGKILLed mid-step; ``save_crashes``: checkpoint
     steps at which rank 0 is SIGKILLed while that save is in flight (default: one of each, see
     ``demo_crash_steps``). ``settings``: extra ``--set key=value`` overrides. Output lines of
-    the ranks and of torchrun's agent go to ``out`` (None: silent).
+    the ranks and of torchrun's agent go to ``out`` (None: silent). ``inplace``: every rank
+    runs under the keeper (``steadytrain.inplace.keeper``) with ``recovery.inplace`` on, so a
+    killed rank is replaced in place and the survivor keeps its process (docs/operations.md,
+    "In-place recovery"); torchrun's whole restart stays the fallback.
     """
     from steadytrain.errors import SteadyError
 
@@ -90,8 +105,7 @@ def run_demo_training(
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_ports(1)[0]}",
         "--monitor-interval=0.2",
-        "-m",
-        "steadytrain.cli",
+        *_entry(inplace),
         "train",
         "demo",
         "--set",
@@ -103,6 +117,8 @@ def run_demo_training(
         "--set",
         f"checkpoint.every_steps={every_steps}",
     ]
+    if inplace:  # snapshots in memory every 5 steps: a mid-step fault redoes at most 4
+        cmd += ["--set", "recovery.inplace=true", "--set", "recovery.every_steps=5"]
     for s in settings:
         cmd += ["--set", s]
     env = dict(
@@ -110,9 +126,13 @@ def run_demo_training(
         STEADYTRAIN_FAULTS=faults,
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
-        # Fresh rendezvous store per attempt: the shared one breaks restarts (pytorch#135712).
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
     )
+    if not inplace:
+        # Fresh rendezvous store per attempt: the shared one breaks restarts (pytorch#135712).
+        # In place, the keeper needs the shared one; its groups use per-attempt prefixes.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    else:
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     say = out or (lambda _line: None)
     say(
         f"[demo] torchrun: {nproc} ranks on CPU, {steps} steps, async checkpoint every "
@@ -167,6 +187,8 @@ class _Presenter:
             self.failure_told = False
         if line.startswith(("[train]", "[fault]")):
             return line
+        if line.startswith("steadytrain.inplace: "):  # the keeper: in place, or why not
+            return "[keeper] " + line[len("steadytrain.inplace: ") :]
         if line.startswith("steadytrain train: error:"):
             return "[error] " + line[len("steadytrain train: error:") :].strip()
         m = _EXIT.search(line)
@@ -207,6 +229,8 @@ def _summarise(run_dir: str, wall_s: float, crashes: list[int]) -> dict[str, Any
         "goodput": report["goodput"],
         "breakdown": {k: report[k] for k in BREAKDOWN_KEYS if k in report},
         "job_state": report.get("job_state"),
+        # each recovery: in place or whole restart, why, its phases (report/recoveries.py)
+        "recoveries": report.get("recoveries") or [],
         "report": report.get("html") or report.get("json"),
         "report_json": report.get("json"),
         "ledger": path,

@@ -42,6 +42,7 @@ attempt appends) so runs can be compared.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -63,6 +64,7 @@ from steadytrain.ddp import exact_ddp
 from steadytrain.errors import CheckpointError
 from steadytrain.redact import redact
 from steadytrain.run import Run
+from steadytrain.run_inplace import decide
 from steadytrain.storage.publish import publish_bytes
 from steadytrain.train.config import Config
 from steadytrain.train.evaluation import eval_batches, evaluate
@@ -139,7 +141,24 @@ def run_training(
     pg_timeout = (
         timedelta(seconds=cfg.train.backend_timeout_s) if cfg.train.backend_timeout_s else None
     )
-    if "MASTER_ADDR" in os.environ:
+    # In-place recovery ([recovery], steadytrain/run_inplace.py): under the keeper, Run forms
+    # the group itself (on a prefix a regroup can renew) and rebuilds DDP after a regroup.
+    recovery = cfg.recovery
+    if recovery.inplace and (use_cuda or cfg.train.parallel != "ddp"):
+        if rank == 0:
+            say("in-place recovery is off: it is proven with DDP on CPU (gloo) only; a fault "
+                "restarts the job")  # fmt: skip
+        recovery = dataclasses.replace(recovery, inplace=False)
+    inplace, _ = decide(
+        recovery,
+        os.environ,
+        world_size=world,
+        group_exists=False,
+        rebuildable_checkpoint=cfg.checkpoint.engine != "torch_save",
+    )
+    if inplace:
+        pass  # Run forms the group
+    elif "MASTER_ADDR" in os.environ:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=pg_timeout)
     else:  # plain `steadytrain train`: a one-rank group, so every code path is the same
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -148,7 +167,7 @@ def run_training(
     # newest recovery point), fetch threads and loader workers stop, the ledger gets its
     # job_end (with the error, if any), and the process group goes last.
     with contextlib.ExitStack() as closing:
-        closing.callback(dist.destroy_process_group)
+        closing.callback(lambda: dist.is_initialized() and dist.destroy_process_group())
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         if cfg.train.deterministic:
@@ -188,15 +207,19 @@ def run_training(
             ),
             seed=cfg.seed,
         ).to(device)
+
+        def make_ddp() -> Any:
+            # exact_ddp: every step reduces its gradients in the same bucket layout, in every
+            # attempt, so a resumed run stays bit-exact on 3+ ranks too (steadytrain/ddp.py).
+            return exact_ddp(DDP(model, device_ids=[local_rank] if use_cuda else None))
+
         if cfg.train.parallel == "fsdp":
             for block in model.blocks:
                 fully_shard(block)
             fully_shard(model)
             ddp_model = model
-        else:
-            # exact_ddp: every step reduces its gradients in the same bucket layout, in every
-            # attempt, so a resumed run stays bit-exact on 3+ ranks too (steadytrain/ddp.py).
-            ddp_model = exact_ddp(DDP(model, device_ids=[local_rank] if use_cuda else None))
+        elif not inplace:  # in place: after Run formed the group (run.wrap, below)
+            ddp_model = make_ddp()
         # bf16 autocast on GPU; fp32 on CPU (exact and, at this size, no slower).
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda else nullcontext()
 
@@ -244,9 +267,12 @@ def run_training(
             config=redact(cfg.to_dict()),  # the ledger and MLflow params never hold secrets
             device=device.type,  # "auto" resolved: the alerts' advice fits the hardware
             backend_timeout_s=cfg.train.backend_timeout_s or None,
+            recovery=recovery,
             say=say,
         )
         closing.enter_context(run)  # its exit: final save, in-flight save, watchdog, ledger
+        if inplace:  # built again after each in-place regroup (hold no other reference)
+            ddp_model = run.wrap(make_ddp)
         step = run.start_step
         if step != state.step:
             raise CheckpointError(
@@ -284,75 +310,79 @@ def run_training(
         batches = iter(loader)
         t_log, tokens_log, wait_log, block_log = time.perf_counter(), 0, 0.0, 0.0
         while step < total:
-            t0 = time.perf_counter()
-            data_wait = faults.before_data(step + 1)  # an injected slow/stalled read
-            forward_s = 0.0  # local compute before any collective (DDP syncs in backward)
-            losses = []
-            for micro in range(accum):
-                t_data = time.perf_counter()
-                batch = next(batches)
-                data_wait += time.perf_counter() - t_data
-                x = batch["input_ids"].to(device, non_blocking=True)
-                y = batch["labels"].to(device, non_blocking=True)
-                if shift_labels:  # data.labels = "same": next-token targets, last one ignored
-                    y = F.pad(y[:, 1:], (0, 1), value=-100)  # cross_entropy's ignore_index
-                trace.add(batch)  # its sample ids, when tracing
-                # Gradients are all-reduced once per step, on the last micro-batch.
-                sync = micro == accum - 1 or cfg.train.parallel == "fsdp"
-                with nullcontext() if sync else ddp_model.no_sync(), autocast:
-                    t_fwd = time.perf_counter()
-                    _, loss = ddp_model(x, y)
-                    forward_s += time.perf_counter() - t_fwd
-                (loss / accum).backward()
-                losses.append(loss.detach())
-            faults.mid_step(step + 1)  # an injected crash between backward and update
-            if cfg.optim.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            optim.step()
-            sched.step()
-            optim.zero_grad(set_to_none=True)
-            step += 1
-            state.step, state.tokens = step, state.tokens + tokens_per_step
-            # The reported loss is the mean over all ranks (one small all-reduce).
-            local_loss = torch.stack(losses).mean().float().cpu()
-            global_loss = local_loss.clone()
-            dist.all_reduce(global_loss)
-            global_loss = float(global_loss) / world
+            # A peer lost inside the block, with in-place recovery on: the states roll back
+            # and s.next is the step to redo from (Run.recoverable); otherwise step + 1.
+            with run.recoverable(step) as s:
+                t0 = time.perf_counter()
+                data_wait = faults.before_data(step + 1)  # an injected slow/stalled read
+                forward_s = 0.0  # local compute before any collective (DDP syncs in backward)
+                losses = []
+                for micro in range(accum):
+                    t_data = time.perf_counter()
+                    batch = next(batches)
+                    data_wait += time.perf_counter() - t_data
+                    x = batch["input_ids"].to(device, non_blocking=True)
+                    y = batch["labels"].to(device, non_blocking=True)
+                    if shift_labels:  # data.labels = "same": next-token targets, last one ignored
+                        y = F.pad(y[:, 1:], (0, 1), value=-100)  # cross_entropy's ignore_index
+                    trace.add(batch)  # its sample ids, when tracing
+                    # Gradients are all-reduced once per step, on the last micro-batch.
+                    sync = micro == accum - 1 or cfg.train.parallel == "fsdp"
+                    with nullcontext() if sync else ddp_model.no_sync(), autocast:
+                        t_fwd = time.perf_counter()
+                        _, loss = ddp_model(x, y)
+                        forward_s += time.perf_counter() - t_fwd
+                    (loss / accum).backward()
+                    losses.append(loss.detach())
+                faults.mid_step(step + 1)  # an injected crash between backward and update
+                if cfg.optim.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+                optim.step()
+                sched.step()
+                optim.zero_grad(set_to_none=True)
+                step += 1
+                state.step, state.tokens = step, state.tokens + tokens_per_step
+                # The reported loss is the mean over all ranks (one small all-reduce).
+                local_loss = torch.stack(losses).mean().float().cpu()
+                global_loss = local_loss.clone()
+                dist.all_reduce(global_loss)
+                global_loss = float(global_loss) / world
 
-            # Checkpoint if due (every rank snapshots, the write continues in the background),
-            # record the step, beat the hang watchdog: one call (steadytrain/run.py).
-            block_s = run.step_done(
-                step,
-                tokens=tokens_per_step,
-                loss=global_loss,
-                data_wait_s=data_wait,
-                compute_s=max(0.0, time.perf_counter() - t0 - data_wait),
-                tokens_seen=state.tokens,
-                forward_s=forward_s,
-                loader=loader,
-            )
-            faults.after_save_started(step)  # an injected crash while that save is written
-            trace.write(step, global_loss, float(local_loss), sched.get_last_lr()[0])
-            if eval_set and step % cfg.train.eval_every == 0:
-                # A legitimately long part of the loop: the watchdog gives it the eval
-                # phase's deadline (phases.eval_s, default checkpoint_s), and the ledger
-                # books its seconds in the eval bucket (Run.phase).
-                with run.phase("eval"):
-                    eval_loss = evaluate(model, eval_set, device, shift_labels=shift_labels,
-                                         autocast=autocast)  # fmt: skip
-                if rank == 0:
-                    say(f"eval at step {step}: loss {eval_loss:.4f}")
-            tokens_log += tokens_per_step
-            wait_log += data_wait
-            block_log += block_s
-            if rank == 0 and (step % cfg.train.log_every == 0 or step == total):
-                dt = time.perf_counter() - t_log
-                say(
-                    f"step {step:>5}/{total} | loss {global_loss:.4f} | "
-                    f"{tokens_log / dt / 1e3:7.1f}k tok/s | data wait {100 * wait_log / dt:4.1f}% "
-                    f"| ckpt block {block_log * 1e3:5.1f} ms | goodput {goodput_so_far(run.meter)}"
+                # Checkpoint if due (every rank snapshots, the write continues in the background),
+                # record the step, beat the hang watchdog: one call (steadytrain/run.py).
+                block_s = run.step_done(
+                    step,
+                    tokens=tokens_per_step,
+                    loss=global_loss,
+                    data_wait_s=data_wait,
+                    compute_s=max(0.0, time.perf_counter() - t0 - data_wait),
+                    tokens_seen=state.tokens,
+                    forward_s=forward_s,
+                    loader=loader,
                 )
-                t_log, tokens_log, wait_log, block_log = time.perf_counter(), 0, 0.0, 0.0
+                faults.after_save_started(step)  # an injected crash while that save is written
+                trace.write(step, global_loss, float(local_loss), sched.get_last_lr()[0])
+                if eval_set and step % cfg.train.eval_every == 0:
+                    # A legitimately long part of the loop: the watchdog gives it the eval
+                    # phase's deadline (phases.eval_s, default checkpoint_s), and the ledger
+                    # books its seconds in the eval bucket (Run.phase).
+                    with run.phase("eval"):
+                        eval_loss = evaluate(model, eval_set, device, shift_labels=shift_labels,
+                                             autocast=autocast)  # fmt: skip
+                    if rank == 0:
+                        say(f"eval at step {step}: loss {eval_loss:.4f}")
+                tokens_log += tokens_per_step
+                wait_log += data_wait
+                block_log += block_s
+                if rank == 0 and (step % cfg.train.log_every == 0 or step == total):
+                    dt = time.perf_counter() - t_log
+                    say(
+                        f"step {step:>5}/{total} | loss {global_loss:.4f} | "
+                        f"{tokens_log / dt / 1e3:7.1f}k tok/s | data wait {100 * wait_log / dt:4.1f}% "
+                        f"| ckpt block {block_log * 1e3:5.1f} ms | goodput {goodput_so_far(run.meter)}"
+                    )
+                    t_log, tokens_log, wait_log, block_log = time.perf_counter(), 0, 0.0, 0.0
+            step = s.next
 
         # -- 7. Finish: the final state is committed (`closing` closes the rest) -----------
         run.finish()  # the last step, even when it is not a multiple of every_steps
