@@ -208,3 +208,50 @@ def test_meter_step_measures_the_step_and_samples_memory(tmp_path):
     assert ["rss_bytes" in s for s in steps] == [True, False, True, False, True]
     assert all(s["rss_bytes"] > 0 and s["shm_bytes"] >= 0 for s in steps if "rss_bytes" in s)
     assert all(s["step_s"] >= 0 for s in steps)
+
+
+class _SlowSink:
+    """A sink that takes as long to open as the test says (MLflow: its import and store)."""
+
+    opened = None  # threading.Event the test sets
+    got: list = []
+
+    def __init__(self, **_context) -> None:
+        assert _SlowSink.opened.wait(60), "the test never let it open"
+        _SlowSink.got = []
+
+    def write(self, records, live) -> None:
+        _SlowSink.got += records
+
+    def close(self, reason: str = "finished") -> None:
+        pass
+
+
+def test_a_slow_sink_opening_does_not_hold_up_the_ledger_and_misses_nothing(tmp_path,
+                                                                           monkeypatch):  # fmt: skip
+    """Run flushes the attempt's job_start before step 1; a sink that takes seconds to open
+    (MLflow) must not hold that up (it cost a replaced rank's first step 1.5-5 s), and once
+    open it gets every record it missed, in order."""
+    import threading
+
+    from steadytrain.monitor import meter as meter_mod
+    from steadytrain.monitor import sinks as sinks_mod
+
+    _SlowSink.opened = threading.Event()
+    monkeypatch.setitem(sinks_mod.SINKS, "slow", _SlowSink)
+    monkeypatch.setattr(meter_mod, "SLOW_SINKS", ("slow",))
+    m = GoodputMeter(tmp_path, sinks=("jsonl", "slow"), total_steps=4)
+    try:
+        m.job_start()
+        m.flush(timeout=20)  # returns with the sink still opening (it waits for the Event)
+        assert [r["type"] for r in read_ledger(tmp_path)] == ["job_start"]
+        assert not _SlowSink.opened.is_set()
+        m.step(1, tokens=8, data_wait_s=0.0, compute_s=0.0)
+        _SlowSink.opened.set()
+        m.step(2, tokens=8, data_wait_s=0.0, compute_s=0.0)
+    finally:
+        _SlowSink.opened.set()
+        m.close()
+    ledger = [(r["type"], r.get("step")) for r in read_ledger(tmp_path)]
+    assert [(r["type"], r.get("step")) for r in _SlowSink.got] == ledger
+    assert ledger[0] == ("job_start", None) and ("step", 2) in ledger
