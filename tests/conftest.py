@@ -57,7 +57,12 @@ WEIGHTS = {"packaging": 40.0, "e2e": 40.0, "dist": 15.0, "s3": 3.0}
 WEIGHT_DEFAULT = 1.0
 LOAD_MODES = ("load", "loadscope", "loadfile", "loadgroup", "worksteal")
 UNITS_FILE = "steadytrain_units_file"  # the workerinput key: where a worker writes its units
+FROM_TESTPATHS = "steadytrain_from_testpaths"  # the workerinput key: see _from_testpaths
 _UNITS_PATH = pytest.StashKey[Path]()
+# What this session collected from ``testpaths`` before any deselection: test files that gave
+# tests, and modules that skipped themselves (``session_collection``).
+_COLLECTED = pytest.StashKey[set[str]]()
+_SKIPPED: set[str] = set()  # one session per process (an xdist worker is a process)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -103,8 +108,37 @@ def _weight(item: pytest.Item) -> float:
     return WEIGHT_DEFAULT
 
 
+def _from_testpaths(config: pytest.Config) -> bool:
+    """Whether this session collected what the test command collects: ``testpaths``, no
+    paths given and nothing ignored on the command line. An xdist worker is given the
+    controller's arguments as paths, so the controller says it (``pytest_configure_node``)."""
+    workerinput: dict[str, Any] | None = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        return bool(workerinput.get(FROM_TESTPATHS, False))
+    ignored = config.getoption("ignore", None) or config.getoption("ignore_glob", None)
+    narrowed = config.getoption("lf", False)  # --last-failed skips whole files
+    return config.args_source == pytest.Config.ArgsSource.TESTPATHS and not (ignored or narrowed)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.skipped and report.nodeid.endswith(".py"):  # a module that skipped itself
+        _SKIPPED.add(report.nodeid)
+
+
+@pytest.fixture(scope="session")
+def session_collection(request: pytest.FixtureRequest) -> tuple[set[str], set[str]] | None:
+    """``(files that gave tests, modules that skipped themselves)`` as this session collected
+    them from ``testpaths`` before ``-m``/``-k`` deselected anything; None when the session
+    was given paths (then it saw only part of the suite)."""
+    config = request.config
+    if not _from_testpaths(config) or _COLLECTED not in config.stash:
+        return None
+    return set(config.stash[_COLLECTED]), set(_SKIPPED)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[_COLLECTED] = {item.nodeid.split("::", 1)[0] for item in items}
     for item in items:
         mark = FOLDER_MARKS.get(_folder(item))
         if mark and not item.get_closest_marker(mark):
@@ -133,6 +167,7 @@ def pytest_configure_node(node: Any) -> None:
     if _UNITS_PATH not in stash:
         stash[_UNITS_PATH] = Path(tempfile.mkdtemp(prefix="steadytrain-units-")) / "units.json"
     node.workerinput[UNITS_FILE] = str(stash[_UNITS_PATH])
+    node.workerinput[FROM_TESTPATHS] = _from_testpaths(node.config)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from steadytrain.testing import forkserver
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -24,16 +25,19 @@ WORKER = os.path.join(os.path.dirname(__file__), "ddp_resume_worker.py")
 
 def launch(tmp_path, world: int, *variants: str) -> dict:
     out, init = tmp_path / f"out-{world}.json", tmp_path / f"init-{world}"
+    # Ranks forked from the fork server (torch imported once per test process, not once
+    # per rank): the all-reduce order under test depends on the buckets, not on start-up.
     procs = [
-        subprocess.Popen(
+        forkserver.popen(
             [sys.executable, WORKER, "--rank", str(r), "--world", str(world)]
             + ["--init", str(init), "--out", str(out), "--variants", *variants],
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         for r in range(world)
     ]
-    codes = [p.wait(timeout=240) for p in procs]
-    assert codes == [0] * world, f"rank exit codes {codes}"
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * world, f"rank exit codes {codes}: " + "\n".join(o[-2000:] for o in outs)
     return json.loads(out.read_text())
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from steadytrain.testing import forkserver
 
 HERE = os.path.join(os.path.dirname(__file__), "checkpoint")
 sys.path.insert(0, HERE)
@@ -60,10 +61,8 @@ def test_two_rank_fsdp_checkpoint_exports_for_stock_dcp(tmp_path) -> None:
     assert commit["world"]["tensor_format"] == "raw"
     assert {f["rank"] for f in commit["files"]} == {0, 1}
     dest = tmp_path / "plain"
-    out = subprocess.run(
-        [CLI, "export", root, "--to", "dcp", "--out", str(dest), "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    out = forkserver.run([CLI, "export", root, "--to", "dcp", "--out", str(dest), "--json"],
+                         timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["step"] == 4
     assert sorted(n for n in os.listdir(dest) if n.startswith("__")) == [
@@ -71,8 +70,8 @@ def test_two_rank_fsdp_checkpoint_exports_for_stock_dcp(tmp_path) -> None:
     ]  # fmt: skip
     script = tmp_path / "reader.py"
     script.write_text(READER)
-    got = subprocess.run(
-        [sys.executable, str(script), str(dest), f"{ref}.fsdp.rank0"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+    # Forked too: the server never imports steadytrain, so the reader's own check
+    # (``"steadytrain" not in sys.modules``) still holds.
+    got = forkserver.run([sys.executable, str(script), str(dest), f"{ref}.fsdp.rank0"],
+                         timeout=300, cwd=str(tmp_path))  # fmt: skip
     assert got.returncode == 0 and "READ OK" in got.stdout, got.stdout + got.stderr[-3000:]

@@ -19,6 +19,7 @@ import pytest
 
 from steadytrain.checkpoint.inspect import list_checkpoints
 from steadytrain.monitor.ledger import read_ledger
+from steadytrain.testing import forkserver
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
@@ -34,16 +35,13 @@ def _port() -> int:
 def _job(run_dir: str, *flags: str) -> list[subprocess.CompletedProcess]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())}
     env.update(WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    # Forked from the fork server (stdout and stderr in one pipe): nothing here is about
+    # start-up, and a fresh interpreter per rank costs seconds of CPU.
     procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, run_dir, *flags],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        forkserver.popen([sys.executable, WORKER, run_dir, *flags],
+                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
         for r in range(2)
-    ]
+    ]  # fmt: skip
     out = []
     for p in procs:
         stdout, _ = p.communicate(timeout=150)

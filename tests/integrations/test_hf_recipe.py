@@ -19,8 +19,6 @@ import textwrap
 
 import pytest
 
-import steadytrain.integrations.hf as hf
-
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,6 +35,10 @@ model = LlamaForCausalLM(LlamaConfig(
 
 def docstring_recipe() -> str:
     """The indented block after the docstring's first ``::``."""
+    # Imported here, not at the top: the module imports transformers (1-2 s of CPU), which
+    # every test process would pay at collection, the inner loop's too (this file is e2e).
+    import steadytrain.integrations.hf as hf
+
     doc = hf.__doc__ or ""
     body = doc.split("::\n", 1)[1]
     lines = []
@@ -93,6 +95,7 @@ def test_hf_recipe_runs_as_written_and_resumes(dataset: str, tmp_path) -> None:
 def test_a_token_loader_as_the_trainers_data_is_refused_with_the_fix(dataset, tmp_path):
     from transformers import Trainer, TrainingArguments
 
+    import steadytrain.integrations.hf as hf
     from steadytrain import TokenDataset, TokenLoader
     from steadytrain.errors import ConfigError
 

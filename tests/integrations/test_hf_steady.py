@@ -14,13 +14,18 @@ no sample is read twice.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from example_runs import SAVE_CRASH, STEPS, assert_restored, run_kills
 from harness import assert_same_run
 
-pytest.importorskip("transformers")
-
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+# Looked up, not imported: importing transformers costs seconds of CPU in every test process
+# that collects this file, the inner loop's too (it leaves this e2e file out after collection).
+NEEDS_TRANSFORMERS = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="no transformers"
+)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), NEEDS_TRANSFORMERS]
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

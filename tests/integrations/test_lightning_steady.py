@@ -13,13 +13,18 @@ uninterrupted run's (``exact_ddp`` through ``ExactResume`` at 3 ranks).
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from example_runs import SAVE_CRASH, STEPS, assert_restored, run_kills
 from harness import assert_same_run
 
-pytest.importorskip("lightning.pytorch")
-
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+# Looked up, not imported: importing lightning costs seconds of CPU in every test process
+# that collects this file, the inner loop's too (it leaves this e2e file out after collection).
+NEEDS_LIGHTNING = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason="no lightning"
+)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), NEEDS_LIGHTNING]
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

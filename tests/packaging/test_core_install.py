@@ -75,10 +75,15 @@ def wheel(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def core_venv(tmp_path_factory, wheel):
     venv = str(tmp_path_factory.mktemp("core") / "venv")
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
+    # ensurepip alone took over 120 s at load ~25 (CI: 4 workers on 2 cores): a generous limit
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=600)
     # The built wheel, no extras, exact versions from the lock: what the README's wheel
     # install gives a user, minus the network lottery.
-    res = _pip(venv, "install", "-q", "-c", os.path.join(REPO, "constraints.txt"), wheel)
+    # --no-compile: pip would byte-compile every installed .py, torch's and numpy's 2,800
+    # files among them (~12 s of CPU measured here, compileall of the same files), for
+    # .pyc files a handful of imports below would write anyway. Nothing here is about them.
+    constraints = os.path.join(REPO, "constraints.txt")
+    res = _pip(venv, "install", "-q", "--no-compile", "-c", constraints, wheel)
     assert res.returncode == 0, res.stderr[-3000:]
     yield venv
     shutil.rmtree(os.path.dirname(venv), ignore_errors=True)  # ~1 GB: do not leave it

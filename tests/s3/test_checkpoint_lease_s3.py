@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 
 from steadytrain.storage.store import Store
+from steadytrain.testing import forkserver
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(300)]
 
@@ -53,14 +53,14 @@ def test_claims_from_two_writers_on_one_bucket_never_share_a_directory(
     s3_server, s3_bucket, tmp_path
 ):
     go = tmp_path / "go"
+    # Every process here is forked from the fork server (torch imported once per test
+    # process): each is still a process of its own, with its own pid, lease and client.
     procs = [
-        subprocess.Popen(
+        forkserver.popen(
             [sys.executable, "-c", CLAIMER, str(tmp_path / f"node{i}"), s3_bucket, str(go)]
             + [str(tmp_path / f"ready{i}")],
             env=_env(s3_server),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            merge=False,
         )
         for i in (0, 1)
     ]
@@ -84,27 +84,22 @@ def test_claims_from_two_writers_on_one_bucket_never_share_a_directory(
 def test_a_second_job_on_the_same_remote_root_is_refused(s3_server, s3_bucket, tmp_path):
     ready = tmp_path / "a.ready"
     env = _env(s3_server)
-    a = subprocess.Popen(
+    a = forkserver.popen(
         [sys.executable, WORKER, str(tmp_path / "a"), "--base", "1000", "--steps", "1"]
         + ["--hold", "--ready", str(ready), "--remote", s3_bucket],
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
     try:
         deadline = time.monotonic() + 120
         while not ready.exists():
-            assert a.poll() is None, a.stdout.read()
+            assert a.poll() is None, a.communicate(timeout=60)[0]
             assert time.monotonic() < deadline, "job a never held the root"
             time.sleep(0.05)
         # Another node: its own local directory, the same bucket prefix.
-        b = subprocess.run(
+        b = forkserver.run(
             [sys.executable, WORKER, str(tmp_path / "b"), "--base", "2000", "--steps", "1"]
             + ["--remote", s3_bucket],
             env=env,
-            capture_output=True,
-            text=True,
             timeout=120,
         )
         assert b.returncode == 3, b.stdout + b.stderr

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from html import escape as html_escape
 
@@ -16,6 +15,7 @@ import pytest
 from steadytrain.monitor.meter import MeterConfig
 from steadytrain.monitor.mlflow_sink import MlflowSink, mlflow_missing, ui_command
 from steadytrain.redact import REDACTED
+from steadytrain.testing import forkserver
 from steadytrain.train.config import MonitorSection, load_config
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e", "train"))
@@ -136,7 +136,7 @@ def _train(run_dir, dataset, *extra, driver=None):
     ]:
         cmd += ["--set", s]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
+    return forkserver.run(cmd, env=env, timeout=200)
 
 
 def test_train_logs_redacted_config_to_ledger_mlflow_and_report(tmp_path) -> None:
@@ -161,10 +161,9 @@ def test_train_logs_redacted_config_to_ledger_mlflow_and_report(tmp_path) -> Non
     assert params["data.seq_len"] == "64" and params["train.max_steps"] == "4"
     assert params["checkpoint.storage_options.secret"] == REDACTED
     assert _history(client, run_id, "dataloader/fetch_seconds/rank_0")  # the Databricks name
-    rep = subprocess.run(
-        [sys.executable, "-m", "steadytrain.cli", "report", str(run), "--json"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    rep = forkserver.run(
+        [sys.executable, "-m", "steadytrain.cli", "report", str(run), "--json"], timeout=120
+    )
     assert rep.returncode == 0, rep.stderr[-2000:]
     summary = json.loads(rep.stdout)
     assert summary["config"]["checkpoint"]["storage_options"]["secret"] == REDACTED

@@ -5,6 +5,12 @@ pytest's default ``norecursedirs`` skips any directory named ``dist``, ``build``
 the command line, never in ``./run.sh test`` or CI. This test runs the suite's own
 collection, as the test command does (no paths: ``testpaths``), and asks that every
 ``test_*.py`` under ``tests/`` contributes tests or says why it skipped.
+
+A session that itself collected from ``testpaths`` (``./run.sh test``, ``./run.sh quick``,
+CI: no paths given) has just done that collection, with the same configuration: the test
+reads it (``session_collection`` in tests/conftest.py, recorded before ``-m``/``-k``
+deselect) instead of paying a second whole collection (~20 s of CPU: every test module,
+torch included). Run on its own (a path given), it starts that collection itself.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_every_test_file_is_collected_by_the_test_command() -> None:
+def _collect() -> tuple[set[str], set[str]]:
+    """The test command's collection, in a pytest of its own: (files that gave tests,
+    modules that skipped themselves)."""
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-rs", "-p", "no:cacheprovider"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -29,6 +37,11 @@ def test_every_test_file_is_collected_by_the_test_command() -> None:
         f for f in glob.glob("tests/**/test_*.py", root_dir=REPO, recursive=True)
         if f in out.stdout and f not in collected
     }  # fmt: skip
+    return collected, skipped
+
+
+def test_every_test_file_is_collected_by_the_test_command(session_collection) -> None:
+    collected, skipped = session_collection or _collect()
     on_disk = set(glob.glob("tests/**/test_*.py", root_dir=REPO, recursive=True))
     assert len(on_disk) > 50  # the glob itself works
     missing = sorted(on_disk - collected - skipped)

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from steadytrain.testing import forkserver
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e", "train"))
 
 from harness import BASE_SETTINGS, effective, ledger, make_dataset, read_trace  # noqa: E402
@@ -28,7 +30,7 @@ def _train(run_dir: str, dataset: str, *extra: str) -> subprocess.CompletedProce
     for s in [*BASE_SETTINGS, f"run_dir={run_dir}", f"data.dataset={dataset}", *extra]:
         cmd += ["--set", s]
     env = dict(os.environ, STEADYTRAIN_FAULTS="", OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
+    return forkserver.run(cmd, env=env, timeout=200)
 
 
 def _stream(dataset: str, config: dict, steps: int) -> list[list[int]]:

@@ -10,7 +10,6 @@ import inspect
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from steadytrain.monitor.alerts import AlertConfig
 from steadytrain.monitor.meter import GoodputMeter, MeterConfig
 from steadytrain.settings import InvalidSetting
 from steadytrain.storage.retry import ENV_VARS, RetryPolicy
+from steadytrain.testing import forkserver
 from steadytrain.train.config import (
     config_from_dict,
     load_config,
@@ -356,7 +356,7 @@ def test_the_loop_hands_each_table_to_its_component(tmp_path) -> None:
     for s in settings:
         cmd += ["--set", s]
     env = dict(os.environ, STEADYTRAIN_FAULTS="", OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    done = forkserver.run(cmd, env=env, timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     kept = sorted(i.step for i in discover(Root(str(run / "checkpoints"))) if i.committed)
     assert kept == [4, 8, 10]  # the newest 2 (8, 10) and the milestones (4, 8)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from steadytrain.cli import main
 from steadytrain.errors import ConfigError
+from steadytrain.testing import forkserver
 from steadytrain.train.config import config_from_dict
 from steadytrain.train.support import check_world_sizes
 
@@ -74,7 +74,7 @@ def _train(run_dir: str, dataset: str, env: dict[str, str], *settings: str):
         "OMP_NUM_THREADS": "1",
         **env,
     }
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    return forkserver.run(cmd, env=env, timeout=100)
 
 
 def test_train_refuses_a_world_size_that_cannot_split_the_batch(tmp_path) -> None:

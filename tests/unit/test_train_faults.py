@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+from steadytrain.testing import forkserver
 from steadytrain.train.config import FaultConfig
 from steadytrain.train.faults import FaultInjector
 
@@ -25,9 +26,7 @@ for step in range(1, 6):
 
 
 def _run(run_dir: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", CHILD, run_dir], capture_output=True, text=True, timeout=60
-    )
+    return forkserver.run([sys.executable, "-c", CHILD, run_dir], timeout=60)
 
 
 def test_scheduled_crashes_are_sigkill_and_fire_once(tmp_path) -> None:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from steadytrain.testing import forkserver
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e", "train"))
 
@@ -52,7 +53,7 @@ def _train(tmp_path, dataset: str, labels: str) -> tuple[np.ndarray, np.ndarray,
     for s in settings:
         cmd += ["--set", s]
     env = dict(os.environ, STEADYTRAIN_FAULTS="", OMP_NUM_THREADS="1")
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    res = forkserver.run(cmd, env=env, timeout=150)
     assert res.returncode == 0, res.stderr[-3000:]
     with np.load(out) as z:
         x, y = z["x"], z["y"]
