@@ -34,7 +34,6 @@ import atexit
 import logging
 import operator
 import os
-import threading
 import time
 import weakref
 from collections import deque
@@ -61,11 +60,6 @@ from steadytrain.monitor.straggler_live import StragglerCheck
 from steadytrain.settings import merge
 
 __all__ = ["GoodputMeter", "MeterConfig", "shm_used_bytes"]
-
-# Sinks opened in a thread of their own (``Meter._open_sinks``): seconds to open, and nothing
-# of the job's start-up may wait for them. A close waits this long for one still opening.
-SLOW_SINKS = ("mlflow",)
-SLOW_SINK_OPEN_S = 60.0
 
 log = logging.getLogger("steadytrain.monitor")
 
@@ -148,12 +142,6 @@ class GoodputMeter:
             **cfg.sink_options,  # e.g. window_s / flush_s for MLflow, refresh_s for console
         }
         self._sinks: list[Any] = []
-        # Sinks that take seconds to open (MLflow: its import and SQLite store) open in a
-        # thread of their own, so the ledger's first records (the attempt's job_start, which
-        # Run flushes before step 1) do not wait for them; what they miss meanwhile is kept
-        # in ``_backlog`` and handed to each when it is ready (``_attach_opened``).
-        self._opening: list[tuple[threading.Thread, list[Any]]] = []
-        self._backlog: list[tuple[str, Any]] = []
         # Every straggler_every_s, rank 0's thread reads every rank's new records (the rank
         # files) for the per-rank MLflow windows and the live straggler check.
         self._poller: RankPoller | None = None
@@ -413,54 +401,15 @@ class GoodputMeter:
         if self.config.per_rank:
             self._ranks.open()
         for spec in self.config.sinks:
-            if spec in SLOW_SINKS:
-                made: list[Any] = []
-                t = threading.Thread(target=self._open_one, args=(spec, made), daemon=True,
-                                     name=f"steadytrain-meter-open-{spec}")  # fmt: skip
-                t.start()
-                self._opening.append((t, made))
-                continue
-            self._open_one(spec, self._sinks)
-            if self._sinks and isinstance(self._sinks[-1], JsonlSink) and self._jsonl is None:
-                self._jsonl = self._sinks[-1]
-
-    def _open_one(self, spec: Any, into: list[Any]) -> None:
-        try:
-            into.append(make_sink(spec, **self._sink_context))
-        except Exception:
-            log.exception("meter sink %r could not start; continuing without it", spec)
-
-    def _attach_opened(self, wait_s: float = 0.0) -> None:
-        """Hand each slow sink that has opened (waiting up to ``wait_s`` for them) what it
-        missed, in order, then make it a sink like the others."""
-        deadline = time.monotonic() + wait_s
-        still = []
-        for t, made in self._opening:
-            t.join(max(0.0, deadline - time.monotonic()) if wait_s else 0.0)
-            if t.is_alive():
-                still.append((t, made))
-                continue
-            for sink in made:
-                try:
-                    for kind, item in self._backlog:
-                        if kind == "records":
-                            sink.write(item, self.live)
-                        elif (log_rows := getattr(sink, "log_rank_windows", None)) is not None:
-                            log_rows(item)
-                    self._sinks.append(sink)
-                except Exception:
-                    log.exception("meter sink %r failed; switching it off",
-                                  getattr(sink, "name", sink))  # fmt: skip
-        if wait_s and still:
-            log.warning("meter sinks still opening after %.0f s (%s): closing without them",
-                        wait_s, ", ".join(t.name for t, _ in still))  # fmt: skip
-            still = []
-        self._opening = still
-        if not still:
-            self._backlog = []
+            try:
+                sink = make_sink(spec, **self._sink_context)
+                self._sinks.append(sink)
+                if isinstance(sink, JsonlSink) and self._jsonl is None:
+                    self._jsonl = sink
+            except Exception:
+                log.exception("meter sink %r could not start; continuing without it", spec)
 
     def _close_sinks(self) -> None:
-        self._attach_opened(wait_s=SLOW_SINK_OPEN_S)  # a short job: they get everything now
         self._poll_ranks(force=True)  # the other ranks' last window, while the sinks are open
         self._ranks.close()
         for sink in self._sinks:
@@ -495,9 +444,6 @@ class GoodputMeter:
                 warn_alert(alert, log)
         self._update_live()
         self._ranks.write(out)
-        self._attach_opened()
-        if self._opening:
-            self._backlog.append(("records", out))
         for sink in list(self._sinks):
             try:
                 sink.write(out, self.live)
@@ -564,8 +510,6 @@ class GoodputMeter:
         """The other ranks' window means under the Databricks DataLoader names (MLflow);
         rank 0's own come from its step records, on the sink's own ``window_s``."""
         rows = rank_windows({r: recs for r, recs in by_rank.items() if r != self.rank})
-        if rows and self._opening:
-            self._backlog.append(("rank_windows", rows))
         for sink in self._sinks:
             log_rows = getattr(sink, "log_rank_windows", None)
             if rows and log_rows is not None:
@@ -573,7 +517,6 @@ class GoodputMeter:
         return []
 
     def _tick(self) -> None:
-        self._attach_opened()
         self._poll_ranks()
         for sink in list(self._sinks):
             tick = getattr(sink, "tick", None)
