@@ -29,7 +29,11 @@ called ``optimizer.step()``. With DDP a lost peer surfaces in the forward or bac
 that call: the survivors still hold the start of the failed step in their live model and
 optimizer, so they restore only their per-rank states, the replaced rank receives the rest
 from a survivor, and the step is done again, nothing earlier. So the parameters and the
-optimizers' state must change only through the replicated optimizers' ``step()``.
+optimizers' state must change only through the replicated optimizers' ``step()``. Not
+covered: a rank that dies after its step's gradient all-reduce and before its state of the
+next step reached the store (its ``optimizer.step()``, the loop's tail): its peers are live
+at a step it never started, and the regroup falls back (to a snapshot, or the whole
+restart).
 
 ``every_steps=K`` (> 0) adds in-memory **snapshots** as a safety net, for a loop where a
 collective can fail after ``optimizer.step()`` (a survivor that stepped holds no live start):
@@ -75,6 +79,19 @@ log = logging.getLogger("steadytrain.inplace")
 
 _KEEP = SLOTS  # snapshots in memory: as many as the store keeps per-rank states for
 _RNG = "__steadytrain_rng__"
+
+
+def _rng_state() -> tuple[torch.Tensor, tuple[int, torch.Tensor, float | None]]:
+    """torch's and ``random``'s generators; ``random``'s 625 words as one tensor, which the
+    store's ``torch.save`` writes in one piece (as a tuple of ints it cost ~0.3 ms a step)."""
+    version, words, gauss = random.getstate()
+    return torch.get_rng_state(), (version, torch.tensor(words, dtype=torch.int64), gauss)
+
+
+def _set_rng_state(state: tuple[torch.Tensor, tuple[int, torch.Tensor, float | None]]) -> None:
+    torch_rng, (version, words, gauss) = state
+    torch.set_rng_state(torch_rng)
+    random.setstate((version, tuple(int(w) for w in words.tolist()), gauss))
 
 
 class Rebuilt:
@@ -247,12 +264,16 @@ class Recovery:
             return
         self._optim_stepped = False
         own = {k: copy.deepcopy(v.state_dict()) for k, v in self.per_rank.items()}
-        own[_RNG] = (torch.get_rng_state(), random.getstate())
+        own[_RNG] = _rng_state()
+        if self._optims:  # without one, no step's start is provably live
+            # To the store first: a rank that dies before its state of this step is there
+            # leaves its peers live at a step it cannot resume (they fall back), so the
+            # window from the previous step's end to this write is kept short.
+            self._slots.put("live", step, step, own)
         states = {k: v.state_dict() for k, v in self.replicated.items()}
         defer = deferrable(self._optims)
-        if self._optims:  # without one, no step's start is provably live
+        if self._optims:
             self._live = take(step, states, own, defer, self._live)
-            self._slots.put("live", step, step, own)
         if self.every_steps and step % self.every_steps == 0 and step not in self._snaps:
             self._snapshot(step, states, own, defer if self.background else set())
 
@@ -388,6 +409,4 @@ class Recovery:
                 obj.zero_grad(set_to_none=True)
         for name, obj in self.per_rank.items():
             obj.load_state_dict(copy.deepcopy(own[name]))
-        torch_rng, py_rng = own[_RNG]
-        torch.set_rng_state(torch_rng)
-        random.setstate(py_rng)
+        _set_rng_state(own[_RNG])
