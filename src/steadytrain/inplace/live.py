@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +32,24 @@ import torch.distributed as dist
 
 from steadytrain.inplace.snapshot import live_view
 
-__all__ = ["SLOTS", "Live", "Slots", "take"]
+__all__ = ["RNG", "SLOTS", "Live", "Slots", "rng_state", "set_rng_state", "take"]
 
 SLOTS = 2  # per kind and rank: the newest two recovery points
+RNG = "__steadytrain_rng__"  # the generators' entry among a rank's per-rank states
+
+
+def rng_state() -> tuple[torch.Tensor, tuple[int, torch.Tensor, float | None]]:
+    """torch's and ``random``'s generators; ``random``'s 625 words as one tensor, which the
+    store's ``torch.save`` writes in one piece (as a tuple of ints it cost ~0.2 ms more a
+    step)."""
+    version, words, gauss = random.getstate()
+    return torch.get_rng_state(), (version, torch.tensor(words, dtype=torch.int64), gauss)
+
+
+def set_rng_state(state: tuple[torch.Tensor, tuple[int, torch.Tensor, float | None]]) -> None:
+    torch_rng, (version, words, gauss) = state
+    torch.set_rng_state(torch_rng)
+    random.setstate((version, tuple(int(w) for w in words.tolist()), gauss))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,7 +59,6 @@ import datetime
 import gc
 import logging
 import os
-import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +69,8 @@ import torch.distributed as dist
 from steadytrain.checkpoint import torch_private as tp
 from steadytrain.inplace import regroup
 from steadytrain.inplace.contract import ENV_FD, ENV_INCARNATION, ENV_MAX, ENV_ON
-from steadytrain.inplace.live import SLOTS, Live, Slots, take
+from steadytrain.inplace.live import RNG as _RNG
+from steadytrain.inplace.live import SLOTS, Live, Slots, rng_state, set_rng_state, take
 from steadytrain.inplace.snapshot import Copy, copy_state, deferrable
 
 __all__ = ["Rebuilt", "Recovery", "Step", "copy_state"]
@@ -78,20 +78,6 @@ __all__ = ["Rebuilt", "Recovery", "Step", "copy_state"]
 log = logging.getLogger("steadytrain.inplace")
 
 _KEEP = SLOTS  # snapshots in memory: as many as the store keeps per-rank states for
-_RNG = "__steadytrain_rng__"
-
-
-def _rng_state() -> tuple[torch.Tensor, tuple[int, torch.Tensor, float | None]]:
-    """torch's and ``random``'s generators; ``random``'s 625 words as one tensor, which the
-    store's ``torch.save`` writes in one piece (as a tuple of ints it cost ~0.3 ms a step)."""
-    version, words, gauss = random.getstate()
-    return torch.get_rng_state(), (version, torch.tensor(words, dtype=torch.int64), gauss)
-
-
-def _set_rng_state(state: tuple[torch.Tensor, tuple[int, torch.Tensor, float | None]]) -> None:
-    torch_rng, (version, words, gauss) = state
-    torch.set_rng_state(torch_rng)
-    random.setstate((version, tuple(int(w) for w in words.tolist()), gauss))
 
 
 class Rebuilt:
@@ -264,7 +250,7 @@ class Recovery:
             return
         self._optim_stepped = False
         own = {k: copy.deepcopy(v.state_dict()) for k, v in self.per_rank.items()}
-        own[_RNG] = _rng_state()
+        own[_RNG] = rng_state()
         if self._optims:  # without one, no step's start is provably live
             # To the store first: a rank that dies before its state of this step is there
             # leaves its peers live at a step it cannot resume (they fall back), so the
@@ -409,4 +395,4 @@ class Recovery:
                 obj.zero_grad(set_to_none=True)
         for name, obj in self.per_rank.items():
             obj.load_state_dict(copy.deepcopy(own[name]))
-        _set_rng_state(own[_RNG])
+        set_rng_state(own[_RNG])
