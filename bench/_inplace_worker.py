@@ -4,7 +4,8 @@
 
 Every rank appends ``{"t", "step", "pid", "attempt"}`` to ``OUT/r{RANK}.jsonl`` after each
 completed step and writes its pid to ``OUT/pid-r{RANK}`` at start. Under the keeper it runs
-with ``Recovery`` (snapshots every step); without it, the same loop with a plain
+with ``Recovery`` (``every_steps`` from ``STEADYTRAIN_BENCH_EVERY``, default 0: the live
+recovery point alone, no snapshot); without it, the same loop with a plain
 ``init_process_group`` (each torchrun attempt starts again from step 0: no restore, so the
 whole restart it is measured against pays nothing for loading a checkpoint).
 
@@ -38,7 +39,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    recovery = Recovery(replicated={"model": model, "optim": optim}, every_steps=1)
+    every = int(os.environ.get("STEADYTRAIN_BENCH_EVERY", "0"))
+    recovery = Recovery(replicated={"model": model, "optim": optim}, every_steps=every)
     step = recovery.start()
     ddp = recovery.wrap(lambda: DistributedDataParallel(model))
     record = open(os.path.join(out, f"r{rank}.jsonl"), "a")

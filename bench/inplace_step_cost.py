@@ -7,13 +7,17 @@ One job under the real torchrun and the keeper (2 gloo ranks, CPU, one thread ea
 ``bench/_inplace_step_worker.py``: the same DDP model and data, interleaved in blocks of
 ``--block`` steps (default 1: step by step, so that neighbours share the machine's load),
 the order rotating every round: the plain step (``off``), the step inside
-``with recovery.step(step)`` with a snapshot **every** step copied beside it
-(``background``, the default), and the same with the whole copy blocking the step
-(``sync``, what ``Recovery`` did before). ``--every K``: a snapshot every K of the steps
-taken with ``Recovery`` (``every_steps``; use a ``--block`` that is a multiple of K). Cost = a block's median step over the ``off``
-block of the same round, minus 1: the median of the rounds and their spread. A snapshot every step is the worst
-case; with ``every_steps=K`` the copy happens every K-th step. ``--steps-from DIR`` summarises
-the ``steps.jsonl`` of an earlier run instead.
+``with recovery.step(step)`` with the live recovery point alone (``live``: no snapshot,
+``every_steps=0``, the default), the same with a snapshot **every** step copied beside it
+(``background``), and with the whole copy blocking the step (``sync``). ``--every K``: a
+snapshot every K of the steps taken with ``Recovery`` (``every_steps``; use a ``--block``
+that is a multiple of K). Cost = a block's median step over the ``off`` block of the same
+round, minus 1: the median of the rounds and their spread. A snapshot every step is the
+worst case; with ``every_steps=K`` the copy happens every K-th step. Beside the wall-clock
+ratio, the time each step spent inside ``Recovery._before`` (the work the live point adds
+at the start of a step, measured inside the worker: wall clock and the thread's CPU time,
+which the machine's other load does not inflate) as a share of the median ``off`` step, and the load average over the run. ``--steps-from DIR`` summarises the
+``steps.jsonl`` of an earlier run instead.
 """
 
 from __future__ import annotations
@@ -54,12 +58,27 @@ def summarise(steps: list[dict], rounds: int) -> dict:
     def block(r: int, mode: str) -> float:
         return statistics.median(s["s"] for s in steps if s["round"] == r and s["mode"] == mode)
 
+    modes = ("off", "live", "background", "sync")
     result: dict = {}
-    for mode in ("off", "background", "sync"):
+    for mode in modes:
         result[f"{mode}_step_s"] = round(
             statistics.median(block(r, mode) for r in range(rounds)), 4
         )
-    for mode in ("background", "sync"):
+    for mode in modes[1:]:
+        for key, name in (("before_s", "before_ms"), ("before_cpu_s", "before_cpu_ms")):
+            inside = [s[key] for s in steps if s["mode"] == mode]
+            result[f"{mode}_{name}"] = {
+                "median": round(1e3 * statistics.median(inside), 3),
+                "max": round(1e3 * max(inside), 3),
+                "pct_of_off_step": round(100 * statistics.median(inside) / result["off_step_s"], 3),
+            }
+    loads = [s["load"] for s in steps]
+    result["load_avg_1m_in_run"] = {
+        "min": round(min(loads), 1),
+        "median": round(statistics.median(loads), 1),
+        "max": round(max(loads), 1),
+    }
+    for mode in modes[1:]:
         costs = [100 * (block(r, mode) / block(r, "off") - 1) for r in range(rounds)]
         result[f"{mode}_cost_pct"] = {
             "median": round(statistics.median(costs), 2),

@@ -1,13 +1,15 @@
 """In-place recovery inside ``Run`` (issue 44 section 2): the decision, the ledger record and
 the glue between ``Run`` and ``steadytrain.inplace.Recovery``.
 
-Opt in with ``Run(..., recovery={"inplace": True, "every_steps": K})`` (``[recovery]`` in a
-``steadytrain train`` config) and start the job under the keeper (``torchrun ... -m
+Opt in with ``Run(..., recovery={"inplace": True})`` (``[recovery]`` in a ``steadytrain
+train`` config) and start the job under the keeper (``torchrun ... -m
 steadytrain.inplace.keeper train.py``). Then ``Run`` forms the process group on a
 per-attempt prefix of torchrun's store (a whole restart never reads the previous attempt's
-gloo addresses, pytorch/pytorch#135712), keeps an in-memory snapshot every K steps, and a
-step run inside ``with run.recoverable(step) as s:`` that loses a peer regroups, rolls back
-and goes on from ``s.next``. Everything else, and every doubt, is today's whole restart.
+gloo addresses, pytorch/pytorch#135712), keeps the start of every step as the live recovery
+point (``steadytrain.inplace.live``; ``every_steps=K`` adds an in-memory snapshot every K
+steps), and a step run inside ``with run.recoverable(step) as s:`` that loses a peer
+regroups, restores and goes on from ``s.next``. Everything else, and every doubt, is
+today's whole restart.
 
 - ``decide`` (pure, policy): in place or not, and why -- the one place that says so;
 - ``classify`` (pure): a fallback's message -> a short reason the report groups by;
@@ -47,23 +49,31 @@ IN_PLACE, WHOLE_RESTART = "in_place", "whole_restart"
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RecoveryConfig:
     """``[recovery]``: ``inplace`` (default off), the in-memory snapshot interval
-    ``every_steps``, the states that are each rank's own (``per_rank``: restored from the
+    ``every_steps`` (default 0: none, the survivors' live state at the start of the failed
+    step is the recovery point, which costs a DDP step almost nothing; K > 0: also a copy
+    every K steps, the safety net of a loop whose collectives can fail after
+    ``optimizer.step()``, where nothing is live), the states that are each rank's own (``per_rank``: restored from the
     rank's own snapshot; every other state is the same on every rank, DDP's model and
     optimizer, and a replaced rank receives it from a survivor), and how long a regroup may
     take before the whole restart takes over (``regroup_timeout_s``)."""
 
     inplace: bool = False
-    every_steps: int = 1
+    every_steps: int = 0
     per_rank: tuple[str, ...] = ("loader",)
     regroup_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.inplace, bool):
             raise ConfigError(f"recovery.inplace must be true or false, not {self.inplace!r}")
-        if not isinstance(self.every_steps, int) or self.every_steps < 1:
+        if (
+            not isinstance(self.every_steps, int)
+            or isinstance(self.every_steps, bool)
+            or self.every_steps < 0
+        ):
             raise ConfigError(
-                f"recovery.every_steps must be an integer >= 1 (the steps between in-memory "
-                f"snapshots), not {self.every_steps!r}"
+                f"recovery.every_steps must be an integer >= 0 (the steps between in-memory "
+                f"snapshots; 0, the default: none, the survivors' live state is the recovery "
+                f"point), not {self.every_steps!r}"
             )
         if not (isinstance(self.regroup_timeout_s, (int, float)) and self.regroup_timeout_s > 0):
             raise ConfigError(

@@ -168,7 +168,12 @@ class InPlaceLedger:
             from_step=int(note.get("from_step", step)),
             step=step,
             phases=phases,
-            why=f"a peer's process was lost and replaced (generation {self.recovery.generation})",
+            why=f"a peer's process was lost and replaced (generation {self.recovery.generation}); "
+            + (
+                f"resumed from the survivors' live state at the start of step {step}"
+                if info.get("live")
+                else f"rolled back to the in-memory snapshot of step {step}"
+            ),
             attempt=run.attempt,
         )
         self._redo_from = time.monotonic()

@@ -40,7 +40,7 @@ def main() -> None:
     loader = Loader(rank)
     torch.manual_seed(1 + rank)  # each rank's own dropout stream
     states = {"model": model, "optim": optim, "loader": loader}
-    recovery = {"inplace": True, "every_steps": 3, "regroup_timeout_s": 60}
+    recovery = {"inplace": True, "regroup_timeout_s": 60}  # live recovery: no snapshot
     checkpoint = {"every_steps": 4, "async_mode": "thread"}
     with Run(run_dir, states, total_steps=steps, checkpoint=checkpoint, recovery=recovery) as run:
         ddp = run.wrap(lambda: DistributedDataParallel(model))

@@ -1,12 +1,16 @@
 """A plain PyTorch DDP loop with in-place recovery (tests/integrations/test_inplace.py).
 
     torchrun --nproc-per-node 2 -m steadytrain.inplace.keeper inplace_worker.py OUT STEPS \
-        KILL_AT EVERY KILL_RANK [once|repeat|slow|stop]
+        KILL_AT EVERY KILL_RANK [once|late|repeat|slow|stop]
 
 Every step appends ``{"step", "loss", "pid", "keeper", "restart", "incarnation"}`` to
 ``OUT/r{RANK}.jsonl``; rank 0 saves the final weights to ``OUT/final.pt``. With ``KILL_AT``
 > 0, rank KILL_RANK's first process SIGKILLs itself in step KILL_AT, between its forward
-and its backward: the other rank is then blocked in DDP's gradient all-reduce. With ``repeat``, every
+and its backward: the other rank is then blocked in DDP's gradient all-reduce (its
+optimizer has not stepped: the survivors recover from their live state, ``EVERY`` 0 takes
+no snapshot). With ``late`` it dies after its ``optimizer.step()``, before the step's
+loss all-reduce: the survivors stepped too, so only a snapshot (``EVERY`` > 0) can be the
+recovery point. With ``repeat``, every
 replacement of the first torchrun attempt dies the same way in its first step (a fault
 that repeats: the keeper leaves it to torchrun's whole restart). With ``slow``, the
 replacement sleeps past the survivors' 3 s regroup timeout before it joins (the survivor
@@ -107,6 +111,7 @@ def main() -> None:
                 rank == kill_rank
                 and first_attempt
                 and kill_at
+                and mode != "late"
                 and (
                     (step == kill_at and incarnation == 0)
                     or (repeat and incarnation and step == first)
@@ -116,6 +121,11 @@ def main() -> None:
             loss.backward()
             optim.step()
             optim.zero_grad()
+            late = mode == "late" and rank == kill_rank and step == kill_at
+            if late and first_attempt and incarnation == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            total = loss.detach().clone()  # a collective after optimizer.step(): the mean loss
+            torch.distributed.all_reduce(total)
         if wd is not None and s.recovered:  # a new group: a new watchdog
             wd.close()
             wd = watchdog()

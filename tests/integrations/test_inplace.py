@@ -3,12 +3,18 @@ and 3 gloo ranks, DDP, ``--max-restarts 1`` (a whole restart is possible, so its
 something). Runs of ``inplace_worker.py``, side by side in each test:
 
 - uninterrupted: the reference;
-- 2 ranks: rank 1, and in another run rank 0; 3 ranks: the middle rank 1; SIGKILLed
-  mid-step (between its forward and its backward, the others blocked in DDP's all-reduce):
-  torchrun's agent never restarts (every record has restart count 0, the survivors'
-  processes and every keeper keep their pids), the killed rank's training process alone is new (forked by the same keeper), and
-  every step's loss on each rank, the redone ones included, and the final weights equal
-  the reference's bit for bit;
+- 2 ranks: rank 1; 3 ranks: the middle rank 1; SIGKILLed mid-step (between its forward
+  and its backward, the others blocked in DDP's all-reduce, their optimizers not stepped),
+  with live recovery alone (no snapshot: ``every_steps=0``): the survivors go on from the
+  start of the failed step 7 that they hold live, the replacement receives it, nothing
+  before 7 is redone;
+- 2 ranks: rank 0 SIGKILLed after its ``optimizer.step()`` of step 7, before the step's
+  loss all-reduce (``late``: the survivor stepped too, so nothing is live), with snapshots
+  every 3 steps: everyone rolls back to the snapshot of step 6 and redoes from there;
+- in each: torchrun's agent never restarts (every record has restart count 0, the
+  survivors' processes and every keeper keep their pids), the killed rank's training
+  process alone is new (forked by the same keeper), and every step's loss on each rank, the
+  redone ones included, and the final weights equal the reference's bit for bit;
 - 2 ranks: rank 1 SIGSTOPped mid-step, every rank running the hang watchdog with in-place
   recovery on: rank 0's watchdog decides rank 1 hung (its reaper says it is stopped), the
   reaper SIGKILLs it, rank 0 does not exit, and the run recovers in place as above;
@@ -33,7 +39,11 @@ from harness import REPO, env
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 WORKER = os.path.join(os.path.dirname(__file__), "inplace_worker.py")
-STEPS, KILL_AT, EVERY = 10, 7, 3  # snapshots at 0, 3, 6, 9: rank 0 rolls back to 6
+STEPS, KILL_AT = 10, 7
+# Live recovery alone for every fault, except ``late`` (after optimizer.step(): nothing is
+# live), which keeps snapshots every 3 steps (0, 3, 6, 9) and rolls back to 6.
+EVERY = {"late": 3}
+RESUME = {"late": 6}
 
 
 def start(
@@ -43,7 +53,8 @@ def start(
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     cmd += ["--monitor-interval=0.2", "-m", "steadytrain.inplace.keeper", WORKER, out]
-    cmd += [str(STEPS), str(kill_at), str(EVERY), str(kill_rank), *extra]
+    every = EVERY.get(extra[0] if extra else "once", 0)
+    cmd += [str(STEPS), str(kill_at), str(every), str(kill_rank), *extra]
     # In-place recovery regroups on torchrun's shared store: the harness's
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 would turn it off (the keeper says so).
     e = env()
@@ -58,19 +69,19 @@ def records(out: str, rank: int) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def check_in_place(ref: str, run: str, log: str, victim: int, world: int = 2) -> None:
+def check_in_place(ref: str, run: str, log: str, victim: int, world: int, resume: int) -> None:
     assert f"rank {victim}: process" in log and "replacing it in place (1 of 3)" in log, log[-4000:]
     assert log.count("replacing it in place") == 1, log[-4000:]  # the victim alone
     for survivor in (r for r in range(world) if r != victim):
-        check_survivor(run, records(run, survivor))
+        check_survivor(run, records(run, survivor), resume)
     replaced = records(run, victim)
     assert {r["restart"] for r in replaced} == {"0"}, "torchrun's agent restarted the job"
     assert len({r["keeper"] for r in replaced}) == 1
     first, second = sorted({r["pid"] for r in replaced}, key=[r["pid"] for r in replaced].index)
     assert [r["step"] for r in replaced if r["pid"] == first] == list(range(KILL_AT))
     assert {r["incarnation"] for r in replaced if r["pid"] == second} == {1}
-    # The replacement started at the survivors' snapshot at 6.
-    assert [r["step"] for r in replaced if r["pid"] == second] == list(range(6, STEPS))
+    # The replacement started at the agreed step: live 7, or the snapshot of 6.
+    assert [r["step"] for r in replaced if r["pid"] == second] == list(range(resume, STEPS))
     for rank in range(world):  # every record of a step, the redone ones too, is the reference's
         want = {r["step"]: r["loss"] for r in records(ref, rank)}
         assert sorted(want) == list(range(STEPS))
@@ -78,12 +89,12 @@ def check_in_place(ref: str, run: str, log: str, victim: int, world: int = 2) ->
             assert r["loss"] == want[r["step"]], (rank, r, want[r["step"]])
 
 
-def check_survivor(run: str, kept: list[dict]) -> None:
+def check_survivor(run: str, kept: list[dict], resume: int) -> None:
     assert {r["restart"] for r in kept} == {"0"}, "torchrun's agent restarted the job"
     assert len({r["pid"] for r in kept}) == 1, "a survivor's training process was replaced"
     assert len({r["keeper"] for r in kept}) == 1
-    # The survivor redid the steps after its snapshot at 6.
-    assert [r["step"] for r in kept] == [*range(KILL_AT), *range(6, STEPS)]
+    # The survivor did the failed step again (live), or redid it from its snapshot at 6.
+    assert [r["step"] for r in kept] == [*range(KILL_AT), *range(resume, STEPS)]
 
 
 def final(run: str) -> dict[str, torch.Tensor]:
@@ -91,11 +102,12 @@ def final(run: str) -> dict[str, torch.Tensor]:
 
 
 # 2 ranks: each rank killed in turn (rank 0's replacement takes the replicated state from
-# rank 1), and rank 1 stopped (SIGSTOP: the hang watchdog and the reaper make it a killed
-# one); 3 ranks: the middle one killed, with two survivors in the regroup.
+# rank 1; rank 0 after its optimizer step: the snapshot path), and rank 1 stopped (SIGSTOP:
+# the hang watchdog and the reaper make it a killed one); 3 ranks: the middle one killed,
+# with two survivors in the regroup. (A live rank 0's replacement: test_run_inplace.py.)
 @pytest.mark.parametrize(
     "world,faults",
-    [(2, ((1, "once"), (0, "once"), (1, "stop"))), (3, ((1, "once"),))],
+    [(2, ((1, "once"), (0, "late"), (1, "stop"))), (3, ((1, "once"),))],
     ids=["2-ranks", "3-ranks"],
 )
 def test_a_lost_rank_is_replaced_in_place_and_the_run_stays_exact(
@@ -109,7 +121,7 @@ def test_a_lost_rank_is_replaced_in_place_and_the_run_stays_exact(
 
     expected = final(ref)
     for ((victim, mode), run), log in zip(runs.items(), logs[1:], strict=True):
-        check_in_place(ref, run, log, victim, world)
+        check_in_place(ref, run, log, victim, world, RESUME.get(mode, KILL_AT))
         assert all(torch.equal(final(run)[k], expected[k]) for k in expected), run
         if mode == "stop":  # decided hung by the others, reaped, not one of them exiting
             with open(os.path.join(run, "run", "hangs", "attempt-0", "decision-0.json")) as f:

@@ -7,10 +7,12 @@ keeps. The killed run:
 
 - is never restarted by torchrun (every step record has restart count 0), and the
   survivor's training process keeps its pid; only rank 0's process is new;
+- recovers from the survivor's live state (``Run``'s default: no in-memory snapshot): the
+  survivor goes on from the start of the failed step 7, which the replaced rank 0 receives;
 - has one ``inplace_recovery`` record in its ledger: path ``in_place``, rank 0 lost at
-  step 7, rolled back to the snapshot of step 6, with its phases; and the goodput ledger
-  books the gap as a restart (a second ``job_start`` whose restored step is 6, dated from
-  the replaced process's birth, after the first attempt started);
+  step 7, resumed at step 7, with its phases; and the goodput ledger books the gap as a
+  restart (a second ``job_start`` whose restored step is 7, dated from the replaced
+  process's birth, after the first attempt started);
 - is exact: every step's loss on each rank (the redone one too) and the final weights
   equal the uninterrupted run's bit for bit.
 """
@@ -32,7 +34,7 @@ from steadytrain.report.build import build_report
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 WORKER = os.path.join(os.path.dirname(__file__), "inplace_run_worker.py")
-STEPS, KILL_AT = 12, 7  # snapshots every 3 steps: the fault at 7 rolls back to 6
+STEPS, KILL_AT = 12, 7  # the fault at 7 resumes at 7 (live: nothing is redone)
 
 
 def start(run_dir: str, kill_at: int) -> subprocess.Popen:
@@ -62,8 +64,8 @@ def test_run_recovers_a_sigkilled_rank_in_place_and_stays_exact(tmp_path) -> Non
     replaced, kept = (lines(os.path.join(killed, f"r{r}.jsonl")) for r in (0, 1))
     assert {r["restart"] for r in kept + replaced} == {"0"}, "torchrun restarted the job"
     assert len({r["pid"] for r in kept}) == 1, "the survivor's process was replaced"
-    assert [r["step"] for r in kept] == [*range(KILL_AT), *range(6, STEPS)]
-    assert [r["step"] for r in replaced if r["incarnation"] == 1] == list(range(6, STEPS))
+    assert [r["step"] for r in kept] == list(range(STEPS))  # step 7 once: it failed, then ran
+    assert [r["step"] for r in replaced if r["incarnation"] == 1] == list(range(KILL_AT, STEPS))
     for rank in (0, 1):  # every step's loss, the redone ones too, is the reference's
         want = {r["step"]: r["loss"] for r in lines(os.path.join(ref, f"r{rank}.jsonl"))}
         assert sorted(want) == list(range(STEPS))
@@ -81,11 +83,12 @@ def test_run_recovers_a_sigkilled_rank_in_place_and_stays_exact(tmp_path) -> Non
         "in_place",
         [0],
         KILL_AT,
-        6,
+        KILL_AT,
     )
     assert set(rec["phases"]) >= {"detection_s", "regroup_s", "restore_s", "redo_s"}
+    assert "resumed from the survivors' live state at the start of step 7" in rec["why"], rec
     starts = [r for r in ledger if r["type"] == "job_start"]
-    assert [s["restored_step"] for s in starts] == [0, 6]  # the gap is a restart's
+    assert [s["restored_step"] for s in starts] == [0, KILL_AT]  # the gap is a restart's
     # the replacement's start-up counts from its fork, not from its keeper's birth
     assert starts[0]["t"] < starts[1]["born_t"] < starts[1]["t"], starts
     assert starts[1]["startup_s"] < starts[1]["t"] - starts[0]["t"], starts

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from steadytrain.inplace.keeper import imports_of
 from steadytrain.inplace.policy import Death, Policy
-from steadytrain.inplace.regroup import InPlaceFallback, Report, agree, is_peer_loss
+from steadytrain.inplace.regroup import InPlaceFallback, Report, agree, is_peer_loss, not_live
+from steadytrain.run_inplace import classify
 
 KILL = -signal.SIGKILL
 
@@ -42,17 +43,63 @@ def test_max_recoveries_zero_turns_it_off_and_a_negative_one_is_refused() -> Non
 
 
 def test_the_step_is_the_newest_every_rank_holds_and_a_survivor_sends() -> None:
+    """No survivor live (each stepped its optimizer in the failed step): the snapshots."""
     reports = [Report(0, (3, 6), False), Report(1, (3,), True), Report(2, (3, 6), False)]
-    assert agree(reports) == (3, 0)
+    assert agree(reports) == (3, 0, False)
     reports = [Report(0, (6, 9), True), Report(1, (6, 9), False), Report(2, (6, 9), False)]
-    assert agree(reports) == (9, 1)
+    assert agree(reports) == (9, 1, False)
+
+
+def test_survivors_live_at_one_step_resume_it_from_their_live_state() -> None:
+    """Every survivor holds the start of step 7 live and the replaced rank's per-rank state
+    of 7 is in the store: step 7 from the lowest survivor's live state, no snapshot needed
+    (and none taken: every_steps=0)."""
+    reports = [Report(0, (), False, 7), Report(1, (), True, None, (6, 7)), Report(2, (), False, 7)]
+    assert agree(reports) == (7, 0, True)
+    # live beats an older snapshot every rank holds: nothing before 7 is redone
+    reports = [Report(0, (6,), True, None, (7, 8)), Report(1, (6,), False, 8)]
+    assert agree(reports) == (8, 1, True)
+
+
+@pytest.mark.parametrize(
+    "reports, why",
+    [
+        # a survivor stepped its optimizer in the failed step (a collective after step())
+        (
+            [Report(0, (6,), False, None), Report(1, (6,), True, None, (7,))],
+            "rank(s) [0] stepped their optimizer",
+        ),
+        # survivors at different steps (one passed the failed step's last collective)
+        (
+            [
+                Report(0, (6,), False, 7),
+                Report(1, (6,), True, None, (7, 8)),
+                Report(2, (6,), False, 8),
+            ],
+            "the survivors are at different steps (rank 0 at 7, rank 2 at 8)",
+        ),
+        # the replaced rank's per-rank state of the live step never reached the store
+        (
+            [Report(0, (6,), False, 7), Report(1, (6,), True, None, (5, 6))],
+            "no per-rank state of step 7 in the store for replaced rank(s) [1]",
+        ),
+    ],
+    ids=["stepped", "different-steps", "missing-own-state"],
+)
+def test_not_live_takes_the_snapshot_or_falls_back(reports: list[Report], why: str) -> None:
+    assert why in not_live(reports)
+    assert agree(reports) == (6, min(r.rank for r in reports if not r.replaced), False)
+    without = [Report(r.rank, (), r.replaced, r.live, r.own_live) for r in reports]  # live only
+    with pytest.raises(InPlaceFallback, match="no snapshot step is held by every rank") as e:
+        agree(without)
+    assert why in str(e.value) and classify(str(e.value)) == "no_common_step"
 
 
 def test_no_common_step_or_no_survivor_falls_back() -> None:
     with pytest.raises(InPlaceFallback, match=r"rank 0: \[6\]; rank 1: \[3\]"):
         agree([Report(0, (6,), False), Report(1, (3,), True)])
     with pytest.raises(InPlaceFallback, match="every rank is a replacement"):
-        agree([Report(0, (6,), True), Report(1, (6,), True)])
+        agree([Report(0, (6,), True, 6, (6,)), Report(1, (6,), True, 6, (6,))])
 
 
 def test_the_preload_list_is_the_scripts_top_level_absolute_imports(tmp_path) -> None:

@@ -17,8 +17,7 @@ from steadytrain.inplace import Recovery
 _real_foreach_copy = torch._foreach_copy_
 
 
-@pytest.fixture
-def enabled(monkeypatch):
+def turn_on(monkeypatch) -> dist.TCPStore:
     """In-place recovery on, as the keeper turns it on, with a store to write to."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("STEADYTRAIN_INPLACE", "1")
@@ -27,7 +26,12 @@ def enabled(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.delenv("STEADYTRAIN_INPLACE_FD", raising=False)
-    yield store
+    return store
+
+
+@pytest.fixture
+def enabled(monkeypatch):
+    yield turn_on(monkeypatch)
 
 
 def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

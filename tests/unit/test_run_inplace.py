@@ -97,8 +97,11 @@ def test_the_config_is_checked_with_the_key_and_the_fix() -> None:
     assert recovery_config({"inplace": True, "every_steps": 5}).every_steps == 5
     with pytest.raises(ConfigError, match=r"unknown recovery key\(s\) \['in_place'\]"):
         recovery_config({"in_place": True})
-    with pytest.raises(ConfigError, match="recovery.every_steps must be an integer >= 1"):
-        recovery_config({"every_steps": 0})
+    assert recovery_config(None).every_steps == 0  # live recovery alone, no snapshot
+    assert recovery_config({"every_steps": 0}).every_steps == 0
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ConfigError, match="recovery.every_steps must be an integer >= 0"):
+            recovery_config({"every_steps": bad})
     with pytest.raises(ConfigError, match="recovery.inplace must be true or false"):
         recovery_config({"inplace": "yes"})
 

@@ -3,36 +3,53 @@
     from steadytrain.inplace import Recovery
 
     recovery = Recovery(replicated={"model": model, "optim": optim},
-                        per_rank={"loader": loader}, every_steps=10)
+                        per_rank={"loader": loader})
     step = recovery.start()                      # init_process_group, or rejoin (a replacement)
     ddp = recovery.wrap(lambda: DistributedDataParallel(model))  # rebuilt on every regroup
     while step < steps:
-        with recovery.step(step) as s:           # a lost peer: regroup, roll back, redo
+        with recovery.step(step) as s:           # a lost peer: regroup, restore, go on
             loss = ddp(batch_of(loader)).mean(); loss.backward(); optim.step()
             optim.zero_grad()
-        step = s.next                            # step + 1, or the step to redo from
+        step = s.next                            # step + 1, or the step to (re)do
     recovery.close()                             # drops the DDP, then the process groups
 
 Run under the keeper (``torchrun ... -m steadytrain.inplace.keeper train.py``); without it
 (or with it off) ``Recovery`` only initialises the group and lets every error through.
 
-Snapshots live in the process's own memory: every ``every_steps`` steps, at the start of a
-step, a copy of each state (``state_dict()``), plus the torch and ``random`` generators.
-The parameters and state of the replicated optimizers are copied by a background thread
-while the step's forward and backward run, and each optimizer's ``step()`` waits for that
-copy (snapshot.py; ``background=False``: all of it at the start of the step). So a loop
-must change those tensors only through their optimizer's ``step()``. ``replicated`` states are the same on every rank (DDP's model and optimizer): a
-replaced rank receives them from the lowest surviving rank. ``per_rank`` states (the
-loader, the generators) are this rank's alone: each snapshot also puts them into torchrun's
-store (a few KB; ``torch.save``, read back with ``weights_only=True``, since anyone on the
-job's network can write to that store), where the replaced rank reads its own back. Two snapshots are
-kept (a rank may die between its peers' snapshot and its own).
+``replicated`` states are the same on every rank (DDP's model and optimizer): a replaced
+rank receives them from the lowest surviving rank. ``per_rank`` states (the loader, the
+generators) are this rank's alone: a replaced rank reads its own back from torchrun's
+store (live.py's ``Slots``: two keys per rank and kind, however long the run).
+
+The recovery point is **live** by default (live.py): at the start of every step each rank
+keeps a copy of its per-rank states and the torch and ``random`` generators (in memory and
+in the store), and of the replicated states only what is not an optimizer's tensor (a
+module's buffers, plain values); an optimizer step pre-hook notes whether the step already
+called ``optimizer.step()``. With DDP a lost peer surfaces in the forward or backward, before
+that call: the survivors still hold the start of the failed step in their live model and
+optimizer, so they restore only their per-rank states, the replaced rank receives the rest
+from a survivor, and the step is done again, nothing earlier. So the parameters and the
+optimizers' state must change only through the replicated optimizers' ``step()``. Not
+covered: a rank that dies after its step's gradient all-reduce and before its state of the
+next step reached the store (its ``optimizer.step()``, the loop's tail): its peers are live
+at a step it never started, and the regroup falls back (to a snapshot, or the whole
+restart).
+
+``every_steps=K`` (> 0) adds in-memory **snapshots** as a safety net, for a loop where a
+collective can fail after ``optimizer.step()`` (a survivor that stepped holds no live start):
+every K steps, at the start of a step, a copy of each state (``state_dict()``). The
+parameters and state of the replicated optimizers are copied by a background thread while
+the step's forward and backward run, and each optimizer's ``step()`` waits for that copy
+(snapshot.py; ``background=False``: all of it at the start of the step). Two snapshots are
+kept (a rank may die between its peers' snapshot and its own); a regroup that cannot use
+the live states rolls back to the newest one every rank holds and redoes from there.
 
 Only an error of a collective whose peer is gone (``regroup.is_peer_loss``), raised inside
 ``with recovery.step(...)``, is recovered; any other error goes on as it would without
-``Recovery``. Every doubt (a regroup that times out, no step all ranks hold, more than
-``STEADYTRAIN_INPLACE_MAX`` regroups) raises ``InPlaceFallback``: the process ends with it,
-and torchrun's whole restart takes over, from durable or memory-tier checkpoints as today.
+``Recovery``. Every doubt (a regroup that times out, no live step and no snapshot all ranks
+hold, more than ``STEADYTRAIN_INPLACE_MAX`` regroups) raises ``InPlaceFallback``: the
+process ends with it, and torchrun's whole restart takes over, from durable or memory-tier
+checkpoints as today.
 """
 
 from __future__ import annotations
@@ -40,10 +57,8 @@ from __future__ import annotations
 import copy
 import datetime
 import gc
-import io
-import json
+import logging
 import os
-import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,24 +69,15 @@ import torch.distributed as dist
 from steadytrain.checkpoint import torch_private as tp
 from steadytrain.inplace import regroup
 from steadytrain.inplace.contract import ENV_FD, ENV_INCARNATION, ENV_MAX, ENV_ON
+from steadytrain.inplace.live import RNG as _RNG
+from steadytrain.inplace.live import SLOTS, Live, Slots, rng_state, set_rng_state, take
 from steadytrain.inplace.snapshot import Copy, copy_state, deferrable
 
 __all__ = ["Rebuilt", "Recovery", "Step", "copy_state"]
 
-_KEEP = 2
-_RNG = "__steadytrain_rng__"
+log = logging.getLogger("steadytrain.inplace")
 
-
-def _dumps(state: dict[str, Any]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
-
-
-def _loads(data: bytes) -> dict[str, Any]:
-    """A per-rank state back from the store: tensors and plain values only (a state that
-    needs more fails here, and the regroup falls back to the whole restart)."""
-    return torch.load(io.BytesIO(data), weights_only=True)
+_KEEP = SLOTS  # snapshots in memory: as many as the store keeps per-rank states for
 
 
 class Rebuilt:
@@ -128,14 +134,18 @@ class Recovery:
         *,
         replicated: dict[str, Any],
         per_rank: dict[str, Any] | None = None,
-        every_steps: int = 1,
+        every_steps: int = 0,
         backend: str = "gloo",
         timeout_s: float = 600.0,
         regroup_timeout_s: float = 60.0,
         background: bool = True,
     ) -> None:
-        if every_steps < 1:
-            raise ValueError(f"every_steps must be >= 1, not {every_steps}")
+        if not isinstance(every_steps, int) or every_steps < 0:
+            raise ValueError(
+                f"every_steps must be an integer >= 0 (0: no in-memory snapshot, the "
+                f"survivors' live state is the recovery point; K: also a snapshot every K "
+                f"steps), not {every_steps!r}"
+            )
         for name, obj in {**replicated, **(per_rank or {})}.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(
@@ -151,18 +161,34 @@ class Recovery:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._prefix = f"steadytrain/inplace/{self._attempt}/state/r{self.rank}"
         self._fd = int(os.environ[ENV_FD]) if self.enabled and ENV_FD in os.environ else None
         self._snaps: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # complete ones
         self._writing: Copy | None = None  # the snapshot being copied (snapshot.py)
-        # The replicated optimizers: their step() waits for the snapshot's copy of the
-        # tensors it changes, which a background thread makes (snapshot.py). Off: the whole
-        # copy blocks the loop at the start of the step, as before.
+        self._live: Live | None = None  # the start of the step being run (live.py)
+        self._optim_stepped = False  # whether that step called a replicated optimizer.step()
+        self._slots = Slots(
+            self._the_store, f"steadytrain/inplace/{self._attempt}/state/r{self.rank}"
+        )
+        # The replicated optimizers: their step() ends the live recovery point of the step,
+        # and waits for the snapshot's copy of the tensors it changes, which a background
+        # thread makes (snapshot.py). Off: the whole copy blocks the loop at the start of the
+        # step, as before.
         self._optims = [o for o in replicated.values() if isinstance(o, torch.optim.Optimizer)]
         self.background = background and bool(self._optims)
+        if self.enabled:
+            for optim in self._optims:
+                optim.register_step_pre_hook(self._optimizer_steps)
         if self.enabled and self.background:
             for optim in self._optims:
                 optim.register_step_pre_hook(lambda *_: self._settle())
+        if self.enabled and not self._optims and replicated:
+            log.warning(
+                "in-place recovery: no torch.optim.Optimizer among the replicated states, so "
+                "no step's start can be proven live; a lost peer is recovered from snapshots "
+                "only (every_steps=%d%s)",
+                every_steps,
+                ": none, so by the whole restart" if not every_steps else "",
+            )
         self._rebuilt: list[Rebuilt] = []
         self._store: dist.Store | None = None
         self.regroups = 0
@@ -218,22 +244,45 @@ class Recovery:
     # -- snapshots ------------------------------------------------------------------------
 
     def _before(self, step: int) -> None:
-        if not self.enabled or step % self.every_steps or step in self._snaps:
+        """The start of ``step``: its live recovery point, and a snapshot every
+        ``every_steps`` steps."""
+        if not self.enabled:
             return
+        self._optim_stepped = False
+        own = {k: copy.deepcopy(v.state_dict()) for k, v in self.per_rank.items()}
+        own[_RNG] = rng_state()
+        if self._optims:  # without one, no step's start is provably live
+            # To the store first: a rank that dies before its state of this step is there
+            # leaves its peers live at a step it cannot resume (they fall back), so the
+            # window from the previous step's end to this write is kept short.
+            self._slots.put("live", step, step, own)
+        states = {k: v.state_dict() for k, v in self.replicated.items()}
+        defer = deferrable(self._optims)
+        if self._optims:
+            self._live = take(step, states, own, defer, self._live)
+        if self.every_steps and step % self.every_steps == 0 and step not in self._snaps:
+            self._snapshot(step, states, own, defer if self.background else set())
+
+    def _snapshot(
+        self, step: int, states: dict[str, Any], own: dict[str, Any], defer: set[int]
+    ) -> None:
         self._settle()  # one copy at a time: the previous one becomes a snapshot first
         reuse: Any = None
         while len(self._snaps) >= _KEEP:  # the oldest goes; its tensors take the new copy
             reuse = self._snaps.pop(min(self._snaps))[0]
-        own = {k: copy.deepcopy(v.state_dict()) for k, v in self.per_rank.items()}
-        own[_RNG] = (torch.get_rng_state(), random.getstate())
-        states = {k: v.state_dict() for k, v in self.replicated.items()}
-        defer = deferrable(self._optims) if self.background else set()
         self._writing = Copy.start(step, states, reuse, own, defer)
         if not self.background:
             self._settle()
-        store = self._the_store()
-        store.set(f"{self._prefix}/s{step}", _dumps(own))
-        store.set(f"{self._prefix}/steps", json.dumps(sorted({*self._snaps, step})))
+        self._slots.put("snap", step // self.every_steps, step, own)
+
+    def _optimizer_steps(self, *_: Any) -> None:
+        self._optim_stepped = True
+
+    def _live_step(self) -> int | None:
+        """The step whose start this rank still holds live (None: an optimizer stepped)."""
+        if self._live is None or self._optim_stepped:
+            return None
+        return self._live.step
 
     def _settle(self) -> None:
         """Wait for the snapshot being copied; it joins the complete ones unless it failed."""
@@ -255,7 +304,7 @@ class Recovery:
     # -- recovery -------------------------------------------------------------------------
 
     def _recover(self, exc: BaseException) -> int:
-        self._settle()  # its sources are intact: the peer loss came before optimizer.step()
+        self._settle()  # its sources are intact: optimizer.step() waited for it
         self.regroups += 1
         if self.regroups > self.max_regroups:
             raise regroup.InPlaceFallback(
@@ -268,14 +317,6 @@ class Recovery:
         regroup.leave(self.backend)
         return self._regroup(replaced=False)
 
-    def _held_steps(self, replaced: bool) -> tuple[int, ...]:
-        if not replaced:
-            return tuple(sorted(self._snaps))
-        store, key = self._the_store(), f"{self._prefix}/steps"
-        if not store.check([key]):  # the dead process never snapshotted: agree() falls back
-            return ()
-        return tuple(int(s) for s in json.loads(store.get(key)))
-
     def _regroup(self, replaced: bool) -> int:
         """Join the next group, agree on the step, restore the states, rebuild. The step."""
         t0 = time.monotonic()
@@ -283,18 +324,16 @@ class Recovery:
             self.backend, self.rank, self.world, self.regroup_timeout_s, self._attempt
         )
         try:
-            held = self._held_steps(replaced)
-            reports = regroup.exchange(regroup.Report(self.rank, held, replaced))
-            step, source = regroup.agree(reports)
+            snaps, lives = (
+                (self._slots.read("snap"), self._slots.read("live")) if replaced else ({}, {})
+            )
+            held = tuple(sorted(snaps)) if replaced else tuple(sorted(self._snaps))
+            live = None if replaced else self._live_step()
+            mine = regroup.Report(self.rank, held, replaced, live, tuple(sorted(lives)))
+            reports = regroup.exchange(mine)
+            step, source, is_live = regroup.agree(reports)
             t_agreed = time.monotonic()
-            rep: list[Any] = [self._snaps[step][0] if self.rank == source else None]
-            dist.broadcast_object_list(rep, src=source)
-            if replaced:
-                own = _loads(self._the_store().get(f"{self._prefix}/s{step}"))
-                self._snaps = {step: (rep[0], own)}
-            else:
-                self._snaps = {s: v for s, v in self._snaps.items() if s <= step}
-            self._load(*self._snaps[step])
+            self._restore(step, source, is_live, snaps if replaced else None, lives)
         except regroup.InPlaceFallback:
             raise
         except Exception as e:  # noqa: BLE001 - a half-restored state must never train
@@ -307,6 +346,7 @@ class Recovery:
             built.rebuild()
         self.last_regroup = {
             "step": step,
+            "live": is_live,
             "replaced": [r.rank for r in reports if r.replaced],
             "phases": {
                 "regroup_s": t_agreed - t0,
@@ -316,13 +356,43 @@ class Recovery:
         }
         return step
 
-    def _load(self, rep: dict[str, Any], own: dict[str, Any]) -> None:
+    def _restore(
+        self,
+        step: int,
+        source: int,
+        is_live: bool,
+        snaps: dict[int, dict[str, Any]] | None,
+        lives: dict[int, dict[str, Any]],
+    ) -> None:
+        """Every member loads the source's replicated states of ``step``: its live ones
+        (``is_live``: the survivors' own per-rank states from memory, a replaced rank's from
+        the store's live slots) or its snapshot (a replaced rank's per-rank states from
+        ``snaps``, the store's snapshot slots; ``None`` on a survivor)."""
+        live = self._live
+        if is_live:
+            tree = live.tree if live is not None and self.rank == source else None
+        else:
+            tree = self._snaps[step][0] if self.rank == source else None
+        rep: list[Any] = [tree]
+        dist.broadcast_object_list(rep, src=source)
+        self._live = None  # the next step's start makes the next one
+        if snaps is None:  # a survivor: the snapshots after the agreed step are void
+            self._snaps = {s: v for s, v in self._snaps.items() if s <= step}
+        if is_live:
+            own = lives[step] if snaps is not None or live is None else live.own
+            self._load(rep[0], own, keep=False)
+            return
+        if snaps is not None:
+            self._snaps = {step: (rep[0], snaps[step])}
+        self._load(*self._snaps[step], keep=True)
+
+    def _load(self, rep: dict[str, Any], own: dict[str, Any], keep: bool) -> None:
+        """Load ``rep`` and ``own``; ``keep``: ``rep`` is a snapshot to keep pristine (a
+        live tree is used once: copying it would only double the model's memory)."""
         for name, obj in self.replicated.items():
-            obj.load_state_dict(copy.deepcopy(rep[name]))  # the snapshot stays pristine
+            obj.load_state_dict(copy.deepcopy(rep[name]) if keep else rep[name])
             if isinstance(obj, torch.nn.Module):
                 obj.zero_grad(set_to_none=True)
         for name, obj in self.per_rank.items():
             obj.load_state_dict(copy.deepcopy(own[name]))
-        torch_rng, py_rng = own[_RNG]
-        torch.set_rng_state(torch_rng)
-        random.setstate(py_rng)
+        set_rng_state(own[_RNG])

@@ -12,6 +12,10 @@ the same rank and world size. The generation is agreed through that store: every
 adds 1 to one counter as it arrives, so arrival n belongs to generation ceil(n / world).
 A member counted into the wrong generation waits for peers that never come and times out:
 doubt ends in ``InPlaceFallback``, never in a group of the wrong members.
+
+The members then agree on the point to resume from (``agree``, pure): the survivors' live
+states at the start of the failed step when every survivor holds the same one (live.py),
+else the newest in-memory snapshot every member holds, else the whole restart.
 """
 
 from __future__ import annotations
@@ -25,7 +29,16 @@ import torch.distributed as dist
 
 from steadytrain.checkpoint import torch_private as tp
 
-__all__ = ["InPlaceFallback", "Report", "agree", "is_peer_loss", "join", "leave", "store"]
+__all__ = [
+    "InPlaceFallback",
+    "Report",
+    "agree",
+    "is_peer_loss",
+    "join",
+    "leave",
+    "not_live",
+    "store",
+]
 
 # Messages of a collective whose peer is gone (gloo raises a plain RuntimeError; torch's own
 # DistError subclasses are recognised by type). Anything else is the script's own error.
@@ -114,36 +127,74 @@ def join(
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """What one member brings to a regroup: the snapshot steps it can restore (survivors:
-    the process's own memory; the replaced rank: the steps whose per-rank state it can
-    read back) and whether it is the replaced process."""
+    """What one member brings to a regroup. ``steps``: the snapshot steps it can restore
+    (survivors: the process's own memory; the replaced rank: the steps whose per-rank state
+    it can read back). ``live``: a survivor's step whose start it still holds live (its
+    optimizers did not step in the failed step; None otherwise, and for a replaced rank).
+    ``own_live``: the replaced rank's steps whose per-rank state (live slots) is in the
+    store. ``replaced``: whether it is the replaced process."""
 
     rank: int
     steps: tuple[int, ...]
     replaced: bool
+    live: int | None = None
+    own_live: tuple[int, ...] = ()
 
 
-def agree(reports: list[Report]) -> tuple[int, int]:
-    """The step every rank resumes from (the newest one every member holds) and the
-    survivor that sends the replicated states (the lowest rank that lived through it).
-    ``InPlaceFallback`` when no survivor is left or no step is common to all."""
-    survivors = [r.rank for r in reports if not r.replaced]
+def not_live(reports: list[Report]) -> str | None:
+    """Why the live states cannot be the agreed point (None: they can): every survivor must
+    hold the start of the same step live, and every replaced rank its per-rank state of it."""
+    lives = {r.rank: r.live for r in reports if not r.replaced}
+    stepped = [rank for rank, s in lives.items() if s is None]
+    if stepped:
+        return f"rank(s) {stepped} stepped their optimizer in the failed step or hold no live state"
+    if len(set(lives.values())) > 1:
+        at = ", ".join(f"rank {rank} at {s}" for rank, s in lives.items())
+        return f"the survivors are at different steps ({at})"
+    step = next(iter(lives.values()))
+    missing = [r.rank for r in reports if r.replaced and step not in r.own_live]
+    if missing:
+        return f"no per-rank state of step {step} in the store for replaced rank(s) {missing}"
+    return None
+
+
+def agree(reports: list[Report]) -> tuple[int, int, bool]:
+    """(step, source, live): the step every rank resumes from, the survivor that sends the
+    replicated states (the lowest rank that lived through it), and whether they are the
+    survivors' live states (at the start of the failed step: nothing is redone) or
+    snapshots (the newest step every member holds). ``InPlaceFallback`` when no survivor is
+    left or neither applies: never a state that is not provably the agreed one."""
+    survivors = [r for r in reports if not r.replaced]
     if not survivors:
         raise InPlaceFallback(
             "every rank is a replacement: no process kept its state; torchrun's whole "
             "restart takes over"
         )
+    source = min(r.rank for r in survivors)
+    why = not_live(reports)
+    if why is None:
+        return int(survivors[0].live), source, True  # type: ignore[arg-type]
     common = set(reports[0].steps).intersection(*(r.steps for r in reports[1:]))
     if not common:
         held = "; ".join(f"rank {r.rank}: {list(r.steps)}" for r in reports)
         raise InPlaceFallback(
-            f"no snapshot step is held by every rank ({held}); torchrun's whole restart takes over"
+            f"not live ({why}), and no snapshot step is held by every rank ({held}); "
+            "torchrun's whole restart takes over"
         )
-    return max(common), min(survivors)
+    return max(common), source, False
 
 
 def exchange(report: Report) -> list[Report]:
     """Every member's ``Report``, on the new default group."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dataclasses.astuple(report))
-    return [Report(int(g[0]), tuple(int(s) for s in g[1]), bool(g[2])) for g in gathered]
+    return [
+        Report(
+            int(g[0]),
+            tuple(int(s) for s in g[1]),
+            bool(g[2]),
+            None if g[3] is None else int(g[3]),
+            tuple(int(s) for s in g[4]),
+        )
+        for g in gathered
+    ]

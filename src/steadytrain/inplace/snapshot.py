@@ -28,14 +28,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["Copy", "copy_state", "deferrable"]
+__all__ = ["Copy", "copy_state", "deferrable", "live_view"]
 
 log = logging.getLogger("steadytrain.inplace")
 
 
-def _dest(src: torch.Tensor, reuse: Any) -> torch.Tensor:
+def _dest(src: torch.Tensor, reuse: Any, live: set[int] | None) -> torch.Tensor:
+    """Where ``src`` is copied: ``reuse`` where it fits, but never a tensor of the live
+    state (``live``: the data pointers a ``live_view`` holds as they are, and ``src``)."""
     if (
         isinstance(reuse, torch.Tensor)
+        and not (live is not None and reuse.data_ptr() in live)
+        and reuse.data_ptr() != src.data_ptr()
         and reuse.shape == src.shape
         and reuse.dtype == src.dtype
         and reuse.device == src.device
@@ -45,23 +49,31 @@ def _dest(src: torch.Tensor, reuse: Any) -> torch.Tensor:
 
 
 def _walk(
-    src: Any, reuse: Any, later: list[tuple[torch.Tensor, torch.Tensor]] | None, defer: set[int]
+    src: Any,
+    reuse: Any,
+    later: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    defer: set[int],
+    alias: bool = False,
 ) -> Any:
     """The copy of tree ``src`` (see ``copy_state``); with ``later``, a tensor whose
-    ``data_ptr`` is in ``defer`` gets its destination now and its copy listed in ``later``."""
+    ``data_ptr`` is in ``defer`` gets its destination now and its copy listed in ``later``;
+    with ``alias``, such a tensor is not copied at all: the tree holds it (``live_view``)."""
     if isinstance(src, torch.Tensor):
         src = src.detach()
-        dst = _dest(src, reuse)
-        if later is not None and type(src) is torch.Tensor and src.data_ptr() in defer:
+        deferred = type(src) is torch.Tensor and src.data_ptr() in defer
+        if alias and deferred:
+            return src
+        dst = _dest(src, reuse, defer if alias else None)
+        if later is not None and deferred:
             later.append((dst, src))
             return dst
         return dst.copy_(src)
     if isinstance(src, dict):
         old = reuse if isinstance(reuse, dict) else {}
-        return {k: _walk(v, old.get(k), later, defer) for k, v in src.items()}
+        return {k: _walk(v, old.get(k), later, defer, alias) for k, v in src.items()}
     if type(src) in (list, tuple):
         old = reuse if type(reuse) is type(src) and len(reuse) == len(src) else [None] * len(src)
-        return type(src)(_walk(v, o, later, defer) for v, o in zip(src, old, strict=True))
+        return type(src)(_walk(v, o, later, defer, alias) for v, o in zip(src, old, strict=True))
     return copy.deepcopy(src)
 
 
@@ -71,6 +83,14 @@ def copy_state(src: Any, reuse: Any = None) -> Any:
     place: a steady run allocates nothing per snapshot. (Fresh memory costs its first-touch
     page faults, ~6x the copy itself on this machine; NOTES-environment's copy floor.)"""
     return _walk(src, reuse, None, set())
+
+
+def live_view(states: Any, reuse: Any, defer: set[int]) -> Any:
+    """The state tree ``states`` as it stands now, without copying what only the
+    optimizers' ``step()`` changes (``defer``: those tensors are held as they are, live);
+    the rest is copied (into ``reuse``'s tensors where they fit, never into a live one).
+    Valid until one of those optimizers steps (live.py)."""
+    return _walk(states, reuse, None, defer, alias=True)
 
 
 def deferrable(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
