@@ -214,19 +214,3 @@ def test_threaded_sink_hands_rank_windows_and_ticks_in_order():
         ("write", [2], 2),
         ("close", "finished"),
     ]
-
-
-def test_the_slow_sink_thread_runs_below_the_training_priority():
-    """Its seconds of import and SQLite work yield the cores to the training's threads (the
-    replacement's first step runs while it opens): the thread, not the process, is niced."""
-    seen: dict = {}
-
-    def make():
-        seen["sink"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        return None
-
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    t = sink_thread.ThreadedSink("probe", make)
-    t.close("finished")
-    assert seen["sink"] == min(19, base + sink_thread.NICE)
-    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the process (this thread) is not

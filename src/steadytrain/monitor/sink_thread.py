@@ -19,7 +19,6 @@ until the process exits; the ledger has every record).
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable
@@ -38,9 +37,6 @@ MAX_BACKLOG_RECORDS = 50_000
 CLOSE_WAIT_S = 60.0
 CRASH_CLOSE_WAIT_S = 5.0
 CLEAN_ENDS = ("finished", "interpreter_exit")  # the job_end reasons that are no crash
-# This thread's niceness above the training's: on a busy host its import and SQLite work
-# (seconds of CPU) yields to the loop's threads -- a replacement's first step is when it runs.
-NICE = 10
 
 _STOP = object()
 
@@ -113,7 +109,6 @@ class ThreadedSink:
 
     # -- its own thread --------------------------------------------------------------------
     def _run(self) -> None:
-        _lower_priority()
         try:
             self.sink = self._make()
         except Exception:
@@ -152,14 +147,3 @@ class ThreadedSink:
         with self._lock:
             self.dropped += self._queued
             self._queued = 0
-
-
-def _lower_priority() -> None:
-    """Lower this thread's CPU priority only (Linux: a thread id is a ``PRIO_PROCESS`` who).
-    Where that is not possible it runs as before: a metrics thread is no reason to fail."""
-    try:
-        tid = threading.get_native_id()
-        # relative to what it inherited (setpriority sets a value: never raise it)
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + NICE))
-    except (AttributeError, OSError) as e:
-        log.debug("meter sink thread keeps its priority (%s)", e)
