@@ -55,6 +55,7 @@ from steadytrain.monitor.meter_config import MeterConfig
 from steadytrain.monitor.rank_recorder import RankPoller, RankRecorder, rank_windows
 from steadytrain.monitor.records import MAX_INT, Rejects, finite_tree
 from steadytrain.monitor.recovered import recovered_commit, recovered_steps
+from steadytrain.monitor.sink_thread import ThreadedSink
 from steadytrain.monitor.sinks import BackgroundWriter, JsonlSink, make_sink
 from steadytrain.monitor.straggler_live import StragglerCheck
 from steadytrain.settings import merge
@@ -62,6 +63,10 @@ from steadytrain.settings import merge
 __all__ = ["GoodputMeter", "MeterConfig", "shm_used_bytes"]
 
 log = logging.getLogger("steadytrain.monitor")
+
+# Sinks that take seconds to open and to write (MLflow: its import, a SQLite store): each gets
+# a thread and a queue of its own (monitor/sink_thread.py), so the ledger never waits for it.
+SLOW_SINKS = ("mlflow",)
 
 
 class GoodputMeter:
@@ -401,6 +406,11 @@ class GoodputMeter:
         if self.config.per_rank:
             self._ranks.open()
         for spec in self.config.sinks:
+            if isinstance(spec, str) and spec in SLOW_SINKS:
+                # made in its own thread: the ledger's first records do not wait for it
+                make = lambda spec=spec: make_sink(spec, **self._sink_context)  # noqa: E731
+                self._sinks.append(ThreadedSink(spec, make, self.config.flush_interval_s))
+                continue
             try:
                 sink = make_sink(spec, **self._sink_context)
                 self._sinks.append(sink)
@@ -412,7 +422,8 @@ class GoodputMeter:
     def _close_sinks(self) -> None:
         self._poll_ranks(force=True)  # the other ranks' last window, while the sinks are open
         self._ranks.close()
-        for sink in self._sinks:
+        # The ledger first; a threaded sink's close waits (bounded) for its backlog.
+        for sink in sorted(self._sinks, key=lambda s: isinstance(s, ThreadedSink)):
             try:
                 sink.close(self._close_reason)
             except Exception:
