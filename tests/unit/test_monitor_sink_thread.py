@@ -214,3 +214,20 @@ def test_threaded_sink_hands_rank_windows_and_ticks_in_order():
         ("write", [2], 2),
         ("close", "finished"),
     ]
+
+
+def test_a_clean_close_waits_for_a_sink_still_opening_then_hands_it_everything(
+    tmp_path, slow_sink, monkeypatch
+) -> None:
+    """Under load MLflow's open took over a minute (CLOSE_WAIT_S): a job that ends cleanly
+    waits for the open (OPEN_WAIT_S), so the run's metrics reach MLflow; a crashed one
+    does not."""
+    monkeypatch.setattr(sink_thread, "CLOSE_WAIT_S", 0.2)
+    m = GoodputMeter(tmp_path, sinks=("jsonl", "slow"), total_steps=4)
+    _steps(m, [1, 2])
+    threading.Timer(1.5, slow_sink.opened.set).start()  # opens after the close began
+    m.close()  # clean: "finished"
+    assert slow_sink.opened.is_set()
+    got = [(r["type"], r.get("step")) for r in slow_sink.got]
+    assert got == [(r["type"], r.get("step")) for r in read_ledger(tmp_path)]
+    assert got[-1][0] == "job_end"

@@ -55,7 +55,7 @@ from steadytrain.monitor.meter_config import MeterConfig
 from steadytrain.monitor.rank_recorder import RankPoller, RankRecorder, rank_windows
 from steadytrain.monitor.records import MAX_INT, Rejects, finite_tree
 from steadytrain.monitor.recovered import recovered_commit, recovered_steps
-from steadytrain.monitor.sink_thread import ThreadedSink
+from steadytrain.monitor.sink_thread import ThreadedSink, close_wait_s
 from steadytrain.monitor.sinks import BackgroundWriter, JsonlSink, make_sink
 from steadytrain.monitor.straggler_live import StragglerCheck
 from steadytrain.settings import merge
@@ -381,7 +381,9 @@ class GoodputMeter:
             if eval_s > 0:
                 end["eval_s"] = float(eval_s)
             writer.put(end)
-            writer.close()
+            # The writer closes the sinks: a threaded one may wait for its own (bounded) time.
+            slow = [s for s in getattr(self, "_sinks", ()) if isinstance(s, ThreadedSink)]
+            writer.close(60.0 + (close_wait_s(reason) if slow else 0.0))
         if hasattr(self, "_rss"):
             self._rss.close()
 

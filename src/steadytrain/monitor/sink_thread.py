@@ -21,10 +21,18 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ThreadedSink", "MAX_BACKLOG_RECORDS", "CLOSE_WAIT_S", "CRASH_CLOSE_WAIT_S"]
+__all__ = [
+    "CLOSE_WAIT_S",
+    "CRASH_CLOSE_WAIT_S",
+    "MAX_BACKLOG_RECORDS",
+    "OPEN_WAIT_S",
+    "ThreadedSink",
+    "close_wait_s",
+]
 
 log = logging.getLogger("steadytrain.monitor")
 
@@ -36,6 +44,10 @@ MAX_BACKLOG_RECORDS = 50_000
 # restart waits for it) -- its ledger's job_end is written before either wait.
 CLOSE_WAIT_S = 60.0
 CRASH_CLOSE_WAIT_S = 5.0
+# After a clean end, a sink still opening gets this long to open first (then CLOSE_WAIT_S):
+# under load, MLflow's import and store took over 60 s here, and a job that ends cleanly
+# loses nothing by waiting for it (before this thread, its start-up waited for the open).
+OPEN_WAIT_S = 240.0
 CLEAN_ENDS = ("finished", "interpreter_exit")  # the job_end reasons that are no crash
 
 _STOP = object()
@@ -54,6 +66,7 @@ class ThreadedSink:
         self.dropped = 0  # records never handed to the sink (backlog full, or it failed)
         self.sink: Any = None
         self.failed = False
+        self._opened = threading.Event()  # made, or failed to be: nothing left to open
         self._live: dict[str, Any] = {}
         self._thread = threading.Thread(
             target=self._run, name=f"steadytrain-meter-{name}", daemon=True
@@ -72,10 +85,15 @@ class ThreadedSink:
 
     def close(self, reason: str = "finished") -> None:
         """Hand the sink what is queued and close it, waiting at most ``CLOSE_WAIT_S``
-        (``CRASH_CLOSE_WAIT_S`` after a crash); say so when it stops waiting."""
+        (``CRASH_CLOSE_WAIT_S`` after a crash; after a clean end, a sink still opening first
+        gets up to ``OPEN_WAIT_S`` to open); say so when it stops waiting."""
         self._q.put((_STOP, reason, None))
+        t0 = time.monotonic()
         wait_s = CLOSE_WAIT_S if reason in CLEAN_ENDS else CRASH_CLOSE_WAIT_S
+        if reason in CLEAN_ENDS and not self._opened.wait(OPEN_WAIT_S):
+            wait_s = 0.0  # still not open: nothing would be handed over in time
         self._thread.join(wait_s)
+        wait_s = time.monotonic() - t0
         if self._thread.is_alive():
             state = "still opening" if self.sink is None and not self.failed else "still busy"
             log.warning(
@@ -115,6 +133,8 @@ class ThreadedSink:
             log.exception("meter sink %r could not start; continuing without it", self.name)
             self._fail()
             return
+        finally:
+            self._opened.set()
         while not self.failed:
             try:
                 kind, items, live = self._q.get(timeout=self._tick_s)
@@ -147,3 +167,11 @@ class ThreadedSink:
         with self._lock:
             self.dropped += self._queued
             self._queued = 0
+
+
+def close_wait_s(reason: str) -> float:
+    """The longest a ``ThreadedSink.close(reason)`` waits: what the meter's writer, which
+    calls it, must wait for beyond its own drain."""
+    if reason in CLEAN_ENDS:
+        return OPEN_WAIT_S + CLOSE_WAIT_S
+    return CRASH_CLOSE_WAIT_S
