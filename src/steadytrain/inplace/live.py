@@ -17,6 +17,11 @@ anyone on the job's network can write to that store). Each kind of recovery poin
 slots per rank, overwritten in turn, so the store holds a bounded set of keys however long
 the run: a rank may die between its peers' start of a step and its own (or one step ahead
 of a peer still finishing the previous step's collective), hence two.
+
+``Ahead``: a rank's state of step s + 1 is already published at its optimizer's step
+pre-hook of step s, so a rank lost in its ``optimizer.step()`` or the loop's tail (its peers
+then live at s + 1) can still be resumed live; every rank checks at the start of s + 1 that
+the publication was its true state.
 """
 
 from __future__ import annotations

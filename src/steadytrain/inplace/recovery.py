@@ -252,9 +252,8 @@ class Recovery:
         self._optim_stepped = False
         own = own_state(self.per_rank)
         if self._optims:  # without one, no step's start is provably live
-            # To the store first (unless the previous step's optimizer pre-hook published
-            # exactly this): a rank that dies before its state of this step is there leaves
-            # its peers live at a step it cannot resume (they fall back).
+            # To the store first (unless the optimizer's pre-hook published exactly this): a
+            # rank dying before it is there leaves its peers live at a step it cannot resume.
             self._ahead.write(step, own)
         states = {k: v.state_dict() for k, v in self.replicated.items()}
         defer = deferrable(self._optims)
@@ -276,18 +275,15 @@ class Recovery:
         self._slots.put("snap", step // self.every_steps, step, own)
 
     def _optimizer_steps(self, *_: Any) -> None:
-        """The first replicated optimizer's step of a step: the gradient all-reduce is
-        complete, so this rank's per-rank state now is, unless the loop changes it before
-        the next step (``Ahead`` checks), its state of the next step: published now."""
+        """A step's first optimizer step (its gradient all-reduce is done): this rank's
+        per-rank state goes to the store as its state of the next step (``Ahead``)."""
         if not self._optim_stepped and self._live is not None:
             self._ahead.publish(self._live.step + 1, own_state(self.per_rank))
         self._optim_stepped = True
 
     def _live_step(self) -> int | None:
         """The step whose start this rank still holds live (None: an optimizer stepped)."""
-        if self._live is None or self._optim_stepped:
-            return None
-        return self._live.step
+        return None if self._live is None or self._optim_stepped else self._live.step
 
     def _settle(self) -> None:
         """Wait for the snapshot being copied; it joins the complete ones unless it failed."""
@@ -333,10 +329,8 @@ class Recovery:
             lives, ahead = self._slots.read("live") if replaced else ({}, ())
             held = tuple(sorted(snaps)) if replaced else tuple(sorted(self._snaps))
             live = None if replaced else self._live_step()
-            proven = self._ahead.proven(live)  # a survivor: its pre-hook publications hold
-            mine = regroup.Report(
-                self.rank, held, replaced, live, tuple(sorted(lives)), ahead, proven
-            )
+            own_live, proven = tuple(sorted(lives)), self._ahead.proven(live)
+            mine = regroup.Report(self.rank, held, replaced, live, own_live, ahead, proven)
             reports = regroup.exchange(mine)
             step, source, is_live = regroup.agree(reports)
             t_agreed = time.monotonic()
