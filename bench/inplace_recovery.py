@@ -15,10 +15,10 @@ when the job trains again). The baseline's attempts start from step 0 with nothi
 restore: its restart is measured without a checkpoint load, in its favour. Median and
 spread; the issue's target is <= 2 s in place and >= 4x faster than the whole restart.
 Both jobs may restart (``--max-restarts N``): with live recovery alone, a rank killed after
-its gradients were all-reduced and before its state of the next step reached the store
-(its ``optimizer.step()``, the loop's end) leaves its peers live at a step it cannot
-resume, and that fault falls back to the whole restart; each fault's path is reported,
-and the in-place median counts those gaps too.
+its gradients were all-reduced and before its optimizer's step pre-hook published its state
+of the next step leaves its peers live at a step it cannot resume, and that fault falls
+back to the whole restart; each fault's path is reported, and the in-place median counts
+those gaps too.
 """
 
 from __future__ import annotations

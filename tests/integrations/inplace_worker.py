@@ -1,7 +1,7 @@
 """A plain PyTorch DDP loop with in-place recovery (tests/integrations/test_inplace.py).
 
     torchrun --nproc-per-node 2 -m steadytrain.inplace.keeper inplace_worker.py OUT STEPS \
-        KILL_AT EVERY KILL_RANK [once|late|repeat|slow|stop]
+        KILL_AT EVERY KILL_RANK [once|late|instep|repeat|slow|stop]
 
 Every step appends ``{"step", "loss", "pid", "keeper", "restart", "incarnation"}`` to
 ``OUT/r{RANK}.jsonl``; rank 0 saves the final weights to ``OUT/final.pt``. With ``KILL_AT``
@@ -10,7 +10,10 @@ and its backward: the other rank is then blocked in DDP's gradient all-reduce (i
 optimizer has not stepped: the survivors recover from their live state, ``EVERY`` 0 takes
 no snapshot). With ``late`` it dies after its ``optimizer.step()``, before the step's
 loss all-reduce: the survivors stepped too, so only a snapshot (``EVERY`` > 0) can be the
-recovery point. With ``repeat``, every
+recovery point. With ``instep`` it dies inside its ``optimizer.step()`` of step KILL_AT (a
+step post-hook), and the loop has no collective after ``optimizer.step()``: the survivors
+finish the step and are live at KILL_AT + 1, whose per-rank state the killed rank's
+optimizer pre-hook published. With ``repeat``, every
 replacement of the first torchrun attempt dies the same way in its first step (a fault
 that repeats: the keeper leaves it to torchrun's whole restart). With ``slow``, the
 replacement sleeps past the survivors' 3 s regroup timeout before it joins (the survivor
@@ -95,6 +98,14 @@ def main() -> None:
         )
 
     wd = watchdog()
+    current = [step]  # the step being run, for the ``instep`` kill
+
+    def die_in_step(*_: object) -> None:
+        if rank == kill_rank and first_attempt and not incarnation and current[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if mode == "instep":
+        optim.register_step_post_hook(die_in_step)
     # With 3 or more ranks a sum's rounding depends on where a gradient sits in DDP's
     # bucket (gloo's ring sums chunk by chunk); DDP lays its buckets out again after its
     # first step, in the order gradients came, so a DDP rebuilt by a regroup would redo its
@@ -104,6 +115,7 @@ def main() -> None:
     record = open(os.path.join(out, f"r{rank}.jsonl"), "a")
     first = step
     while step < steps:
+        current[0] = step
         with recovery.step(step) as s:
             x, y = loader.next()
             loss = torch.nn.functional.mse_loss(ddp(x), y)
@@ -111,7 +123,7 @@ def main() -> None:
                 rank == kill_rank
                 and first_attempt
                 and kill_at
-                and mode != "late"
+                and mode not in ("late", "instep")
                 and (
                     (step == kill_at and incarnation == 0)
                     or (repeat and incarnation and step == first)
@@ -124,8 +136,8 @@ def main() -> None:
             late = mode == "late" and rank == kill_rank and step == kill_at
             if late and first_attempt and incarnation == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
-            total = loss.detach().clone()  # a collective after optimizer.step(): the mean loss
-            torch.distributed.all_reduce(total)
+            if mode != "instep":  # a collective after optimizer.step(): the mean loss
+                torch.distributed.all_reduce(loss.detach().clone())
         if wd is not None and s.recovered:  # a new group: a new watchdog
             wd.close()
             wd = watchdog()

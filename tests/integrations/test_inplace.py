@@ -8,6 +8,10 @@ something). Runs of ``inplace_worker.py``, side by side in each test:
   with live recovery alone (no snapshot: ``every_steps=0``): the survivors go on from the
   start of the failed step 7 that they hold live, the replacement receives it, nothing
   before 7 is redone;
+- 2 ranks: rank 1 SIGKILLed inside its ``optimizer.step()`` of step 7 (``instep``, after
+  the gradient all-reduce; no collective after ``optimizer.step()``), live alone: the
+  survivor finishes step 7 and is live at 8; the replacement reads the per-rank state of 8
+  that its predecessor's optimizer pre-hook published, and everyone goes on from 8;
 - 2 ranks: rank 0 SIGKILLed after its ``optimizer.step()`` of step 7, before the step's
   loss all-reduce (``late``: the survivor stepped too, so nothing is live), with snapshots
   every 3 steps: everyone rolls back to the snapshot of step 6 and redoes from there;
@@ -43,7 +47,7 @@ STEPS, KILL_AT = 10, 7
 # Live recovery alone for every fault, except ``late`` (after optimizer.step(): nothing is
 # live), which keeps snapshots every 3 steps (0, 3, 6, 9) and rolls back to 6.
 EVERY = {"late": 3}
-RESUME = {"late": 6}
+RESUME = {"late": 6, "instep": KILL_AT + 1}
 
 
 def start(
@@ -93,21 +97,23 @@ def check_survivor(run: str, kept: list[dict], resume: int) -> None:
     assert {r["restart"] for r in kept} == {"0"}, "torchrun's agent restarted the job"
     assert len({r["pid"] for r in kept}) == 1, "a survivor's training process was replaced"
     assert len({r["keeper"] for r in kept}) == 1
-    # The survivor did the failed step again (live), or redid it from its snapshot at 6.
-    assert [r["step"] for r in kept] == [*range(KILL_AT), *range(resume, STEPS)]
+    # The survivor did the failed step again (live), redid it from its snapshot at 6, or
+    # (``instep``) finished 7 and did 8 again.
+    assert [r["step"] for r in kept] == [*range(max(KILL_AT, resume)), *range(resume, STEPS)]
 
 
 def final(run: str) -> dict[str, torch.Tensor]:
     return torch.load(os.path.join(run, "final.pt"))
 
 
-# 2 ranks: each rank killed in turn (rank 0's replacement takes the replicated state from
-# rank 1; rank 0 after its optimizer step: the snapshot path), and rank 1 stopped (SIGSTOP:
+# 2 ranks: each rank killed in turn (rank 1 inside its optimizer step: live at the next
+# step; rank 0 after its optimizer step, before a collective: the snapshot path; rank 0's
+# replacement takes the replicated state from rank 1), and rank 1 stopped (SIGSTOP:
 # the hang watchdog and the reaper make it a killed one); 3 ranks: the middle one killed,
 # with two survivors in the regroup. (A live rank 0's replacement: test_run_inplace.py.)
 @pytest.mark.parametrize(
     "world,faults",
-    [(2, ((1, "once"), (0, "late"), (1, "stop"))), (3, ((1, "once"),))],
+    [(2, ((1, "instep"), (0, "late"), (1, "stop"))), (3, ((1, "once"),))],
     ids=["2-ranks", "3-ranks"],
 )
 def test_a_lost_rank_is_replaced_in_place_and_the_run_stays_exact(

@@ -3,6 +3,7 @@ and which errors count as a lost peer (the real processes: tests/integrations/te
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 
 import pytest
@@ -61,6 +62,26 @@ def test_survivors_live_at_one_step_resume_it_from_their_live_state() -> None:
     assert agree(reports) == (8, 1, True)
 
 
+def test_a_rank_lost_in_its_optimizer_step_resumes_live_from_its_state_published_ahead() -> None:
+    """Rank 1 died in its optimizer.step() of step 7 (after the gradient all-reduce): the
+    survivors are live at 8, and its state of 8 is the one its optimizer's pre-hook published
+    (``ahead``). Every survivor proved at the start of 8 that its own pre-hook publication
+    was its true state: live at 8. One survivor that did not prove it (its loop changed a
+    per-rank state after optimizer.step(), or it never checked 8): the snapshot."""
+    proven = [
+        Report(0, (6,), False, 8, proven=True),
+        Report(1, (6,), True, None, (7, 8), ahead=(8,)),
+        Report(2, (6,), False, 8, proven=True),
+    ]
+    assert not_live(proven) is None and agree(proven) == (8, 0, True)
+    unproven = [dataclasses.replace(proven[0], proven=False), *proven[1:]]
+    assert "survivor(s) [0] did not prove that right" in not_live(unproven)
+    assert agree(unproven) == (6, 0, False)
+    # a state written at the start of the step itself needs no proof
+    written = [proven[0], dataclasses.replace(proven[1], ahead=(7,)), proven[2]]
+    assert agree([dataclasses.replace(r, proven=False) for r in written]) == (8, 0, True)
+
+
 @pytest.mark.parametrize(
     "reports, why",
     [
@@ -83,13 +104,22 @@ def test_survivors_live_at_one_step_resume_it_from_their_live_state() -> None:
             [Report(0, (6,), False, 7), Report(1, (6,), True, None, (5, 6))],
             "no per-rank state of step 7 in the store for replaced rank(s) [1]",
         ),
+        # its state of 8 was published ahead, and a survivor saw its own publication differ
+        (
+            [
+                Report(0, (6,), False, 8, proven=True),
+                Report(1, (6,), True, None, (7, 8), ahead=(8,)),
+                Report(2, (6,), False, 8, proven=False),
+            ],
+            "survivor(s) [2] did not prove that right",
+        ),
     ],
-    ids=["stepped", "different-steps", "missing-own-state"],
+    ids=["stepped", "different-steps", "missing-own-state", "ahead-unproven"],
 )
 def test_not_live_takes_the_snapshot_or_falls_back(reports: list[Report], why: str) -> None:
     assert why in not_live(reports)
     assert agree(reports) == (6, min(r.rank for r in reports if not r.replaced), False)
-    without = [Report(r.rank, (), r.replaced, r.live, r.own_live) for r in reports]  # live only
+    without = [dataclasses.replace(r, steps=()) for r in reports]  # live only
     with pytest.raises(InPlaceFallback, match="no snapshot step is held by every rank") as e:
         agree(without)
     assert why in str(e.value) and classify(str(e.value)) == "no_common_step"

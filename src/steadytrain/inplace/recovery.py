@@ -29,11 +29,11 @@ called ``optimizer.step()``. With DDP a lost peer surfaces in the forward or bac
 that call: the survivors still hold the start of the failed step in their live model and
 optimizer, so they restore only their per-rank states, the replaced rank receives the rest
 from a survivor, and the step is done again, nothing earlier. So the parameters and the
-optimizers' state must change only through the replicated optimizers' ``step()``. Not
-covered: a rank that dies after its step's gradient all-reduce and before its state of the
-next step reached the store (its ``optimizer.step()``, the loop's tail): its peers are live
-at a step it never started, and the regroup falls back (to a snapshot, or the whole
-restart).
+optimizers' state must change only through the replicated optimizers' ``step()``. A rank
+lost in its ``optimizer.step()`` or the loop's tail leaves its peers live at the next step:
+its state of that step was published at its optimizer's step pre-hook (live.py's ``Ahead``,
+used only if every survivor proved the loop changes no per-rank state after
+``optimizer.step()``); one lost between its backward and that hook still falls back.
 
 ``every_steps=K`` (> 0) adds in-memory **snapshots** as a safety net, for a loop where a
 collective can fail after ``optimizer.step()`` (a survivor that stepped holds no live start):
@@ -70,7 +70,7 @@ from steadytrain.checkpoint import torch_private as tp
 from steadytrain.inplace import regroup
 from steadytrain.inplace.contract import ENV_FD, ENV_INCARNATION, ENV_MAX, ENV_ON
 from steadytrain.inplace.live import RNG as _RNG
-from steadytrain.inplace.live import SLOTS, Live, Slots, rng_state, set_rng_state, take
+from steadytrain.inplace.live import SLOTS, Ahead, Live, Slots, own_state, set_rng_state, take
 from steadytrain.inplace.snapshot import Copy, copy_state, deferrable
 
 __all__ = ["Rebuilt", "Recovery", "Step", "copy_state"]
@@ -169,6 +169,7 @@ class Recovery:
         self._slots = Slots(
             self._the_store, f"steadytrain/inplace/{self._attempt}/state/r{self.rank}"
         )
+        self._ahead = Ahead(self._slots)  # the next step's per-rank state, at optimizer.step
         # The replicated optimizers: their step() ends the live recovery point of the step,
         # and waits for the snapshot's copy of the tensors it changes, which a background
         # thread makes (snapshot.py). Off: the whole copy blocks the loop at the start of the
@@ -249,13 +250,11 @@ class Recovery:
         if not self.enabled:
             return
         self._optim_stepped = False
-        own = {k: copy.deepcopy(v.state_dict()) for k, v in self.per_rank.items()}
-        own[_RNG] = rng_state()
+        own = own_state(self.per_rank)
         if self._optims:  # without one, no step's start is provably live
-            # To the store first: a rank that dies before its state of this step is there
-            # leaves its peers live at a step it cannot resume (they fall back), so the
-            # window from the previous step's end to this write is kept short.
-            self._slots.put("live", step, step, own)
+            # To the store first (unless the optimizer's pre-hook published exactly this): a
+            # rank dying before it is there leaves its peers live at a step it cannot resume.
+            self._ahead.write(step, own)
         states = {k: v.state_dict() for k, v in self.replicated.items()}
         defer = deferrable(self._optims)
         if self._optims:
@@ -276,13 +275,15 @@ class Recovery:
         self._slots.put("snap", step // self.every_steps, step, own)
 
     def _optimizer_steps(self, *_: Any) -> None:
+        """A step's first optimizer step (its gradient all-reduce is done): this rank's
+        per-rank state goes to the store as its state of the next step (``Ahead``)."""
+        if not self._optim_stepped and self._live is not None:
+            self._ahead.publish(self._live.step + 1, own_state(self.per_rank))
         self._optim_stepped = True
 
     def _live_step(self) -> int | None:
         """The step whose start this rank still holds live (None: an optimizer stepped)."""
-        if self._live is None or self._optim_stepped:
-            return None
-        return self._live.step
+        return None if self._live is None or self._optim_stepped else self._live.step
 
     def _settle(self) -> None:
         """Wait for the snapshot being copied; it joins the complete ones unless it failed."""
@@ -324,12 +325,12 @@ class Recovery:
             self.backend, self.rank, self.world, self.regroup_timeout_s, self._attempt
         )
         try:
-            snaps, lives = (
-                (self._slots.read("snap"), self._slots.read("live")) if replaced else ({}, {})
-            )
+            snaps, _ = self._slots.read("snap") if replaced else ({}, ())
+            lives, ahead = self._slots.read("live") if replaced else ({}, ())
             held = tuple(sorted(snaps)) if replaced else tuple(sorted(self._snaps))
             live = None if replaced else self._live_step()
-            mine = regroup.Report(self.rank, held, replaced, live, tuple(sorted(lives)))
+            own_live, proven = tuple(sorted(lives)), self._ahead.proven(live)
+            mine = regroup.Report(self.rank, held, replaced, live, own_live, ahead, proven)
             reports = regroup.exchange(mine)
             step, source, is_live = regroup.agree(reports)
             t_agreed = time.monotonic()
@@ -376,6 +377,7 @@ class Recovery:
         rep: list[Any] = [tree]
         dist.broadcast_object_list(rep, src=source)
         self._live = None  # the next step's start makes the next one
+        self._ahead.reset()
         if snaps is None:  # a survivor: the snapshots after the agreed step are void
             self._snaps = {s: v for s, v in self._snaps.items() if s <= step}
         if is_live:

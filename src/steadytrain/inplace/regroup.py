@@ -132,18 +132,25 @@ class Report:
     it can read back). ``live``: a survivor's step whose start it still holds live (its
     optimizers did not step in the failed step; None otherwise, and for a replaced rank).
     ``own_live``: the replaced rank's steps whose per-rank state (live slots) is in the
-    store. ``replaced``: whether it is the replaced process."""
+    store; ``ahead``: those of them its optimizer's step pre-hook published before it reached
+    the step (live.py's ``Ahead``). ``proven``: a survivor proved at the start of its live
+    step that the pre-hook publication was its true state, and never saw it differ.
+    ``replaced``: whether it is the replaced process."""
 
     rank: int
     steps: tuple[int, ...]
     replaced: bool
     live: int | None = None
     own_live: tuple[int, ...] = ()
+    ahead: tuple[int, ...] = ()
+    proven: bool = False
 
 
 def not_live(reports: list[Report]) -> str | None:
     """Why the live states cannot be the agreed point (None: they can): every survivor must
-    hold the start of the same step live, and every replaced rank its per-rank state of it."""
+    hold the start of the same step live, and every replaced rank its per-rank state of it;
+    a state its optimizer's pre-hook published ahead counts only if every survivor proved
+    that publication right at that step (the ranks run the same loop)."""
     lives = {r.rank: r.live for r in reports if not r.replaced}
     stepped = [rank for rank, s in lives.items() if s is None]
     if stepped:
@@ -155,6 +162,14 @@ def not_live(reports: list[Report]) -> str | None:
     missing = [r.rank for r in reports if r.replaced and step not in r.own_live]
     if missing:
         return f"no per-rank state of step {step} in the store for replaced rank(s) {missing}"
+    ahead = [r.rank for r in reports if r.replaced and step in r.ahead]
+    unproven = [r.rank for r in reports if not r.replaced and not r.proven]
+    if ahead and unproven:
+        return (
+            f"the per-rank state of step {step} of replaced rank(s) {ahead} was published at "
+            f"its optimizer step, and survivor(s) {unproven} did not prove that right (the "
+            "loop changes a per-rank state after optimizer.step(), or the step was not checked)"
+        )
     return None
 
 
@@ -195,6 +210,8 @@ def exchange(report: Report) -> list[Report]:
             bool(g[2]),
             None if g[3] is None else int(g[3]),
             tuple(int(s) for s in g[4]),
+            tuple(int(s) for s in g[5]),
+            bool(g[6]),
         )
         for g in gathered
     ]
