@@ -25,9 +25,10 @@ caller opened (``stdout=``/``stderr=``, as ``subprocess`` takes them).
 
 Protocol on a Unix socket pair: the client sends one JSON line ``{"argv", "env", "cwd",
 "umask"}`` with the fds the child's stdout and stderr become (``SCM_RIGHTS``; one fd when
-they are the same: a pipe's write end, or a file the caller opened); the server answers ``{"pid"}``, and ``{"exit": pid, "code":
-returncode}`` when that child ends (negative: the signal, as ``subprocess``). The end of the
-socket ends the server, which SIGKILLs the children still running.
+they are the same: a pipe's write end, or a file the caller opened); the server answers
+``{"pid"}``, and ``{"exit": pid, "code": returncode}`` when that child ends (negative: the
+signal, as ``subprocess``). The end of the socket ends the server, which SIGKILLs the
+children still running.
 """
 
 from __future__ import annotations
@@ -230,7 +231,8 @@ class ForkedProcess:
             p.thread.join(timeout)
             if p.thread.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout)
-        return tuple(p.text() if p else None for p in (self._out, self._err))  # type: ignore[return-value]
+        out, err = (p.text() if p else None for p in (self._out, self._err))
+        return out, err
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
