@@ -18,8 +18,9 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "e2e", "train"))
 
-from harness import REPO, env, kill_tree  # noqa: E402
+from harness import REPO, env, kill_tree, start_agent  # noqa: E402
 
+from steadytrain.testing import forkserver  # noqa: E402
 from steadytrain.testing.incidents.common import report  # noqa: E402
 
 EXAMPLES = os.path.join(REPO, "examples")
@@ -31,7 +32,7 @@ CRASH_AT = 10
 
 def start_example(
     script: str, data: str, run_dir: str, crash_at: int = 0, nproc: int = 2, *extra: str
-) -> subprocess.Popen:
+) -> subprocess.Popen | forkserver.ForkedProcess:
     """``torchrun --nproc-per-node NPROC --max-restarts 1 examples/SCRIPT ... EXTRA`` in the
     background."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
@@ -41,12 +42,10 @@ def start_example(
     if crash_at:
         cmd += ["--crash-at-step", str(crash_at)]
     cmd += extra
-    return subprocess.Popen(
-        cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return start_agent(cmd, env())
 
 
-def finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+def finish(proc: subprocess.Popen | forkserver.ForkedProcess, timeout: float = 240) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -38,7 +38,9 @@ import sys
 import pytest
 import torch
 from example_runs import finish
-from harness import REPO, env
+from harness import env, start_agent
+
+from steadytrain.testing import forkserver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -52,7 +54,7 @@ RESUME = {"late": 6, "instep": KILL_AT + 1}
 
 def start(
     out: str, kill_at: int, kill_rank: int = 1, *extra: str, world: int = 2
-) -> subprocess.Popen:
+) -> subprocess.Popen | forkserver.ForkedProcess:
     os.makedirs(out)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
@@ -63,9 +65,7 @@ def start(
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 would turn it off (the keeper says so).
     e = env()
     e.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    return subprocess.Popen(
-        cmd, env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return start_agent(cmd, e)
 
 
 def records(out: str, rank: int) -> list[dict]:

@@ -26,6 +26,7 @@ import sys
 import pytest
 from example_runs import finish
 from harness import env as torchrun_env
+from harness import start_agent
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -125,14 +126,7 @@ def test_readme_plain_pytorch_is_data_parallel_and_exact_under_torchrun(dataset,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
         cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
         cmd += ["--monitor-interval=0.2", str(script)]
-        procs[name] = subprocess.Popen(
-            cmd,
-            cwd=tmp_path / name,
-            env=torchrun_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        procs[name] = start_agent(cmd, torchrun_env(), cwd=str(tmp_path / name))
     outs = {name: finish(proc) for name, proc in procs.items()}
     assert "exitcode: -9" in outs["killed"], outs["killed"][-4000:]
 

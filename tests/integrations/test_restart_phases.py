@@ -21,7 +21,7 @@ import sys
 
 import pytest
 from example_runs import finish
-from harness import REPO, env
+from harness import env, start_agent
 
 from steadytrain.monitor.ledger import read_ledger
 from steadytrain.report.restarts import STEADY_STEPS
@@ -49,9 +49,7 @@ def test_restart_phases_add_up_to_the_restart(dataset: str, tmp_path) -> None:
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     cmd += ["--monitor-interval=0.2", WORKER, "--data", dataset, "--run-dir", run_dir]
     cmd += ["--steps", str(STEPS), "--every", "4", "--crash-at-step", "7"]
-    proc = subprocess.Popen(
-        cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = start_agent(cmd, env())
     finish(proc)
 
     # -- the restart's wall time, from the raw records ----------------------------------------

@@ -27,9 +27,10 @@ import sys
 import pytest
 import torch
 from example_runs import finish
-from harness import REPO, env
+from harness import env, start_agent
 
 from steadytrain.report.build import build_report
+from steadytrain.testing import forkserver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -37,16 +38,14 @@ WORKER = os.path.join(os.path.dirname(__file__), "inplace_run_worker.py")
 STEPS, KILL_AT = 12, 7  # the fault at 7 resumes at 7 (live: nothing is redone)
 
 
-def start(run_dir: str, kill_at: int) -> subprocess.Popen:
+def start(run_dir: str, kill_at: int) -> subprocess.Popen | forkserver.ForkedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     cmd += ["--monitor-interval=0.2", "-m", "steadytrain.inplace.keeper", WORKER, run_dir]
     cmd += [str(STEPS), str(kill_at), "0"]
     e = env()
     e.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")  # the regroup needs torchrun's shared store
-    return subprocess.Popen(
-        cmd, env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return start_agent(cmd, e)
 
 
 def lines(path: str) -> list[dict]:

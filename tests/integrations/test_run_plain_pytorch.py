@@ -18,9 +18,10 @@ import sys
 
 import pytest
 from example_runs import finish
-from harness import REPO, env
+from harness import env, start_agent
 
 from steadytrain.monitor.ledger import read_ledger
+from steadytrain.testing import forkserver
 from steadytrain.testing.incidents.common import report
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -29,14 +30,12 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plain_worker.
 STEPS = 10
 
 
-def start(data: str, run_dir: str, *args: str) -> subprocess.Popen:
+def start(data: str, run_dir: str, *args: str) -> subprocess.Popen | forkserver.ForkedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     cmd += ["--monitor-interval=0.2", WORKER, "--data", data, "--run-dir", run_dir]
     cmd += ["--steps", str(STEPS), "--every", "4", *args]
-    return subprocess.Popen(
-        cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return start_agent(cmd, env())
 
 
 def test_plain_loop_crash_and_hang_under_torchrun(dataset: str, tmp_path) -> None:

@@ -12,6 +12,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from steadytrain.testing import forkserver
 
 SCRIPT = textwrap.dedent(
@@ -85,3 +87,24 @@ def test_what_a_fork_cannot_run_starts_fresh(monkeypatch) -> None:
     proc = forkserver.popen([sys.executable, "-c", "pass"])
     assert isinstance(proc, subprocess.Popen)
     proc.communicate(timeout=120)
+
+
+def test_output_goes_to_the_files_the_caller_opened(tmp_path) -> None:
+    both, out_only = tmp_path / "both.log", tmp_path / "out.log"
+    code = "import sys; print('out', flush=True); print('err', file=sys.stderr); sys.exit(2)"
+    with open(both, "w") as f:  # stdout and stderr into one file (stderr merged, the default)
+        proc = forkserver.popen([sys.executable, "-c", code], stdout=f)
+        assert proc.wait(timeout=120) == 2
+    assert both.read_text().split() == ["out", "err"]
+    with open(out_only, "w") as f:  # stdout to a file, stderr to a pipe of its own
+        proc = forkserver.popen([sys.executable, "-c", code], stdout=f, merge=False)
+        out, err = proc.communicate(timeout=120)
+    assert (out, err, proc.returncode) == (None, "err\n", 2)
+    assert out_only.read_text() == "out\n"
+    with open(out_only, "a") as f:  # an fd, for stderr alone
+        proc = forkserver.popen([sys.executable, "-c", code], stderr=f.fileno())
+        out, err = proc.communicate(timeout=120)
+    assert (out, err) == ("out\n", None) and out_only.read_text() == "out\nerr\n"
+    if isinstance(proc, forkserver.ForkedProcess):  # a fresh Popen takes DEVNULL
+        with pytest.raises(ValueError, match="PIPE, a file or an fd"):
+            forkserver.popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)

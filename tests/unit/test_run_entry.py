@@ -66,10 +66,9 @@ def _run(
     data: str, run_dir: str, *args: str, attempt: int = 0, launch: tuple = ()
 ) -> subprocess.CompletedProcess:
     how = _cmd(data, run_dir, *args, attempt=attempt, launch=launch)
-    if launch:  # torchrun starts its own fresh ranks
-        return subprocess.run(**how, capture_output=True, timeout=150)
-    # The script alone, forked from an interpreter that imported torch once (the fork
-    # server: a fresh one costs each call seconds of CPU, and nothing here is about start-up).
+    # The script alone, or torchrun's agent (which starts its own fresh ranks), forked from an
+    # interpreter that imported torch once (the fork server: a fresh one costs each call
+    # seconds of CPU, and nothing here is about start-up).
     return forkserver.run(how["args"], env=how["env"], timeout=150)
 
 

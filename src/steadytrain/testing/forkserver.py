@@ -18,11 +18,17 @@ What a fork cannot give, so a test that depends on it starts a fresh Python inst
   between ranks only through ``PYTHONHASHSEED`` is for fresh processes to catch (the
   torchrun tests; ``STEADYTRAIN_TEST_FRESH=1`` makes every ``popen``/``run`` here fresh).
 
+torchrun's agent (``python -m torch.distributed.run``) is forked all the same: its own
+start-up and hash seed are nothing a test checks, and the ranks it starts stay fresh
+interpreters (the agent starts them with ``subprocess``). Its output may go to a file the
+caller opened (``stdout=``/``stderr=``, as ``subprocess`` takes them).
+
 Protocol on a Unix socket pair: the client sends one JSON line ``{"argv", "env", "cwd",
-"umask"}`` with the child's stdout and stderr write ends (``SCM_RIGHTS``; one fd when they
-are the same pipe); the server answers ``{"pid"}``, and ``{"exit": pid, "code":
-returncode}`` when that child ends (negative: the signal, as ``subprocess``). The end of the
-socket ends the server, which SIGKILLs the children still running.
+"umask"}`` with the fds the child's stdout and stderr become (``SCM_RIGHTS``; one fd when
+they are the same: a pipe's write end, or a file the caller opened); the server answers
+``{"pid"}``, and ``{"exit": pid, "code": returncode}`` when that child ends (negative: the
+signal, as ``subprocess``). The end of the socket ends the server, which SIGKILLs the
+children still running.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 __all__ = ["PRELOAD", "ForkedProcess", "Forkserver", "popen", "python_argv", "run"]
 
@@ -55,6 +61,9 @@ PRELOAD = (
     "torch.distributed.fsdp",
 )
 _MAX_MSG = 1 << 20
+# Where a child's stdout or stderr goes, as ``subprocess`` takes it: ``PIPE``, ``STDOUT``
+# (stderr only), a file object or an fd.
+Output = int | IO[Any]
 
 
 # -- server ---------------------------------------------------------------------------------
@@ -195,12 +204,15 @@ class _Pipe:
 
 class ForkedProcess:
     """A forked child, with the ``subprocess.Popen`` calls tests use: ``pid``, ``poll``,
-    ``wait``, ``communicate`` (text; stderr is None when it shares stdout's pipe),
-    ``send_signal``, ``kill``, ``returncode``."""
+    ``wait``, ``communicate`` (text; None for a stream that is not a pipe of its own, e.g.
+    stderr sharing stdout's pipe, or a file), ``send_signal``, ``kill``, ``returncode``."""
 
-    def __init__(self, server: Forkserver, pid: int, pipes: list[_Pipe], args: list[str]):
+    def __init__(
+        self, server: Forkserver, pid: int, out: _Pipe | None, err: _Pipe | None, args: list[str]
+    ) -> None:
         self.pid, self.args, self.returncode = pid, args, None
-        self._server, self._pipes = server, pipes
+        self._server, self._out, self._err = server, out, err
+        self._pipes = [p for p in (out, err) if p is not None]
 
     def poll(self) -> int | None:
         self.returncode = self._server.exit_code(self.pid, timeout=0)
@@ -213,14 +225,14 @@ class ForkedProcess:
         self.returncode = code
         return code
 
-    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
         self.wait(timeout)
         for p in self._pipes:  # a child of the child may still hold a pipe open
             p.thread.join(timeout)
             if p.thread.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout)
-        texts = [p.text() for p in self._pipes]
-        return texts[0], (texts[1] if len(texts) > 1 else None)
+        out, err = (p.text() if p else None for p in (self._out, self._err))
+        return out, err
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -278,26 +290,45 @@ class Forkserver:
         *,
         merge: bool = True,
         umask: int | None = None,
+        stdout: Output = subprocess.PIPE,
+        stderr: Output | None = None,
     ) -> ForkedProcess:
-        """Fork ``python *argv`` with exactly ``env``; output to one pipe (``merge``) or to
-        two (stdout, stderr)."""
-        ends = [os.pipe() for _ in range(1 if merge else 2)]
+        """Fork ``python *argv`` with exactly ``env``. ``stdout``: a pipe (``PIPE``) or a
+        file object or fd the child writes to; ``stderr``: the same choices or ``STDOUT``,
+        by default ``STDOUT`` with ``merge`` and a pipe of its own without."""
+        if stderr is None:
+            stderr = subprocess.STDOUT if merge else subprocess.PIPE
+        made: list[tuple[int, int]] = []  # (read, write) of the pipes made here
+
+        def child_fd(target: Output) -> int:
+            if target == subprocess.PIPE:
+                made.append(os.pipe())
+                return made[-1][1]
+            if isinstance(target, int) and target < 0:  # DEVNULL, or STDOUT for stdout
+                raise ValueError(f"a forked child's output goes to PIPE, a file or an fd: {target}")
+            return target if isinstance(target, int) else target.fileno()
+
+        out_fd = child_fd(stdout)
+        send = [out_fd] if stderr == subprocess.STDOUT else [out_fd, child_fd(stderr)]
         req = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "umask": umask}
         msg = json.dumps(req).encode() + b"\n"
         with self._send:
             try:
-                socket.send_fds(self._sock, [msg], [w for _, w in ends])
+                socket.send_fds(self._sock, [msg], send)
             finally:
-                for _, w in ends:
+                for _, w in made:  # the child holds its own copies; the caller's files stay
                     os.close(w)
             with self._cond:
                 self._cond.wait_for(lambda: self._pids or self.closed, timeout=300)
                 if not self._pids:
-                    for r, _ in ends:
+                    for r, _ in made:
                         os.close(r)
                     raise RuntimeError(f"the fork server is gone (exit {self._proc.poll()})")
                 pid = self._pids.pop(0)
-        return ForkedProcess(self, pid, [_Pipe(r) for r, _ in ends], argv)
+        reads = iter(_Pipe(r) for r, _ in made)
+        out = next(reads) if stdout == subprocess.PIPE else None
+        err = next(reads) if stderr == subprocess.PIPE else None
+        return ForkedProcess(self, pid, out, err, argv)
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
         with self._cond:
@@ -340,17 +371,20 @@ def popen(
     cwd: str | None = None,
     merge: bool = True,
     umask: int | None = None,
+    stdout: Output = subprocess.PIPE,
+    stderr: Output | None = None,
 ) -> ForkedProcess | subprocess.Popen:
-    """``subprocess.Popen(cmd, stdout=PIPE, stderr=STDOUT if merge else PIPE, text=True,
-    umask=umask)``, forked from this process's server (started at the first call, closed at
-    exit) when ``python_argv(cmd)`` says a fork can run it; a fresh process otherwise, or
-    with ``STEADYTRAIN_TEST_FRESH=1``."""
+    """``subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, umask=umask)``
+    (``stderr`` by default ``STDOUT`` with ``merge``, else ``PIPE``), forked from this
+    process's server (started at the first call, closed at exit) when ``python_argv(cmd)``
+    says a fork can run it; a fresh process otherwise, or with ``STEADYTRAIN_TEST_FRESH=1``."""
     env = dict(os.environ if env is None else env)
+    if stderr is None:
+        stderr = subprocess.STDOUT if merge else subprocess.PIPE
     argv = python_argv(cmd)
     if argv is None or os.environ.get("STEADYTRAIN_TEST_FRESH") == "1":
         return subprocess.Popen(
-            list(cmd), env=env, cwd=cwd, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True,
+            list(cmd), env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=True,
             umask=-1 if umask is None else umask,
         )  # fmt: skip
     global _SERVER
@@ -359,7 +393,9 @@ def popen(
             _SERVER = Forkserver(PRELOAD)
             atexit.register(_SERVER.close)
         server = _SERVER
-    return server.popen(argv, env, cwd, merge=merge, umask=umask)
+    proc = server.popen(argv, env, cwd, umask=umask, stdout=stdout, stderr=stderr)
+    proc.args = list(cmd)  # what subprocess.Popen would name in TimeoutExpired
+    return proc
 
 
 def run(

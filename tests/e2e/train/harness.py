@@ -17,6 +17,7 @@ import sysconfig
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+from steadytrain.testing import forkserver
 from steadytrain.testing.incidents.common import TINY_SETTINGS, read_trace  # noqa: F401
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ def env(faults: str = "", **extra: str) -> dict[str, str]:
     return e
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc: subprocess.Popen | forkserver.ForkedProcess) -> None:
     """Kill a launcher and every process under it (torchrun starts workers in new sessions)."""
     import psutil
 
@@ -139,14 +140,22 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def start_agent(
+    cmd: list[str], env: dict[str, str], cwd: str = REPO, **output: Any
+) -> subprocess.Popen | forkserver.ForkedProcess:
+    """torchrun's agent (``cmd``: ``python -m torch.distributed.run ...``) forked from the
+    fork server: its own start-up and hash seed are nothing a test checks, and the ranks it
+    starts stay fresh interpreters (the agent's ``subprocess``). ``output``: ``merge``,
+    ``stdout``, ``stderr`` of ``forkserver.popen`` (default: one pipe for both)."""
+    return forkserver.popen(cmd, env=env, cwd=cwd, **output)
+
+
 def start_torchrun(
     nproc: int, settings: list[str], *, faults: str = "", max_restarts: int = 0
-) -> subprocess.Popen:
+) -> subprocess.Popen | forkserver.ForkedProcess:
     """``steadytrain train`` under torchrun in the background (``wait_torchrun`` it)."""
     cmd = torchrun_cmd(nproc, BASE_SETTINGS + settings, max_restarts=max_restarts)
-    return subprocess.Popen(
-        cmd, env=env(faults), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return start_agent(cmd, env(faults), merge=False)
 
 
 def run_torchrun(
@@ -163,7 +172,7 @@ def run_torchrun(
 
 
 def wait_torchrun(
-    proc: subprocess.Popen, *, timeout: float = 180, check: bool = True
+    proc: subprocess.Popen | forkserver.ForkedProcess, *, timeout: float = 180, check: bool = True
 ) -> subprocess.CompletedProcess:
     cmd = proc.args
     try:

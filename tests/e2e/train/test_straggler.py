@@ -32,6 +32,7 @@ from harness import (  # noqa: E402
     kill_tree,
     ledger,
     rendezvous_store,
+    start_agent,
     torchrun_cmd,
 )
 
@@ -64,13 +65,7 @@ def test_one_slow_node_is_named(dataset: str, tmp_path) -> None:
                 run_id="straggler",
             )
             logs[node] = open(tmp_path / f"{node}.log", "w")  # noqa: SIM115
-            procs[node] = subprocess.Popen(
-                cmd,
-                env=env(fault, STEADYTRAIN_NODE=node),
-                cwd=REPO,
-                stdout=logs[node],
-                stderr=subprocess.STDOUT,
-            )
+            procs[node] = start_agent(cmd, env(fault, STEADYTRAIN_NODE=node), stdout=logs[node])
         for node, p in procs.items():
             assert p.wait(timeout=150) == 0, (tmp_path / f"{node}.log").read_text()[-6000:]
     finally:

@@ -34,6 +34,7 @@ from harness import (  # noqa: E402
     kill_tree,
     read_trace,
     rendezvous_store,
+    start_agent,
     torchrun_cmd,
 )
 
@@ -68,7 +69,7 @@ def _wait(pred, what: str, procs: dict) -> None:
         time.sleep(0.05)
 
 
-def _workers(agent: subprocess.Popen) -> list:
+def _workers(agent) -> list:
     """The training processes a torchrun agent started."""
     import psutil
 
@@ -137,13 +138,8 @@ def test_node_loss_spare_node_joins(dataset, baseline, seaweed, tmp_path) -> Non
             run_id=RUN_ID,
         )
         logs[node] = open(tmp_path / f"node-{node}.log", "w")  # noqa: SIM115
-        procs[node] = subprocess.Popen(
-            cmd,
-            env=env(faults, STEADYTRAIN_NODE=node, NODE_CACHE=cache[node], **s3env),
-            cwd=REPO,
-            stdout=logs[node],
-            stderr=subprocess.STDOUT,
-        )
+        node_env = env(faults, STEADYTRAIN_NODE=node, NODE_CACHE=cache[node], **s3env)
+        procs[node] = start_agent(cmd, node_env, stdout=logs[node])
 
     def steps_by(node: str) -> list[int]:
         return [r["step"] for r in read_trace(run_dir) if r["node"] == node]
