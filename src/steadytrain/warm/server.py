@@ -93,6 +93,31 @@ def _reborn() -> None:
     hooks = sys.modules.get("steadytrain.integrations.hooks")  # holds a copy of the birth
     if hooks is not None and run is not None:
         hooks.PROCESS_START = run.PROCESS_START
+    _reread_rank()
+
+
+# Lightning's rank_zero module: it sets ``rank_zero_only.rank`` from RANK/LOCAL_RANK/... as
+# it is imported (under either of its package names).
+_LIGHTNING_RANK_ZERO = (
+    "lightning.fabric.utilities.rank_zero",
+    "lightning_fabric.utilities.rank_zero",
+)
+
+
+def _reread_rank() -> None:
+    """In the worker, its environment in place: Lightning's ``rank_zero_only.rank`` as a
+    fresh import would have set it. The warm process imported Lightning before any rank
+    existed, so every forked rank would otherwise hold rank 0 until a strategy sets the
+    rank, and a ``@rank_zero_only`` function called before the ``Trainer`` or ``Fabric``
+    (a directory made, a config written, a logger started) would run on every rank."""
+    for name in _LIGHTNING_RANK_ZERO:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        try:
+            module.rank_zero_only.rank = module._get_rank() or 0
+        except Exception as e:  # noqa: BLE001 - another Lightning: say so, run the job
+            print(f"steadytrain.warm: could not reset {name}'s rank: {e}", file=sys.stderr)
 
 
 def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) -> int | None:
@@ -133,6 +158,7 @@ def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) 
             os.chdir(req["cwd"])
             os.umask(int(req["umask"]))
             os.environ.clear()
+            os.environ.update(req["env"])  # before _reborn: it reads the rank from it
             _reborn()
             code = _become_child(script, [str(a) for a in argv[1:]], req["env"], me)
         finally:
