@@ -58,6 +58,10 @@ if what == "sleep":
     time.sleep(900)  # far past any wait below: only a kill ends it in time
 if what == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
+if what == "atexit":
+    import atexit
+    atexit.register(lambda: open(os.environ["OUT"] + ".atexit", "w").write("ran"))
+    what = "3"
 sys.exit(int(what))
 """
 
@@ -167,6 +171,15 @@ def test_a_sigkilled_worker_ends_its_entry_by_sigkill(warm):
     _, stderr = p.communicate(timeout=120)
     assert p.returncode == -signal.SIGKILL, stderr
     assert int(p.out.read_text().split()[0]) != p.pid  # the forked worker was killed
+
+
+def test_the_workers_atexit_handlers_run_as_in_a_fresh_interpreter(warm):
+    """A worker ends as a fresh interpreter does, its ``atexit`` handlers run (where
+    steadytrain's ledger records a job's end), then with its own exit status."""
+    p = enter(warm, "atexit")
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 3, stderr
+    assert p.out.with_suffix(".txt.atexit").read_text() == "ran"
 
 
 def test_a_killed_entry_takes_its_worker_with_it(warm):

@@ -161,6 +161,7 @@ def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) 
             os.environ.update(req["env"])  # before _reborn: it reads the rank from it
             _reborn()
             code = _become_child(script, [str(a) for a in argv[1:]], req["env"], me)
+            _finalize()
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -169,6 +170,21 @@ def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) 
         os.close(fd)
     protocol.send(conn, {"pid": pid})
     return pid
+
+
+def _finalize() -> None:
+    """In the worker, its script done: what a fresh interpreter does as it ends and
+    ``os._exit`` skips -- wait for its non-daemon threads, then run its ``atexit``
+    handlers (steadytrain's ledger writes a job's end and flushes its steps there: without
+    them a worker that exited through SIGTERM or an exception left no record of it)."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # as Py_FinalizeEx does
+    except Exception as e:  # noqa: BLE001 - the handlers below still run
+        print(f"steadytrain.warm: waiting for the worker's threads: {e}", file=sys.stderr)
+    atexit._run_exitfuncs()  # prints a handler's exception, as at a fresh interpreter's end
 
 
 def _touch_names(script: str) -> None:
