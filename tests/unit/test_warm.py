@@ -58,6 +58,9 @@ if what == "sleep":
     time.sleep(900)  # far past any wait below: only a kill ends it in time
 if what == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
+if what == "raise":
+    sys.excepthook = lambda *a: open(os.environ["OUT"] + ".hook", "w").write(a[0].__name__)
+    raise ValueError("uncaught")
 if what == "atexit":
     import atexit
     atexit.register(lambda: open(os.environ["OUT"] + ".atexit", "w").write("ran"))
@@ -180,6 +183,15 @@ def test_the_workers_atexit_handlers_run_as_in_a_fresh_interpreter(warm):
     _, stderr = p.communicate(timeout=120)
     assert p.returncode == 3, stderr
     assert p.out.with_suffix(".txt.atexit").read_text() == "ran"
+
+
+def test_an_uncaught_exception_goes_through_the_scripts_excepthook(warm):
+    """As in a fresh interpreter: the script's ``sys.excepthook`` sees it (steadytrain's
+    trainer hooks record a crash's reason there), and the worker exits with status 1."""
+    p = enter(warm, "raise")
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 1, stderr
+    assert p.out.with_suffix(".txt.hook").read_text() == "ValueError"
 
 
 def test_a_killed_entry_takes_its_worker_with_it(warm):

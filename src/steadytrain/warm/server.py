@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import logging
 import os
+import runpy
 import select
 import signal
 import socket
 import stat
 import sys
+import types
 from collections.abc import Sequence
 
 from steadytrain.errors import ConfigError
@@ -160,6 +162,7 @@ def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) 
             os.environ.clear()
             os.environ.update(req["env"])  # before _reborn: it reads the rank from it
             _reborn()
+            _uncaught_through_excepthook()
             code = _become_child(script, [str(a) for a in argv[1:]], req["env"], me)
             _finalize()
         finally:
@@ -170,6 +173,29 @@ def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) 
         os.close(fd)
     protocol.send(conn, {"pid": pid})
     return pid
+
+
+def _run_path(path: str, run_name: str) -> dict:
+    """``runpy.run_path``, with an uncaught exception reported as a fresh interpreter
+    reports it: through ``sys.excepthook`` (where steadytrain's trainer hooks record the
+    crash's reason), then exit status 1."""
+    try:
+        return runpy.run_path(path, run_name=run_name)
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 - what `python SCRIPT` does with it
+        sys.excepthook(*sys.exc_info())
+        raise SystemExit(1) from None
+
+
+def _uncaught_through_excepthook() -> None:
+    """In the worker: the keeper's ``_become_child`` (shared with ``inplace.keeper``) prints
+    an uncaught exception's traceback itself, so a hook the script set never saw it (an HF
+    Trainer's exception was booked as "the process exited before Trainer.train() ended").
+    Only this forked process's view of the keeper module changes."""
+    from steadytrain.inplace import keeper
+
+    keeper.runpy = types.SimpleNamespace(run_path=_run_path)  # type: ignore[attr-defined]
 
 
 def _finalize() -> None:
