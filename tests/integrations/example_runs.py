@@ -3,7 +3,9 @@
 Each example in ``examples/`` is run as a user would run it: a script under the real
 ``torchrun`` (2 ranks, gloo, CPU), once uninterrupted and once with a SIGKILL mid-step that
 torchrun recovers from with ``--max-restarts 1``. The two runs go side by side: most of
-their time is interpreter and library start-up, which overlaps well even on 2 cores.
+their time is interpreter and library start-up, which overlaps well even on 2 cores. The
+workers are forked from a warm process per example (``warm_pool.py``; fresh with
+``STEADYTRAIN_TEST_FRESH=1``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "e2e", "train"))
 
 from harness import REPO, env, kill_tree, start_agent  # noqa: E402
+from warm_pool import launch  # noqa: E402
 
 from steadytrain.testing import forkserver  # noqa: E402
 from steadytrain.testing.incidents.common import report  # noqa: E402
@@ -37,12 +40,13 @@ def start_example(
     background."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
-    cmd += ["--monitor-interval=0.2", os.path.join(EXAMPLES, script)]
+    entry, warm_env = launch(os.path.join(EXAMPLES, script))  # a warm process's fork
+    cmd += ["--monitor-interval=0.2", *entry]
     cmd += ["--data", data, "--run-dir", run_dir, "--steps", str(STEPS)]
     if crash_at:
         cmd += ["--crash-at-step", str(crash_at)]
     cmd += extra
-    return start_agent(cmd, env())
+    return start_agent(cmd, env(**warm_env))
 
 
 def finish(proc: subprocess.Popen | forkserver.ForkedProcess, timeout: float = 240) -> str:

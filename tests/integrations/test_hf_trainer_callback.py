@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 from example_runs import (
@@ -27,6 +26,7 @@ from example_runs import (
     finish,
     start_example,
 )
+from warm_pool import python
 
 from steadytrain.testing.incidents.common import report as _report
 
@@ -107,11 +107,10 @@ def test_hf_trainer_callback_failure_is_a_crash(dataset, tmp_path, fail, code, r
 
     run_dir = str(tmp_path / fail)
     proc = subprocess.run(
-        [sys.executable, WORKER, dataset, run_dir, "--fail", fail],
+        **python(WORKER, dataset, run_dir, "--fail", fail, OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == code, proc.stderr[-4000:]
     records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
@@ -131,11 +130,10 @@ def test_hf_trainer_callback_hang_is_detected(dataset, tmp_path) -> None:
 
     run_dir = str(tmp_path / "hang")
     proc = subprocess.run(
-        [sys.executable, WORKER, dataset, run_dir, "--fail", "hang", "--at", "3"],
+        **python(WORKER, dataset, run_dir, "--fail", "hang", "--at", "3", OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 124, proc.stderr[-4000:]
     records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
@@ -161,14 +159,14 @@ def test_hf_trainer_evaluation_longer_than_the_step_deadline_is_no_hang(
     data wait or as the save's blocking; they are now the ``eval`` bucket, and the plan
     from this run takes the saves' own cost."""
     run_dir = str(tmp_path / strategy)
-    cmd = [sys.executable, WORKER, dataset, run_dir, "--fail", "none", "--eval", strategy]
+    cmd = [dataset, run_dir, "--fail", "none", "--eval", strategy]
     proc = subprocess.run(
-        [*cmd, "--eval-s", str(2 * FLOOR_S), "--floor", str(FLOOR_S)],
+        **python(WORKER, *cmd, "--eval-s", str(2 * FLOOR_S), "--floor", str(FLOOR_S),
+                 OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(os.path.join(run_dir, "log_history.json")) as f:
         evals = [h for h in json.load(f) if "eval_runtime" in h]

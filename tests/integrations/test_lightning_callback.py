@@ -34,6 +34,7 @@ from example_runs import (
     start_example,
 )
 from harness import assert_same_run
+from warm_pool import python
 
 from steadytrain.testing.incidents.common import report as _report
 
@@ -109,11 +110,10 @@ def test_lightning_crash_resume_is_exact_and_recorded(dataset: str, tmp_path, ra
 
 def _worker(dataset: str, run_dir: str, fail: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, WORKER, dataset, run_dir, "--fail", fail],
+        **python(WORKER, dataset, run_dir, "--fail", fail, OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
 
@@ -169,12 +169,11 @@ def test_lightning_validation_longer_than_the_step_deadline_is_no_hang(dataset, 
     the ledger's loss is the loss ``training_step`` logged (it was that loss / 2)."""
     run_dir = str(tmp_path / "val")
     proc = subprocess.run(
-        [sys.executable, WORKER, dataset, run_dir, "--fail", "none",
-         "--val-s", str(2 * FLOOR_S), "--floor", str(FLOOR_S)],
+        **python(WORKER, dataset, run_dir, "--fail", "none",
+                 "--val-s", str(2 * FLOOR_S), "--floor", str(FLOOR_S), OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(os.path.join(run_dir, "validations.json")) as f:

@@ -6,11 +6,14 @@ The node-loss measurement is bench/spare_warm.py's (the node harness)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,7 +40,7 @@ def __getattr__(name):
 """
 LAZY_THING = MARKER.replace("marker", "lazy")
 SCRIPT = """
-import os, sys, time
+import os, signal, sys, time
 import warm_marker
 from warm_lazy import thing
 from steadytrain import Run  # as a training script has it: the warm process preloads it
@@ -53,6 +56,15 @@ os.replace(os.environ["OUT"] + ".tmp", os.environ["OUT"])
 print("worker says hi", flush=True)
 if what == "sleep":
     time.sleep(900)  # far past any wait below: only a kill ends it in time
+if what == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if what == "raise":
+    sys.excepthook = lambda *a: open(os.environ["OUT"] + ".hook", "w").write(a[0].__name__)
+    raise ValueError("uncaught")
+if what == "atexit":
+    import atexit
+    atexit.register(lambda: open(os.environ["OUT"] + ".atexit", "w").write("ran"))
+    what = "3"
 sys.exit(int(what))
 """
 
@@ -77,6 +89,27 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+@contextlib.contextmanager
+def _serving(root: Path, script: str, **env: str) -> Iterator[dict]:
+    """A warm process for ``root/script``, its socket under ``root/run``, stopped at the end."""
+    sock = root / "run" / "warm.sock"
+    log = open(root / "server.log", "w")  # noqa: SIM115
+    server = subprocess.Popen(
+        [sys.executable, "-m", "steadytrain.warm", "--socket", str(sock), str(root / script)],
+        env=_env(**env),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        _until(lambda: sock.exists() or server.poll() is not None, "the warm process")
+        assert server.poll() is None, (root / "server.log").read_text()
+        yield {"root": root, "sock": str(sock), "server": server}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
     root = tmp_path_factory.mktemp("warm")
@@ -85,23 +118,9 @@ def warm(tmp_path_factory):
     (root / "warm_lazy" / "__init__.py").write_text(LAZY_INIT)
     (root / "warm_lazy" / "thing.py").write_text(LAZY_THING)
     (root / "job.py").write_text(SCRIPT)
-    sock = root / "run" / "warm.sock"
     imports = root / "imports.txt"
-    log = open(root / "server.log", "w")  # noqa: SIM115
-    server = subprocess.Popen(
-        [sys.executable, "-m", "steadytrain.warm", "--socket", str(sock), str(root / "job.py")],
-        env=_env(IMPORTS=str(imports)),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        _until(lambda: sock.exists() or server.poll() is not None, "the warm process")
-        assert server.poll() is None, (root / "server.log").read_text()
-        yield {"root": root, "sock": str(sock), "imports": imports, "server": server}
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
+    with _serving(root, "job.py", IMPORTS=str(imports)) as w:
+        yield {**w, "imports": imports}
 
 
 def enter(warm, *args: str, sock: str | None = None, **kw) -> subprocess.Popen:
@@ -146,6 +165,33 @@ def test_sigterm_reaches_the_worker_and_the_entry_ends_by_it(warm):
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=120) == -signal.SIGTERM
     _until(lambda: not _alive(worker), "the worker to end")
+
+
+def test_a_sigkilled_worker_ends_its_entry_by_sigkill(warm):
+    """torchrun's agent reports ``exitcode: -9`` for the SIGKILLed rank as for a fresh one
+    (an exit status 137 would read as an exit, not a kill)."""
+    p = enter(warm, "kill")
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGKILL, stderr
+    assert int(p.out.read_text().split()[0]) != p.pid  # the forked worker was killed
+
+
+def test_the_workers_atexit_handlers_run_as_in_a_fresh_interpreter(warm):
+    """A worker ends as a fresh interpreter does, its ``atexit`` handlers run (where
+    steadytrain's ledger records a job's end), then with its own exit status."""
+    p = enter(warm, "atexit")
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 3, stderr
+    assert p.out.with_suffix(".txt.atexit").read_text() == "ran"
+
+
+def test_an_uncaught_exception_goes_through_the_scripts_excepthook(warm):
+    """As in a fresh interpreter: the script's ``sys.excepthook`` sees it (steadytrain's
+    trainer hooks record a crash's reason there), and the worker exits with status 1."""
+    p = enter(warm, "raise")
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 1, stderr
+    assert p.out.with_suffix(".txt.hook").read_text() == "ValueError"
 
 
 def test_a_killed_entry_takes_its_worker_with_it(warm):
@@ -228,3 +274,32 @@ def test_a_workers_start_up_counts_from_its_fork(warm):
     born, imported = (float(x) for x in p.out.with_suffix(".birth").read_text().split())
     assert born >= t_ask - 0.01 and imported >= born  # one clock tick of /proc's birth
     assert born > t0
+
+
+LIGHTNING_SCRIPT = """
+import os
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+with open(os.environ["OUT"], "w") as f:
+    f.write(str(rank_zero_only.rank))
+"""
+
+
+def test_lightnings_rank_is_the_workers_not_the_warm_processs(tmp_path):
+    """Lightning sets ``rank_zero_only.rank`` from RANK as it is imported: in the warm
+    process, where no rank exists. A forked rank 1 must see 1 (as a fresh one does), or a
+    ``@rank_zero_only`` function called before the strategy sets it runs on every rank."""
+    if importlib.util.find_spec("lightning") is None:  # looked up: importing it costs seconds
+        pytest.skip("lightning is not installed")
+    (tmp_path / "run").mkdir(mode=0o700)
+    (tmp_path / "pl.py").write_text(LIGHTNING_SCRIPT)
+    with _serving(tmp_path, "pl.py") as w:
+        for rank in ("1", "0"):
+            out = tmp_path / f"rank{rank}.txt"
+            r = subprocess.run(
+                [sys.executable, "-m", "steadytrain.warm.enter", str(tmp_path / "pl.py")],
+                env=_env(STEADYTRAIN_WARM_SOCKET=w["sock"], OUT=str(out), RANK=rank),
+                capture_output=True, text=True, timeout=240,
+            )  # fmt: skip
+            assert r.returncode == 0, r.stderr
+            assert "starting cold" not in r.stderr  # forked from the warm process
+            assert out.read_text() == rank

@@ -39,12 +39,16 @@ def _cold(script: str, args: Sequence[str], why: str) -> None:
 
 
 def _end_like(code: int) -> None:
+    """End as the worker ended: its exit status, or killed by its signal. A SIGKILL too:
+    torchrun's agent reports the worker's ``exitcode: -9`` (and a report reads it as a kill),
+    not an exit status 137 that only looks like one."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if code < 0 and -code not in (signal.SIGKILL, signal.SIGSTOP):
-        signal.signal(-code, signal.SIG_DFL)
+    if code < 0 and -code != signal.SIGSTOP:  # a stop is no end: never reported as one
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
-    os._exit(code if code >= 0 else 128 - code)
+    os._exit(code if code >= 0 else 128 - code)  # a signal that did not end this process
 
 
 def ask(path: str, script: str, args: Sequence[str]) -> tuple[socket.socket, int]:

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import logging
 import os
+import runpy
 import select
 import signal
 import socket
 import stat
 import sys
+import types
 from collections.abc import Sequence
 
 from steadytrain.errors import ConfigError
@@ -93,6 +95,31 @@ def _reborn() -> None:
     hooks = sys.modules.get("steadytrain.integrations.hooks")  # holds a copy of the birth
     if hooks is not None and run is not None:
         hooks.PROCESS_START = run.PROCESS_START
+    _reread_rank()
+
+
+# Lightning's rank_zero module: it sets ``rank_zero_only.rank`` from RANK/LOCAL_RANK/... as
+# it is imported (under either of its package names).
+_LIGHTNING_RANK_ZERO = (
+    "lightning.fabric.utilities.rank_zero",
+    "lightning_fabric.utilities.rank_zero",
+)
+
+
+def _reread_rank() -> None:
+    """In the worker, its environment in place: Lightning's ``rank_zero_only.rank`` as a
+    fresh import would have set it. The warm process imported Lightning before any rank
+    existed, so every forked rank would otherwise hold rank 0 until a strategy sets the
+    rank, and a ``@rank_zero_only`` function called before the ``Trainer`` or ``Fabric``
+    (a directory made, a config written, a logger started) would run on every rank."""
+    for name in _LIGHTNING_RANK_ZERO:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        try:
+            module.rank_zero_only.rank = module._get_rank() or 0
+        except Exception as e:  # noqa: BLE001 - another Lightning: say so, run the job
+            print(f"steadytrain.warm: could not reset {name}'s rank: {e}", file=sys.stderr)
 
 
 def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) -> int | None:
@@ -133,8 +160,11 @@ def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) 
             os.chdir(req["cwd"])
             os.umask(int(req["umask"]))
             os.environ.clear()
+            os.environ.update(req["env"])  # before _reborn: it reads the rank from it
             _reborn()
+            _uncaught_through_excepthook()
             code = _become_child(script, [str(a) for a in argv[1:]], req["env"], me)
+            _finalize()
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -143,6 +173,44 @@ def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) 
         os.close(fd)
     protocol.send(conn, {"pid": pid})
     return pid
+
+
+def _run_path(path: str, run_name: str) -> dict:
+    """``runpy.run_path``, with an uncaught exception reported as a fresh interpreter
+    reports it: through ``sys.excepthook`` (where steadytrain's trainer hooks record the
+    crash's reason), then exit status 1."""
+    try:
+        return runpy.run_path(path, run_name=run_name)
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 - what `python SCRIPT` does with it
+        sys.excepthook(*sys.exc_info())
+        raise SystemExit(1) from None
+
+
+def _uncaught_through_excepthook() -> None:
+    """In the worker: the keeper's ``_become_child`` (shared with ``inplace.keeper``) prints
+    an uncaught exception's traceback itself, so a hook the script set never saw it (an HF
+    Trainer's exception was booked as "the process exited before Trainer.train() ended").
+    Only this forked process's view of the keeper module changes."""
+    from steadytrain.inplace import keeper
+
+    keeper.runpy = types.SimpleNamespace(run_path=_run_path)  # type: ignore[attr-defined]
+
+
+def _finalize() -> None:
+    """In the worker, its script done: what a fresh interpreter does as it ends and
+    ``os._exit`` skips -- wait for its non-daemon threads, then run its ``atexit``
+    handlers (steadytrain's ledger writes a job's end and flushes its steps there: without
+    them a worker that exited through SIGTERM or an exception left no record of it)."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # as Py_FinalizeEx does
+    except Exception as e:  # noqa: BLE001 - the handlers below still run
+        print(f"steadytrain.warm: waiting for the worker's threads: {e}", file=sys.stderr)
+    atexit._run_exitfuncs()  # prints a handler's exception, as at a fresh interpreter's end
 
 
 def _touch_names(script: str) -> None:

@@ -1,0 +1,120 @@
+"""The integration tests' torchrun workers, forked from a warm process (``steadytrain warm``,
+the product's own cure for start-up): most of a small run's CPU is its workers importing
+torch, Lightning or transformers, once per rank and attempt. Each test process starts one
+warm process per worker script at its first use (``launch``), and ``stop_all`` (the
+session fixture in ``conftest.py``) stops them at the end, checking that no worker outlives
+its warm process (and ``atexit`` does, for a test outside tests/integrations that uses its
+helpers).
+
+``launch(script)`` gives what replaces ``SCRIPT`` on torchrun's command line and the
+environment the agent needs: ``-m steadytrain.warm.enter SCRIPT`` with
+``STEADYTRAIN_WARM_SOCKET``, or the script alone (fresh workers) with
+``STEADYTRAIN_TEST_FRESH=1`` or while its warm process is not listening yet. What a forked worker shares with its siblings, and which
+tests stay fresh and why: docs/testing.md ("warm workers").
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from harness import REPO, env
+
+FRESH = os.environ.get("STEADYTRAIN_TEST_FRESH") == "1"
+# How long a run waits for its warm process to listen (imports and one optimizer step:
+# ~10 s for Lightning on a quiet machine, minutes at load 30) before it starts fresh.
+READY_S = 60
+
+_servers: dict[str, tuple[subprocess.Popen, str]] = {}  # script -> (warm process, socket)
+_root: list[str] = []  # the private socket directory, made at the first use
+
+
+def _socket_dir() -> str:
+    """A private (0700) directory with a short path: a Unix socket path must stay under 108
+    bytes, which a pytest tmp path can pass."""
+    if not _root:
+        _root.append(tempfile.mkdtemp(prefix="st-warm-", dir="/tmp"))
+        atexit.register(stop_all)  # a no-op once the session fixture stopped them
+    return _root[0]
+
+
+def _start(script: str) -> tuple[subprocess.Popen, str]:
+    """Start the warm process for ``script`` in the background; it listens once it has
+    imported what the script imports."""
+    root = _socket_dir()
+    sock = os.path.join(root, f"{len(_servers)}.sock")
+    with open(os.path.join(root, f"{len(_servers)}.log"), "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "steadytrain.warm", "--socket", sock, script],
+            env=env(),  # the agent's environment: what a module reads as it is imported
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return proc, sock
+
+
+def _ready(proc: subprocess.Popen, sock: str, script: str) -> bool:
+    """Whether the warm process listens, waiting for it up to READY_S. Not yet (a loaded
+    machine, Lightning's imports): this run's workers start fresh, as on main, and the
+    test's own timeout is not spent waiting; a later run finds it warm."""
+    deadline = time.monotonic() + READY_S
+    while not os.path.exists(sock):  # bound after the preload: it answers from then on
+        if proc.poll() is not None:
+            with open(sock[: -len(".sock")] + ".log") as f:
+                raise AssertionError(f"the warm process for {script} ended:\n{f.read()}")
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def launch(script: str) -> tuple[list[str], dict[str, str]]:
+    """The arguments that run ``script`` in place of ``SCRIPT`` on torchrun's command line
+    (or after ``python``), and the environment variables they need."""
+    script = os.path.abspath(script)
+    if FRESH:
+        return [script], {}
+    if script not in _servers or _servers[script][0].poll() is not None:
+        _servers[script] = _start(script)
+    proc, sock = _servers[script]
+    if not _ready(proc, sock, script):
+        return [script], {}
+    return ["-m", "steadytrain.warm.enter", script], {"STEADYTRAIN_WARM_SOCKET": sock}
+
+
+def stop_all() -> None:
+    """SIGTERM each warm process (by its pid), wait for it, and check that none of the
+    workers it had forked is left (the warm process SIGKILLs them as it ends)."""
+    import psutil
+
+    left: list[str] = []
+    for script, (proc, _) in list(_servers.items()):
+        try:
+            workers = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            workers = []
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        _, alive = psutil.wait_procs(workers, timeout=60)
+        for p in alive:
+            left.append(f"{p.pid} (forked for {script})")
+            p.kill()
+        del _servers[script]
+    if _root:
+        shutil.rmtree(_root.pop(), ignore_errors=True)
+    assert not left, f"workers outlived their warm process: {left}"
+
+
+def python(script: str, *args: str, **env_extra: str) -> dict:
+    """``subprocess.run``'s ``args`` and ``env`` for ``python SCRIPT ARGS`` (one process, no
+    torchrun), the test's environment with ``env_extra``, forked from ``script``'s warm
+    process."""
+    entry, warm_env = launch(script)
+    return {"args": [sys.executable, *entry, *args], "env": {**os.environ, **env_extra, **warm_env}}
