@@ -108,3 +108,15 @@ def test_output_goes_to_the_files_the_caller_opened(tmp_path) -> None:
     if isinstance(proc, forkserver.ForkedProcess):  # a fresh Popen takes DEVNULL
         with pytest.raises(ValueError, match="PIPE, a file or an fd"):
             forkserver.popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
+
+
+def test_a_child_starts_with_the_preloaded_objects_frozen() -> None:
+    """The server freezes what its preload made (``gc.freeze``), so a child's collections
+    and its exit do not walk, and copy, every preloaded page (0.77 -> 0.27 s of CPU for the
+    exit of a forked ``python -c pass`` here); the child's own objects are collected as
+    usual."""
+    code = "import gc, torch; print(gc.get_freeze_count(), gc.isenabled())"
+    r = forkserver.run([sys.executable, "-c", code], timeout=300)
+    assert r.returncode == 0, r.stderr
+    frozen, enabled = r.stdout.split()
+    assert int(frozen) > 10_000 and enabled == "True", r.stdout

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -150,6 +151,12 @@ def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
 def serve(sock: socket.socket, preload: Sequence[str]) -> None:
     """The server's loop (``python .../forkserver.py FD MODULE,...``)."""
     _warm_up(preload)
+    # Everything the preload made is frozen: never collected, so neither a child's
+    # collections nor its exit walk it, and the pages a fork shares stay shared. Without it
+    # the exit of a forked `python -c pass` cost 0.77 s of CPU here (the final collection and
+    # module teardown write to every preloaded object, copying each page), with it 0.27 s;
+    # every rank and CLI call the suite forks pays that once.
+    gc.freeze()
     children: set[int] = set()
 
     def reply(msg: dict[str, Any]) -> None:
