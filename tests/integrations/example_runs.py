@@ -34,13 +34,19 @@ CRASH_AT = 10
 
 
 def start_example(
-    script: str, data: str, run_dir: str, crash_at: int = 0, nproc: int = 2, *extra: str
+    script: str,
+    data: str,
+    run_dir: str,
+    crash_at: int = 0,
+    nproc: int = 2,
+    *extra: str,
+    fresh: bool = False,
 ) -> subprocess.Popen | forkserver.ForkedProcess:
     """``torchrun --nproc-per-node NPROC --max-restarts 1 examples/SCRIPT ... EXTRA`` in the
-    background."""
+    background; its ranks forked from a warm process unless ``fresh``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
-    entry, warm_env = launch(os.path.join(EXAMPLES, script))  # a warm process's fork
+    entry, warm_env = launch(os.path.join(EXAMPLES, script), fresh)  # a warm process's fork
     cmd += ["--monitor-interval=0.2", *entry]
     cmd += ["--data", data, "--run-dir", run_dir, "--steps", str(STEPS)]
     if crash_at:
@@ -60,10 +66,13 @@ def finish(proc: subprocess.Popen | forkserver.ForkedProcess, timeout: float = 2
     return out
 
 
-def run_pair(script: str, data: str, tmp: str) -> tuple[str, str]:
+def run_pair(script: str, data: str, tmp: str, fresh: bool = False) -> tuple[str, str]:
     """An uninterrupted run and a crashed-and-resumed run of ``script``; their run dirs."""
     ref, crashed = os.path.join(tmp, "ref"), os.path.join(tmp, "crashed")
-    procs = [start_example(script, data, ref), start_example(script, data, crashed, CRASH_AT)]
+    procs = [
+        start_example(script, data, ref, fresh=fresh),
+        start_example(script, data, crashed, CRASH_AT, fresh=fresh),
+    ]
     for proc in procs:
         finish(proc)
     return ref, crashed

@@ -75,11 +75,12 @@ def _ready(proc: subprocess.Popen, sock: str, script: str) -> bool:
     return True
 
 
-def launch(script: str) -> tuple[list[str], dict[str, str]]:
+def launch(script: str, fresh: bool = False) -> tuple[list[str], dict[str, str]]:
     """The arguments that run ``script`` in place of ``SCRIPT`` on torchrun's command line
-    (or after ``python``), and the environment variables they need."""
+    (or after ``python``), and the environment variables they need (``fresh``: the script
+    itself, in a fresh interpreter)."""
     script = os.path.abspath(script)
-    if FRESH:
+    if FRESH or fresh:
         return [script], {}
     if script not in _servers or _servers[script][0].poll() is not None:
         _servers[script] = _start(script)
