@@ -29,6 +29,7 @@ def test_a_child_process_cpu_is_counted_in_its_test_alone(tmp_path) -> None:
     (tmp_path / "test_burn.py").write_text(TESTS)
     out = tmp_path / "cpu"
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "scripts"), SUITE_CPU_DIR=str(out))
+    env.pop("PYTEST_XDIST_WORKER", None)  # the inner pytest is no worker: its rows go to main
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          "-p", "suite_cpu", "--rootdir", str(tmp_path), str(tmp_path / "test_burn.py")],
