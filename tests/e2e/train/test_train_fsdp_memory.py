@@ -60,6 +60,10 @@ def test_resumes_from_memory_bit_exact(dataset, tmp_path, parallel, ranks, batch
 
     [r] = restores(run_dir)
     assert r["tier"] == "local-memory", r
-    assert r["step"] == KILL_AT - 1 and r["steps_lost"] <= 1, r  # not durable step 4
+    # Not durable step 4. The snapshot of step KILL_AT - 1 is written in the background
+    # during step KILL_AT, so a kill can land while it is still in flight (under load it
+    # was): the tier then restores the generation before it, and the ledger's last step is
+    # at most one past the restored one.
+    assert r["step"] >= KILL_AT - 2 and r["steps_lost"] <= 1, r
     ref = assert_same_run(run_dir, ref_dir, STEPS, global_batch=batch)
     assert ref[1]["world"] == ranks
