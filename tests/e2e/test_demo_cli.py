@@ -57,3 +57,9 @@ def test_demo_command_reduced(tmp_path) -> None:
     assert plan["measured"]["ckpt_cost_s"] > 0 and plan["measured"]["interruptions_per_day"] > 0
     assert plan["this_run"]["optimal_interval_min"] > 0
     assert "[demo] 4/4" in proc.stderr and "[fault]" in proc.stderr
+    # The mid-step crash (after the backward, before the update) comes back in place from
+    # the survivor's live model and optimizer, nothing redone: the train loop's loss
+    # all-reduce runs before optimizer.step, so the survivor meets the loss there.
+    done_before_kill = out["crashes"][0] - 1  # the kill fires inside step `crashes[0]`
+    live = [r for r in out["recoveries"] if r["path"] == "in_place" and "live state" in r["why"]]
+    assert [(r["from_step"], r["step"]) for r in live] == [(done_before_kill,) * 2], out

@@ -335,6 +335,15 @@ def run_training(
                     (loss / accum).backward()
                     losses.append(loss.detach())
                 faults.mid_step(step + 1)  # an injected crash between backward and update
+                # The reported loss is the mean over all ranks (one small all-reduce). It runs
+                # before the update on purpose: a peer lost in it (or anywhere before
+                # optimizer.step) leaves every survivor's model and optimizer at the start of
+                # this step, which in-place recovery resumes from without any copy
+                # (inplace/live.py); after the update, only a snapshot could.
+                local_loss = torch.stack(losses).mean().float().cpu()
+                global_loss = local_loss.clone()
+                dist.all_reduce(global_loss)
+                global_loss = float(global_loss) / world
                 if cfg.optim.grad_clip:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
                 optim.step()
@@ -342,11 +351,6 @@ def run_training(
                 optim.zero_grad(set_to_none=True)
                 step += 1
                 state.step, state.tokens = step, state.tokens + tokens_per_step
-                # The reported loss is the mean over all ranks (one small all-reduce).
-                local_loss = torch.stack(losses).mean().float().cpu()
-                global_loss = local_loss.clone()
-                dist.all_reduce(global_loss)
-                global_loss = float(global_loss) / world
 
                 # Checkpoint if due (every rank snapshots, the write continues in the background),
                 # record the step, beat the hang watchdog: one call (steadytrain/run.py).
