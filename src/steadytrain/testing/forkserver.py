@@ -8,7 +8,9 @@ forks each process from there. The child is a process of its own (its own pid, s
 memory, files; a SIGKILL ends it alone) that runs ``python SCRIPT ARGS``, ``python -m
 MODULE ARGS`` or ``python -c CODE ARGS`` with the arguments, environment and working
 directory a fresh interpreter would have had, and exits the way one does (threads joined,
-atexit, stdio flushed, the exit status of ``SystemExit`` or 1 after a traceback).
+atexit, stdio and open files flushed, the exit status of ``SystemExit``, 1 after a traceback
+through ``sys.excepthook``, SIGINT after an uncaught KeyboardInterrupt), then ``os._exit``:
+the teardown it skips would copy the server's pages (``_end``).
 
 What a fork cannot give, so a test that depends on it starts a fresh Python instead:
 
