@@ -120,3 +120,67 @@ def test_a_child_starts_with_the_preloaded_objects_frozen() -> None:
     assert r.returncode == 0, r.stderr
     frozen, enabled = r.stdout.split()
     assert int(frozen) > 10_000 and enabled == "True", r.stdout
+
+
+# How a script can end, and what a fresh ``python`` makes of each: the forked child must end
+# the same way (status, output, files), though it skips the interpreter's teardown.
+ENDINGS = {
+    "exit code": ("import sys; print('out', end=''); sys.exit(3)", 3),
+    "exit -1": ("import sys; sys.exit(-1)", 255),
+    "exit 256": ("raise SystemExit(256)", 0),
+    "exit message": ("import sys; sys.exit('no input here')", 1),
+    "os._exit": ("import os, sys; print('lost', end=''); os._exit(5)", 5),
+    "excepthook": (
+        "import sys\n"
+        "sys.excepthook = lambda t, v, tb: print('hooked', t.__name__, v, file=sys.stderr)\n"
+        "raise ValueError('boom')",
+        1,
+    ),
+    "keyboard interrupt": ("raise KeyboardInterrupt", -signal.SIGINT),
+    "atexit and a thread": (
+        "import atexit, sys, threading, time\n"
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "def late():\n"
+        "    time.sleep(0.3)\n"
+        "    print('thread done', flush=True)\n"
+        "threading.Thread(target=late).start()",
+        0,
+    ),
+    "stdout unflushable": (
+        "import sys\n"
+        "class Full:\n"
+        "    def write(self, s): pass\n"
+        "    def flush(self): raise OSError('no space left')\n"
+        "sys.stdout = Full()",
+        120,
+    ),
+    "atexit raises": ("import atexit; atexit.register(lambda: 1 / 0)", 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENDINGS))
+def test_a_forked_child_ends_as_a_fresh_python_does(case, tmp_path) -> None:
+    """Exit status, output and a file left open in a global (flushed by a fresh Python's
+    teardown, which the forked child skips), fresh and forked side by side."""
+    code, status = ENDINGS[case]
+    left = "f = open('left-open.txt', 'w'); f.write('written, never flushed')\n"
+    runs = {}
+    for how in ("fresh", "forked"):
+        cwd = tmp_path / how
+        cwd.mkdir()
+        cmd = [sys.executable, "-c", left + code]
+        if how == "fresh":
+            r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+        else:
+            r = forkserver.run(cmd, cwd=str(cwd), timeout=120)
+        saved = (cwd / "left-open.txt").read_text()
+        runs[how] = (r.returncode, r.stdout, _last_line(r.stderr), saved)
+    assert runs["fresh"][0] == status, runs  # the case itself says what a fresh Python does
+    assert runs["forked"] == runs["fresh"]
+
+
+def _last_line(err: str) -> str:
+    """The line that says what ended the process (a traceback's frames differ: the forked
+    child runs the code under the server's frames)."""
+    lines = err.strip().splitlines()
+    return lines[-1] if lines else ""

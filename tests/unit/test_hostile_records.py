@@ -211,6 +211,18 @@ def test_restarting_train_process_exits_cleanly_over_every_bad_line(tmp_path: Pa
 
 
 # -- rows 1 and 8: the report -------------------------------------------------------------
+@pytest.fixture
+def unplotted(monkeypatch) -> None:
+    """``build_report`` without its PNGs. The cases that use it check what the report reads,
+    counts and skips, one bad line each; matplotlib drew ~1.2 s of CPU per report there and
+    nothing asserted on the pictures (a plot that fails is named in ``plots_missing``, never
+    fatal). Every plot over every bad line at once: test_cli_report_json_over_every_bad_line."""
+    import steadytrain.report.build as build
+
+    monkeypatch.setattr(build, "_plots", lambda data, out, drawn, missing: {})
+
+
+@pytest.mark.usefixtures("unplotted")
 @pytest.mark.parametrize("name", sorted(BAD_LEDGER_LINES))
 def test_report_skips_and_counts_a_bad_ledger_line(tmp_path: Path, name: str) -> None:
     run = make_run(tmp_path / "run", [BAD_LEDGER_LINES[name]])
@@ -268,6 +280,7 @@ def test_report_reads_each_record_file_once_and_warns_once(
     assert len(skipped) == 1, [r.getMessage() for r in skipped]
 
 
+@pytest.mark.usefixtures("unplotted")
 @pytest.mark.parametrize("name", sorted(BAD_RANK_LINES))
 def test_report_skips_and_counts_a_bad_rank_line(tmp_path: Path, name: str) -> None:
     run = make_run(tmp_path / "run", rank_extra=[BAD_RANK_LINES[name]])
@@ -319,6 +332,8 @@ def test_cli_report_json_over_every_bad_line(tmp_path: Path) -> None:
     assert any("deeper than" in k for k in rej["ledger.jsonl"]["reasons"])
     assert s["steps_kept"] == STEPS
     assert_sane(s)
+    assert s["plots"] and s["plots_missing"] == {}  # every picture drawn over every bad line
+    assert all(Path(png).stat().st_size > 0 for png in s["plots"].values())
     text = run_cli(run)
     assert text.returncode == 0, text.stderr
     assert f"skipped as invalid: {len(BAD_LEDGER_LINES)} record(s) of ledger.jsonl" in text.stdout

@@ -188,3 +188,33 @@ def test_a_snapshot_copies_into_the_evicted_one_and_never_aliases_the_live_state
     assert second["optim"]["param_groups"] == optim.state_dict()["param_groups"]
     grown = copy_state({"model": torch.nn.Linear(4, 5).state_dict()}, second)
     assert grown["model"]["weight"].shape == (5, 4)  # another shape: a fresh tensor
+
+
+@pytest.mark.parametrize(
+    ("ending", "status", "said"),
+    [
+        ("raise ValueError('boom')", 1, "hooked ValueError boom"),
+        ("raise KeyboardInterrupt", -signal.SIGINT, "hooked KeyboardInterrupt"),
+    ],
+)
+def test_the_keepers_training_process_reports_an_uncaught_exception_as_python_does(
+    tmp_path, ending: str, status: int, said: str
+) -> None:
+    """Through the script's ``sys.excepthook`` (where steadytrain's trainer hooks book a
+    crash's reason), and an uncaught KeyboardInterrupt ends the process, and so the keeper,
+    by SIGINT, as ``python SCRIPT`` ends: what torchrun sees is the same with the keeper."""
+    import sys
+
+    from steadytrain.testing import forkserver
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        "sys.excepthook = lambda t, v, tb: print('hooked', t.__name__, v, file=sys.stderr)\n"
+        + ending
+        + "\n"
+    )
+    cmd = [sys.executable, "-m", "steadytrain.inplace.keeper", str(script)]
+    r = forkserver.run(cmd, timeout=300)
+    assert r.returncode == status, r.stderr
+    assert said in [s.strip() for s in r.stderr.splitlines()], r.stderr  # the hook, no traceback

@@ -135,11 +135,11 @@ def _become_child(script: str, args: Sequence[str], env: dict[str, str], keeper:
             return e.code or 0
         print(e.code, file=sys.stderr)
         return 1
-    except BaseException:  # noqa: BLE001 - the traceback, as a fresh Python prints it
-        import traceback
-
-        traceback.print_exc()
-        return 1
+    except BaseException as e:  # noqa: BLE001 - reported as a fresh Python reports it:
+        # through the script's hook (steadytrain's trainer hooks book a crash's reason there),
+        # and an uncaught KeyboardInterrupt ends the process by SIGINT, as Py_RunMain does
+        sys.excepthook(type(e), e, e.__traceback__)
+        return -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
     return 0
 
 
@@ -155,6 +155,15 @@ def _note_fallback(rank: str, why: str) -> None:
         note_fallback(store(5.0), attempt, int(rank), why, None)
     except Exception as e:  # noqa: BLE001 - the reason is lost, never the restart
         log.warning("keeper: could not note the fallback in the store: %s", e)
+
+
+def _finish_then_kill(sig: int) -> None:
+    """End the training process by ``sig`` once it has done what an exit does."""
+    import atexit
+
+    threading._shutdown()  # type: ignore[attr-defined]  # as Py_FinalizeEx does
+    atexit._run_exitfuncs()
+    _end_like(-sig)
 
 
 def _end_like(code: int) -> None:
@@ -223,6 +232,8 @@ def main(argv: Sequence[str]) -> None:
         if child == 0:
             os.close(read_end)
             code = _become_child(script, args, env, keeper)
+            if code < 0:  # its end (threads, atexit, stdio), then the signal, as CPython does
+                _finish_then_kill(-code)
             raise SystemExit(code)  # atexit, threads joined, stdio flushed, as a fresh Python
         os.close(write_end)
         _, status = os.waitpid(child, 0)

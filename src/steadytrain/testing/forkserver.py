@@ -8,7 +8,9 @@ forks each process from there. The child is a process of its own (its own pid, s
 memory, files; a SIGKILL ends it alone) that runs ``python SCRIPT ARGS``, ``python -m
 MODULE ARGS`` or ``python -c CODE ARGS`` with the arguments, environment and working
 directory a fresh interpreter would have had, and exits the way one does (threads joined,
-atexit, stdio flushed, the exit status of ``SystemExit`` or 1 after a traceback).
+atexit, stdio and open files flushed, the exit status of ``SystemExit``, 1 after a traceback
+through ``sys.excepthook``, SIGINT after an uncaught KeyboardInterrupt), then ``os._exit``:
+the teardown it skips would copy the server's pages (``_end``).
 
 What a fork cannot give, so a test that depends on it starts a fresh Python instead:
 
@@ -37,6 +39,7 @@ import atexit
 import contextlib
 import gc
 import importlib
+import io
 import json
 import os
 import select
@@ -46,7 +49,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 __all__ = ["PRELOAD", "ForkedProcess", "Forkserver", "popen", "python_argv", "run"]
 
@@ -101,8 +104,9 @@ def _main(argv: list[str]) -> None:
 
 
 def _become(msg: dict[str, Any], fds: list[int]) -> int:
-    """In the forked child: become the process asked for, run it; its exit code. The caller
-    then exits the way a fresh interpreter does (threads joined, atexit, stdio flushed)."""
+    """In the forked child: become the process asked for, run it; its exit code (negative:
+    the signal it must end by). The caller then ends it as a fresh interpreter ends
+    (``_end``)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # SIGPIPE stays ignored, as
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Python sets it; SIGCHLD was never set
     null = os.open(os.devnull, os.O_RDONLY)
@@ -126,15 +130,77 @@ def _become(msg: dict[str, Any], fds: list[int]) -> int:
         _main(msg["argv"])
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
-            return e.code or 0
+            return (e.code or 0) & 0xFF  # what exit(3) leaves of it: sys.exit(-1) is 255
         print(e.code, file=sys.stderr)
         return 1
-    except BaseException:  # noqa: BLE001 - the traceback, as a fresh Python prints it
-        import traceback
-
-        traceback.print_exc()
-        return 1
+    except BaseException as e:  # noqa: BLE001 - reported as a fresh Python reports it:
+        sys.excepthook(type(e), e, e.__traceback__)  # through the script's hook, if it set one
+        # and an uncaught KeyboardInterrupt ends the process by SIGINT (Py_RunMain)
+        return -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
     return 0
+
+
+def _end(code: int) -> NoReturn:
+    """End the forked child as a fresh interpreter ends (``Py_FinalizeEx``), without its
+    teardown. What anyone can see of an end is done here: non-daemon threads joined,
+    ``atexit`` handlers run, stdout and stderr flushed (a failed flush ends with 120, as
+    ``Py_RunMain`` does), every file object still open flushed (one a script left in a
+    global is flushed only by the teardown), then the status: ``code``, or the signal when
+    ``code`` is negative (an uncaught KeyboardInterrupt: SIGINT). What is skipped, module
+    teardown and the final collection, touches every object the child inherited and so
+    copies the server's pages: ~0.4 s of CPU per child even with ``gc.freeze()``. Skipped
+    with it: ``__del__`` of objects alive at the end (a fresh interpreter does not promise
+    to run them either)."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # as Py_FinalizeEx does
+    except Exception:  # noqa: BLE001 - the handlers below still run
+        sys.excepthook(*sys.exc_info())  # type: ignore[arg-type]
+    atexit._run_exitfuncs()  # prints a handler's exception, as at a fresh interpreter's end
+    if not _flush_std():
+        code = 120
+    _flush_files()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
+        os.kill(os.getpid(), -code)
+        code = 128 - code  # the signal did not end it (a thread blocks it): as CPython does
+    os._exit(code)
+
+
+def _flush_std() -> bool:
+    """``flush_std_files`` of CPython: False when stdout or stderr could not be flushed."""
+    ok = True
+    for stream in (sys.stdout, sys.stderr):
+        if stream is None or getattr(stream, "closed", False):
+            continue
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - stderr's failure is silent, as in CPython
+            ok = False
+            if stream is sys.stdout:
+                _unraisable(f"Exception ignored in: {stream!r}")
+    return ok
+
+
+def _unraisable(header: str) -> None:
+    import traceback
+
+    with contextlib.suppress(Exception):
+        print(header, file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+
+
+def _flush_files() -> None:
+    """Flush the file objects the child made and left open. ``gc.get_objects`` lists only
+    the child's own (the server's are frozen), so the server's pages stay shared."""
+    kinds = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+    files = [o for o in gc.get_objects() if isinstance(o, kinds)]
+    files.sort(key=lambda f: not isinstance(f, io.TextIOWrapper))  # text first: into buffers
+    for f in files:
+        with contextlib.suppress(Exception):  # closed, read-only, a dead pipe
+            if not f.closed and f.writable():
+                f.flush()
 
 
 def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
@@ -182,7 +248,7 @@ def serve(sock: socket.socket, preload: Sequence[str]) -> None:
         pid = os.fork()
         if pid == 0:
             sock.close()
-            raise SystemExit(_become(json.loads(data), fds))
+            _end(_become(json.loads(data), fds))
         for fd in fds:
             os.close(fd)
         children.add(pid)

@@ -189,10 +189,12 @@ def _run_path(path: str, run_name: str) -> dict:
 
 
 def _uncaught_through_excepthook() -> None:
-    """In the worker: the keeper's ``_become_child`` (shared with ``inplace.keeper``) prints
-    an uncaught exception's traceback itself, so a hook the script set never saw it (an HF
-    Trainer's exception was booked as "the process exited before Trainer.train() ended").
-    Only this forked process's view of the keeper module changes."""
+    """In the worker: an uncaught exception goes through the script's ``sys.excepthook``
+    (an HF Trainer's exception was booked as "the process exited before Trainer.train()
+    ended" when it did not), then status 1. The keeper's ``_become_child`` (shared with
+    ``inplace.keeper``) now does the first itself, but ends an uncaught KeyboardInterrupt
+    by SIGINT (a negative code), which this worker's ``os._exit`` does not take: so the
+    worker keeps its own runner. Only this forked process's view of the keeper changes."""
     from steadytrain.inplace import keeper
 
     keeper.runpy = types.SimpleNamespace(run_path=_run_path)  # type: ignore[attr-defined]
