@@ -83,6 +83,13 @@ def make_dataset(dest: str, max_bytes: int = 400_000) -> str:
     return dest
 
 
+# How long a run waits for the warm process to listen before its ranks start fresh. Short:
+# the warm process was started with the first training test (``prestart_warm``), and a test
+# must never spend its own timeout (120 s for the hang tests) on a preload that takes
+# minutes at load 30; a later run finds it ready.
+WARM_WAIT_S = 5.0
+
+
 def _warm_pool() -> Any:
     """``tests/integrations/warm_pool.py`` (it imports this module: not at the top)."""
     integrations = os.path.join(REPO, "tests", "integrations")
@@ -112,7 +119,7 @@ def warm_ranks(fresh: bool = False) -> tuple[list[str], dict[str, str]]:
         return ["-m", "steadytrain.cli"], {}
     from steadytrain.train.demo_run import train_entry
 
-    args, warm_env = _warm_pool().launch(train_entry())
+    args, warm_env = _warm_pool().launch(train_entry(), wait_s=WARM_WAIT_S)
     return (args if warm_env else ["-m", "steadytrain.cli"]), warm_env
 
 
