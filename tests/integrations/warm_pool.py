@@ -60,11 +60,11 @@ def _start(script: str) -> tuple[subprocess.Popen, str]:
     return proc, sock
 
 
-def _ready(proc: subprocess.Popen, sock: str, script: str) -> bool:
-    """Whether the warm process listens, waiting for it up to READY_S. Not yet (a loaded
+def _ready(proc: subprocess.Popen, sock: str, script: str, wait_s: float = READY_S) -> bool:
+    """Whether the warm process listens, waiting for it up to ``wait_s``. Not yet (a loaded
     machine, Lightning's imports): this run's workers start fresh, as on main, and the
     test's own timeout is not spent waiting; a later run finds it warm."""
-    deadline = time.monotonic() + READY_S
+    deadline = time.monotonic() + wait_s
     while not os.path.exists(sock):  # bound after the preload: it answers from then on
         if proc.poll() is not None:
             with open(sock[: -len(".sock")] + ".log") as f:
@@ -75,17 +75,28 @@ def _ready(proc: subprocess.Popen, sock: str, script: str) -> bool:
     return True
 
 
-def launch(script: str, fresh: bool = False) -> tuple[list[str], dict[str, str]]:
+def prestart(script: str) -> None:
+    """Start the warm process for ``script`` now, without waiting for it (nothing with
+    ``STEADYTRAIN_TEST_FRESH=1``, nothing if one runs): its preload then overlaps a test's
+    set-up, and the first ``launch`` finds it ready sooner."""
+    script = os.path.abspath(script)
+    if not FRESH and (script not in _servers or _servers[script][0].poll() is not None):
+        _servers[script] = _start(script)
+
+
+def launch(
+    script: str, fresh: bool = False, wait_s: float = READY_S
+) -> tuple[list[str], dict[str, str]]:
     """The arguments that run ``script`` in place of ``SCRIPT`` on torchrun's command line
     (or after ``python``), and the environment variables they need (``fresh``: the script
-    itself, in a fresh interpreter)."""
+    itself, in a fresh interpreter; so too when its warm process is not listening within
+    ``wait_s``)."""
     script = os.path.abspath(script)
     if FRESH or fresh:
         return [script], {}
-    if script not in _servers or _servers[script][0].poll() is not None:
-        _servers[script] = _start(script)
+    prestart(script)
     proc, sock = _servers[script]
-    if not _ready(proc, sock, script):
+    if not _ready(proc, sock, script, wait_s):
         return [script], {}
     return ["-m", "steadytrain.warm.enter", script], {"STEADYTRAIN_WARM_SOCKET": sock}
 

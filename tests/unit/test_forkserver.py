@@ -184,3 +184,38 @@ def _last_line(err: str) -> str:
     child runs the code under the server's frames)."""
     lines = err.strip().splitlines()
     return lines[-1] if lines else ""
+
+
+class _Interrupted(Exception):
+    """What pytest-timeout raises in a test's thread: anywhere, e.g. inside ``popen``."""
+
+
+def test_a_caller_interrupted_in_popen_leaves_the_next_caller_its_own_child() -> None:
+    # A test that timed out while its `popen` waited for the server's reply left that pid
+    # unclaimed; every later `popen` of the test process then took its predecessor's pid
+    # (and reported that process's exit: a torchrun agent whose rank was killed "exited 0").
+    server = forkserver.Forkserver([])
+    try:
+        real, calls = server._cond.wait_for, []
+
+        def interrupted(predicate, timeout=None):  # the first wait: the popen below
+            if not calls:
+                calls.append(timeout)
+                raise _Interrupted
+            return real(predicate, timeout)
+
+        server._cond.wait_for = interrupted
+        with pytest.raises(_Interrupted):
+            server.popen(["-c", "import time; time.sleep(30)"], dict(os.environ))
+        proc = server.popen(
+            ["-c", "import os, sys; print(os.getpid()); sys.exit(3)"], dict(os.environ)
+        )
+        out, _ = proc.communicate(timeout=120)
+        assert int(out) == proc.pid and proc.returncode == 3, (out, proc.pid)
+        # The child nobody holds was killed, not left running.
+        deadline = time.monotonic() + 120
+        while -signal.SIGKILL not in server._exits.values():
+            assert time.monotonic() < deadline, server._exits
+            time.sleep(0.05)
+    finally:
+        server.close()

@@ -243,19 +243,25 @@ def serve(sock: socket.socket, preload: Sequence[str]) -> None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             return
+        req = json.loads(data)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             sock.close()
-            _end(_become(json.loads(data), fds))
+            _end(_become(req, fds))
         for fd in fds:
             os.close(fd)
         children.add(pid)
-        reply({"pid": pid})
+        reply({"pid": pid, "id": req.get("id")})
 
 
 # -- client ---------------------------------------------------------------------------------
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 class _Pipe:
@@ -333,7 +339,12 @@ class Forkserver:
         theirs.close()
         self.closed = False
         self._exits: dict[int, int] = {}
-        self._pids: list[int] = []
+        # Each request's pid by the request's id: a caller interrupted while it waits (a
+        # test's timeout) leaves its pid unclaimed, and the next caller must not take it (it
+        # did: every later process of the test process got its predecessor's pid and exit).
+        self._pids: dict[int, int] = {}
+        self._abandoned: set[int] = set()  # requests whose caller stopped waiting
+        self._next_id = 0
         self._cond = threading.Condition()
         self._send = threading.Lock()
         threading.Thread(target=self._listen, daemon=True).start()
@@ -348,8 +359,11 @@ class Forkserver:
                 with self._cond:
                     if "exit" in msg:
                         self._exits[msg["exit"]] = msg["code"]
+                    elif msg["id"] in self._abandoned:  # nobody holds it: it must not run
+                        self._abandoned.discard(msg["id"])
+                        _kill(msg["pid"])
                     else:
-                        self._pids.append(msg["pid"])
+                        self._pids[msg["id"]] = msg["pid"]
                     self._cond.notify_all()
         with self._cond:
             self.closed = True
@@ -383,21 +397,30 @@ class Forkserver:
 
         out_fd = child_fd(stdout)
         send = [out_fd] if stderr == subprocess.STDOUT else [out_fd, child_fd(stderr)]
-        req = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "umask": umask}
-        msg = json.dumps(req).encode() + b"\n"
         with self._send:
+            rid = self._next_id
+            self._next_id += 1
+            req = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "umask": umask, "id": rid}
             try:
-                socket.send_fds(self._sock, [msg], send)
+                socket.send_fds(self._sock, [json.dumps(req).encode() + b"\n"], send)
             finally:
                 for _, w in made:  # the child holds its own copies; the caller's files stay
                     os.close(w)
-            with self._cond:
-                self._cond.wait_for(lambda: self._pids or self.closed, timeout=300)
-                if not self._pids:
-                    for r, _ in made:
-                        os.close(r)
-                    raise RuntimeError(f"the fork server is gone (exit {self._proc.poll()})")
-                pid = self._pids.pop(0)
+            try:
+                with self._cond:
+                    self._cond.wait_for(lambda: rid in self._pids or self.closed, timeout=300)
+                    if rid not in self._pids:
+                        raise RuntimeError(f"the fork server is gone (exit {self._proc.poll()})")
+                    pid = self._pids.pop(rid)
+            except BaseException:  # gone, or interrupted: no child is left running unheld
+                with self._cond:
+                    if rid in self._pids:
+                        _kill(self._pids.pop(rid))
+                    else:
+                        self._abandoned.add(rid)
+                for r, _ in made:
+                    os.close(r)
+                raise
         reads = iter(_Pipe(r) for r, _ in made)
         out = next(reads) if stdout == subprocess.PIPE else None
         err = next(reads) if stderr == subprocess.PIPE else None

@@ -25,7 +25,7 @@ from typing import Any
 
 from steadytrain.testing.ports import free_ports
 
-__all__ = ["run_demo_training", "demo_crash_steps"]
+__all__ = ["run_demo_training", "demo_crash_steps", "train_entry"]
 
 
 def demo_crash_steps(steps: int, every_steps: int) -> tuple[int, int]:
@@ -41,15 +41,22 @@ def demo_crash_steps(steps: int, every_steps: int) -> tuple[int, int]:
     return kill, min(save_kill, steps - 1)
 
 
-def _entry(inplace: bool) -> list[str]:
-    """What torchrun starts for each rank: the CLI, or the keeper running the CLI's file
-    with its lazy imports made top-level (``steadytrain/inplace/train_entry.py``)."""
-    if not inplace:
-        return ["-m", "steadytrain.cli"]
+def train_entry() -> str:
+    """The CLI's file with a training process's lazy imports made top-level
+    (``steadytrain/inplace/train_entry.py``): what a keeper or a warm process preloads."""
     import steadytrain.inplace
 
-    entry = os.path.join(os.path.dirname(steadytrain.inplace.__file__), "train_entry.py")
-    return ["-m", "steadytrain.inplace.keeper", entry]
+    return os.path.join(os.path.dirname(steadytrain.inplace.__file__), "train_entry.py")
+
+
+def _entry(inplace: bool, warm: str | None) -> list[str]:
+    """What torchrun starts for each rank: the CLI; the keeper running ``train_entry()``;
+    or, with a warm process's socket, its entry, which has the rank forked from there."""
+    if inplace:
+        return ["-m", "steadytrain.inplace.keeper", train_entry()]
+    if warm:
+        return ["-m", "steadytrain.warm.enter", train_entry()]
+    return ["-m", "steadytrain.cli"]
 
 
 def run_demo_training(
@@ -66,6 +73,7 @@ def run_demo_training(
     out: Callable[[str], None] | None = print,
     timeout_s: float = 600.0,
     inplace: bool = False,
+    warm: str | None = None,
 ) -> dict[str, Any]:
     """Train the demo model under torchrun with injected crashes; returns the outcome.
 
@@ -75,7 +83,10 @@ def run_demo_training(
     the ranks and of torchrun's agent go to ``out`` (None: silent). ``inplace``: every rank
     runs under the keeper (``steadytrain.inplace.keeper``) with ``recovery.inplace`` on, so a
     killed rank is replaced in place and the survivor keeps its process (docs/operations.md,
-    "In-place recovery"); torchrun's whole restart stays the fallback.
+    "In-place recovery"); torchrun's whole restart stays the fallback. ``warm``: the socket
+    of a warm process started for ``train_entry()`` (``steadytrain warm --socket PATH
+    ENTRY``): every rank of every attempt is forked from it (docs/operations.md, "A warm
+    spare"); ignored with ``inplace``, whose keeper preloads by itself.
     """
     from steadytrain.errors import SteadyError
 
@@ -105,7 +116,7 @@ def run_demo_training(
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_ports(1)[0]}",
         "--monitor-interval=0.2",
-        *_entry(inplace),
+        *_entry(inplace, warm),
         "train",
         "demo",
         "--set",
@@ -127,6 +138,8 @@ def run_demo_training(
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )
+    if warm and not inplace:
+        env["STEADYTRAIN_WARM_SOCKET"] = warm
     if not inplace:
         # Fresh rendezvous store per attempt: the shared one breaks restarts (pytorch#135712).
         # In place, the keeper needs the shared one; its groups use per-attempt prefixes.
@@ -189,6 +202,8 @@ class _Presenter:
             return line
         if line.startswith("steadytrain.inplace: "):  # the keeper: in place, or why not
             return "[keeper] " + line[len("steadytrain.inplace: ") :]
+        if line.startswith("steadytrain.warm: "):  # a rank started cold, and why
+            return "[warm] " + line[len("steadytrain.warm: ") :]
         if line.startswith("steadytrain train: error:"):
             return "[error] " + line[len("steadytrain train: error:") :].strip()
         m = _EXIT.search(line)

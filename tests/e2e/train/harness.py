@@ -2,7 +2,10 @@
 
 Every test runs the real ``steadytrain train`` under the real ``torchrun`` (``python -m
 torch.distributed.run``) on CPU with gloo. The model is tiny (2 layers, d=64, seq 64) so a
-step takes milliseconds and a run's cost is mostly process start-up.
+step takes milliseconds and a run's cost is mostly process start-up: so the ranks are
+forked from a warm process (``steadytrain warm``, ``warm_ranks``) unless a test asks for
+``fresh=True`` (the exactness guard, ``test_train_exact_resume.py``, and the shared
+baseline: fresh ranks draw their own hash seeds) or ``STEADYTRAIN_TEST_FRESH=1`` is set.
 """
 
 from __future__ import annotations
@@ -80,6 +83,58 @@ def make_dataset(dest: str, max_bytes: int = 400_000) -> str:
     return dest
 
 
+# How long a run waits for the warm process to listen before its ranks start fresh. Short:
+# the warm process was started with the first training test (``prestart_warm``), and a test
+# must never spend its own timeout (120 s for the hang tests) on a preload that takes
+# minutes at load 30; a later run finds it ready.
+WARM_WAIT_S = 5.0
+
+
+def _warm_pool() -> Any:
+    """``tests/integrations/warm_pool.py`` (it imports this module: not at the top)."""
+    integrations = os.path.join(REPO, "tests", "integrations")
+    if integrations not in sys.path:
+        sys.path.insert(0, integrations)
+    import warm_pool
+
+    return warm_pool
+
+
+def prestart_warm() -> None:
+    """Start the warm process for the ranks now, without waiting (``warm_pool.prestart``):
+    its preload overlaps the first test's set-up."""
+    from steadytrain.train.demo_run import train_entry
+
+    _warm_pool().prestart(train_entry())
+
+
+def warm_ranks(fresh: bool = False) -> tuple[list[str], dict[str, str]]:
+    """What torchrun starts for each rank of ``steadytrain train``, and the environment the
+    agent needs for it: ``-m steadytrain.warm.enter`` on the CLI's preloading entry file
+    (``steadytrain/inplace/train_entry.py``) with the socket of this test process's warm
+    process for it (``tests/integrations/warm_pool.py``); ``-m steadytrain.cli`` (a fresh
+    interpreter per rank) when ``fresh``, with ``STEADYTRAIN_TEST_FRESH=1``, or while the
+    warm process is not listening yet."""
+    if fresh:
+        return ["-m", "steadytrain.cli"], {}
+    from steadytrain.train.demo_run import train_entry
+
+    args, warm_env = _warm_pool().launch(train_entry(), wait_s=WARM_WAIT_S)
+    return (args if warm_env else ["-m", "steadytrain.cli"]), warm_env
+
+
+def warm_workers_cpu(sock: str) -> float:
+    """CPU seconds of the workers the warm process at ``sock`` (this test process's child)
+    forked and reaped so far: what grows when ranks really were forked there."""
+    import psutil
+
+    for p in psutil.Process().children():
+        if sock in p.cmdline():
+            t = p.cpu_times()
+            return t.children_user + t.children_system
+    raise AssertionError(f"no warm process of this test process serves {sock}")
+
+
 def torchrun_cmd(
     nproc: int,
     settings: list[str],
@@ -89,7 +144,10 @@ def torchrun_cmd(
     nnodes: str = "1",
     rdzv_conf: str = "",
     run_id: str = "steadytest",
+    entry: list[str] | None = None,
 ) -> list[str]:
+    """``entry``: what runs the CLI (``warm_ranks()``'s first item; default a fresh
+    ``-m steadytrain.cli``)."""
     cmd = [
         PY,
         "-m",
@@ -106,7 +164,7 @@ def torchrun_cmd(
     ]
     if rdzv_conf:
         cmd.append(f"--rdzv-conf={rdzv_conf}")
-    cmd += ["-m", "steadytrain.cli", "train", "demo"]
+    cmd += [*(entry or ["-m", "steadytrain.cli"]), "train", "demo"]
     for s in settings:
         cmd += ["--set", s]
     return cmd
@@ -144,18 +202,25 @@ def start_agent(
     cmd: list[str], env: dict[str, str], cwd: str = REPO, **output: Any
 ) -> subprocess.Popen | forkserver.ForkedProcess:
     """torchrun's agent (``cmd``: ``python -m torch.distributed.run ...``) forked from the
-    fork server: its own start-up and hash seed are nothing a test checks, and the ranks it
-    starts stay fresh interpreters (the agent's ``subprocess``). ``output``: ``merge``,
+    fork server: its own start-up and hash seed are nothing a test checks; the processes it
+    starts are its own children (``subprocess``): the ranks, or their warm entries. ``output``: ``merge``,
     ``stdout``, ``stderr`` of ``forkserver.popen`` (default: one pipe for both)."""
     return forkserver.popen(cmd, env=env, cwd=cwd, **output)
 
 
 def start_torchrun(
-    nproc: int, settings: list[str], *, faults: str = "", max_restarts: int = 0
+    nproc: int,
+    settings: list[str],
+    *,
+    faults: str = "",
+    max_restarts: int = 0,
+    fresh: bool = False,
 ) -> subprocess.Popen | forkserver.ForkedProcess:
-    """``steadytrain train`` under torchrun in the background (``wait_torchrun`` it)."""
-    cmd = torchrun_cmd(nproc, BASE_SETTINGS + settings, max_restarts=max_restarts)
-    return start_agent(cmd, env(faults), merge=False)
+    """``steadytrain train`` under torchrun in the background (``wait_torchrun`` it); its
+    ranks forked from the warm process unless ``fresh`` (``warm_ranks``)."""
+    entry, warm_env = warm_ranks(fresh)
+    cmd = torchrun_cmd(nproc, BASE_SETTINGS + settings, max_restarts=max_restarts, entry=entry)
+    return start_agent(cmd, env(faults, **warm_env), merge=False)
 
 
 def run_torchrun(
@@ -166,8 +231,9 @@ def run_torchrun(
     max_restarts: int = 0,
     timeout: float = 180,
     check: bool = True,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    proc = start_torchrun(nproc, settings, faults=faults, max_restarts=max_restarts)
+    proc = start_torchrun(nproc, settings, faults=faults, max_restarts=max_restarts, fresh=fresh)
     return wait_torchrun(proc, timeout=timeout, check=check)
 
 

@@ -34,6 +34,7 @@ from harness import (  # noqa: E402
     rendezvous_store,
     start_agent,
     torchrun_cmd,
+    warm_ranks,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.machine, pytest.mark.timeout(180)]  # speeds compared
@@ -56,6 +57,7 @@ def test_one_slow_node_is_named(dataset: str, tmp_path) -> None:
     procs, logs = {}, {}
     try:
         for node, fault in faults.items():
+            entry, warm_env = warm_ranks()
             cmd = torchrun_cmd(
                 1,
                 settings,
@@ -63,9 +65,11 @@ def test_one_slow_node_is_named(dataset: str, tmp_path) -> None:
                 nnodes="2",
                 rdzv_conf="is_host=false",
                 run_id="straggler",
+                entry=entry,
             )
             logs[node] = open(tmp_path / f"{node}.log", "w")  # noqa: SIM115
-            procs[node] = start_agent(cmd, env(fault, STEADYTRAIN_NODE=node), stdout=logs[node])
+            node_env = env(fault, STEADYTRAIN_NODE=node, **warm_env)
+            procs[node] = start_agent(cmd, node_env, stdout=logs[node])
         for node, p in procs.items():
             assert p.wait(timeout=150) == 0, (tmp_path / f"{node}.log").read_text()[-6000:]
     finally:

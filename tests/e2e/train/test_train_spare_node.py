@@ -4,7 +4,8 @@ Three torchrun agents act as three nodes (1 process each) reading an ``s3://`` d
 real SeaweedFS server through a node-local cache each; the rendezvous store is hosted by the
 test, outside the nodes. Nodes A and B start the job; node C, whose cache was pre-warmed with ``steadytrain stage``, starts later and waits
 as a spare (torchrun's redundancy list: the job is at its maximum of 2 nodes). Mid-run, node B
-is killed whole (agent and worker: a lost machine). Compares:
+is killed whole (agent and worker: a lost machine; a worker forked from the warm process
+goes with its entry, which the warm process watches). Compares:
 - the job finishes all steps, and the last attempt ran on nodes A and C;
 - C's start-up preflight found its cache ready (no shard left to fetch);
 - per-step sample ids (rank order) equal the uninterrupted single-node 2-rank baseline's, and
@@ -14,6 +15,7 @@ is killed whole (agent and worker: a lost machine). Compares:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -36,6 +38,7 @@ from harness import (  # noqa: E402
     rendezvous_store,
     start_agent,
     torchrun_cmd,
+    warm_ranks,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.s3, pytest.mark.timeout(300)]
@@ -69,11 +72,20 @@ def _wait(pred, what: str, procs: dict) -> None:
         time.sleep(0.05)
 
 
-def _workers(agent) -> list:
-    """The training processes a torchrun agent started."""
+def _workers(run_dir: str) -> list:
+    """The job's training processes now: each rank's pid in its newest attempt, from the
+    rank files (what a rank reports is its own pid, fresh or forked from the warm process:
+    a warm rank is no child of its agent)."""
     import psutil
 
-    return psutil.Process(agent.pid).children(recursive=True)
+    from steadytrain.monitor.ranks import read_ranks
+
+    procs = []
+    for summary in read_ranks(run_dir).ranks.values():
+        newest = max(summary.attempts, key=lambda a: a["attempt"])
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(newest["pid"]))
+    return procs
 
 
 def _is_spare(store, run_id: str, agent_pid: int) -> bool:
@@ -128,6 +140,7 @@ def test_node_loss_spare_node_joins(dataset, baseline, seaweed, tmp_path) -> Non
     logs, procs = {}, {}
 
     def start(node: str) -> None:
+        entry, warm_env = warm_ranks()
         cmd = torchrun_cmd(
             1,
             settings,
@@ -136,9 +149,10 @@ def test_node_loss_spare_node_joins(dataset, baseline, seaweed, tmp_path) -> Non
             nnodes="1:2",
             rdzv_conf=RDZV,
             run_id=RUN_ID,
+            entry=entry,
         )
         logs[node] = open(tmp_path / f"node-{node}.log", "w")  # noqa: SIM115
-        node_env = env(faults, STEADYTRAIN_NODE=node, NODE_CACHE=cache[node], **s3env)
+        node_env = env(faults, STEADYTRAIN_NODE=node, NODE_CACHE=cache[node], **s3env, **warm_env)
         procs[node] = start_agent(cmd, node_env, stdout=logs[node])
 
     def steps_by(node: str) -> list[int]:
@@ -150,7 +164,8 @@ def test_node_loss_spare_node_joins(dataset, baseline, seaweed, tmp_path) -> Non
         _wait(lambda: steps_by("A") and steps_by("B"), "A and B to train", procs)
         # Hold the job while C starts, however long its start-up takes on this machine,
         # so that C is a spare before B dies (the agents keep their heartbeats meanwhile).
-        held = _workers(procs["A"]) + _workers(procs["B"])
+        held = _workers(run_dir)
+        assert len(held) == 2, held
         for w in held:
             w.suspend()
         try:
