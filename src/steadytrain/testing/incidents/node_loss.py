@@ -54,7 +54,7 @@ from steadytrain.testing.incidents.common import (
     IncidentJob,
     Log,
     incident_rows,
-    report,
+    reports,
     run_summary,
     small_shards,
 )
@@ -185,7 +185,8 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
         spare_fetched = fetched_lines(_log_text(job, spare.name))
 
         log("[node-loss] building the reports")
-        naive, fixed, ref = report(naive_dir), report(fixed_dir), report(ref_dir)
+        got = reports({"without_fix": naive_dir, "with_fix": fixed_dir, "reference": ref_dir})
+        naive, fixed, ref = got["without_fix"], got["with_fix"], got["reference"]
     leftovers = h.leftovers()
     came_back = {"without_fix": restores(naive_dir, naive), "with_fix": restores(fixed_dir, fixed)}
     for run, rows in came_back.items():
