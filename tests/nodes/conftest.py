@@ -9,7 +9,9 @@ subnet and nodes. Run one after another the five took 5-6 minutes of the node te
 6-minute budget (issue 15); two at a time (``LANES``), next to the other node tests, they
 take about half. Each replay is the user's command, ``steadytrain demo --incident NAME
 --json``; the matrix is ``python -m steadytrain.testing.incidents.matrix --json``
-(``CI_CASES``); each test waits for its own JSON.
+(``CI_CASES``); each test waits for its own JSON. The tests that wait run last, in the order
+their replays finish (``FINISH_ORDER``, ``pytest_collection_modifyitems``), so every other
+node test runs while the replays do.
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ REPLAY_MODULES = {
     "test_diagnosis_matrix.py": "matrix",
 }
 # Two lanes, each one replay at a time (on 2 cores, more would stretch the timed ones).
-# storage starts once the harness and Slurm tests are over (its diagnosis compares node-1's
-# read p99 with node-0's, which a CPU-starved object store inflates too). loader-memory
+# storage comes second in its lane, after hang (its diagnosis compares node-1's read p99
+# with node-0's, which a CPU-starved object store inflates too; the node tests that wait
+# for no replay run beside it, as the suite's other workers do). loader-memory
 # fills the machine's /dev/shm, which every rank's meter samples: it never runs beside
 # storage, whose report must find storage and nothing else (AFTER). The matrix's CPU-quota
 # case holds one node to a twentieth of a core, which stretches the machine's other work: it
@@ -96,6 +99,41 @@ REPLAY_MODULES = {
 LANES = (("node-loss", "loader-memory", "matrix"), ("hang", "storage", "noisy-loss"))
 AFTER = {"loader-memory": ("storage",), "matrix": ("storage", "noisy-loss")}
 REPLAY_TIMEOUT_S = 900
+# The order the replays finish in (durations at load ~20: hang 165 s, node-loss 288 s,
+# storage 188 s, noisy-loss 176 s, loader-memory 198 s, matrix 80 s, in LANES and AFTER).
+FINISH_ORDER = ("hang", "node-loss", "storage", "noisy-loss", "loader-memory", "matrix")
+
+
+def waits_for(item: pytest.Item) -> str | None:
+    """The replay a node test waits for (None: it needs none; the matrix module's scoring
+    tests need no harness)."""
+    module = os.path.basename(str(item.fspath))
+    name = REPLAY_MODULES.get(module)
+    if name == "matrix" and "matrix" not in getattr(item, "fixturenames", ()):
+        return None
+    return name
+
+
+@pytest.hookimpl(trylast=True)  # after tests/conftest.py has ordered the suite's units
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Within the node tests' places in the run, the tests that wait for a background replay
+    go last, in the order their replays finish: the harness, Slurm, memory-tier and trainer
+    tests run while the replays do. In the files' order, test_diagnosis_matrix.py's case
+    came first and waited for the matrix, the last replay of its lane (567 s in CI), and
+    every other node test ran only after it."""
+    where = [i for i, item in enumerate(items) if in_nodes(item)]
+
+    def key(item: pytest.Item) -> int:
+        name = waits_for(item)
+        return 0 if name is None else 1 + FINISH_ORDER.index(name)
+
+    ordered = sorted((items[i] for i in where), key=key)  # stable: the files' order within
+    for i, item in zip(where, ordered, strict=True):
+        items[i] = item
+
+
+def in_nodes(item: pytest.Item) -> bool:
+    return os.path.dirname(os.path.abspath(str(item.fspath))) == os.path.abspath(HERE)
 
 
 class Replays:

@@ -12,8 +12,10 @@ the same sample ids, the same SHA-256 of the final weights.
 - (a) one worker process SIGKILLed (its node lives): torchrun restarts the workers, which
   come back from their own node's memory (``local-memory``), at most one step lost;
 - (b) a node killed, a spare waiting in the rendezvous: the spare's state comes from the
-  surviving node's memory (``peer-memory``); no durable checkpoint existed when it did, so
-  nothing durable was read;
+  surviving node's memory (``peer-memory``), nothing durable read. That is the node-loss
+  replay's with-fix run (the same elastic job: tests/nodes/test_replay_node_loss.py,
+  ``test_the_spare_comes_back_from_its_peers_memory_and_without_it_from_durable`` and
+  ``test_with_a_staged_spare_the_continuation_is_bit_exact``), not run twice;
 - (c) both nodes killed (each held the other's copies) and the job relaunched on them with
   their memory gone: the durable checkpoint (``durable``).
 
@@ -33,7 +35,6 @@ from typing import Any
 import psutil
 import pytest
 
-from steadytrain.checkpoint.commit import COMMIT_NAME, parse_dirname
 from steadytrain.checkpoint.memory.store import store_key
 from steadytrain.testing import netns
 from steadytrain.testing.incidents.common import (
@@ -49,8 +50,8 @@ from steadytrain.testing.incidents.elastic import (
     KILL_AT,
     NNODES,
     RDZV,
-    add_spare,
-    kill_mid_run,
+    committed_steps,
+    memory_snapshots,
     restores,
     settings,
     start_job,
@@ -89,28 +90,6 @@ def reference(harness: NodeHarness, url: str, tmp_path_factory: pytest.TempPathF
     return run_dir
 
 
-def _snapshots(node: Node) -> dict[int, list[int]]:
-    """{owner rank: steps} of the complete snapshot files in ``node``'s memory."""
-    out: dict[int, list[int]] = {}
-    for path in glob.glob(os.path.join(node.memory_dir, "*", "rank*", "step-*.snap")):
-        owner = int(os.path.basename(os.path.dirname(path)).removeprefix("rank"))
-        step = int(os.path.basename(path).removeprefix("step-").removesuffix(".snap"))
-        out.setdefault(owner, []).append(step)
-    return {k: sorted(v) for k, v in sorted(out.items())}
-
-
-def _committed(run_dir: str) -> list[int]:
-    """Steps of the durable checkpoints committed under ``RUN_DIR/checkpoints``."""
-    root = os.path.join(run_dir, "checkpoints")
-    names = os.listdir(root) if os.path.isdir(root) else []
-    return sorted(
-        parsed[0]
-        for n in names
-        if (parsed := parse_dirname(n)) is not None
-        and os.path.exists(os.path.join(root, n, COMMIT_NAME))
-    )
-
-
 def _newest_traced(run_dir: str) -> int:
     return max((r["step"] for r in read_trace(run_dir)), default=0)
 
@@ -147,11 +126,13 @@ def test_each_node_has_its_own_memory_and_a_kill_empties_it(harness: NodeHarness
     ]
     for p in procs:
         assert p.stdout.readline().strip() == "ready"
-    assert _snapshots(node0) == _snapshots(node1) == {0: [1]}
+    assert memory_snapshots(node0) == memory_snapshots(node1) == {0: [1]}
     killed = harness.kill(node1)
     assert procs[1].pid in killed and procs[1].poll() is not None
     assert os.listdir(node1.memory_dir) == []  # its RAM went with it
-    assert _snapshots(node0) == {0: [1]} and procs[0].poll() is None  # the other node's did not
+    assert (
+        memory_snapshots(node0) == {0: [1]} and procs[0].poll() is None
+    )  # the other node's did not
     harness.kill(node0)
     assert os.listdir(node0.memory_dir) == []
 
@@ -184,35 +165,6 @@ def test_a_killed_worker_comes_back_from_its_own_nodes_memory(
     _bit_exact(reference, run_dir)
 
 
-def test_a_spare_comes_back_from_its_peers_memory_reading_nothing_durable(
-    harness: NodeHarness, url: str, reference: str, tmp_path
-) -> None:
-    node0, node1 = harness.nodes[:2]
-    run_dir = str(tmp_path / "spare")
-    # No durable checkpoint before the final one: when the spare restores, there is none
-    # to read, so its state can only come from memory.
-    job = start_job(harness, [node0, node1], run_dir, _settings(url, every=100))
-    spare = harness.add_node()
-    add_spare(job, spare, _log)
-    job.wait_for_step(KILL_AT, timeout=300)
-    held = _snapshots(node0)  # node-0 holds its own copies and node-1's
-    killed_at = kill_mid_run(harness, job, node1, _log, at_step=KILL_AT)
-    assert sorted(held) == [0, 1], held
-
-    [r] = restores(run_dir)
-    assert r["tier"] == "peer-memory", r
-    assert 0 <= r["steps_lost"] <= 1, r
-    assert r["step"] >= killed_at - 2, (r, killed_at)
-    # No durable checkpoint but the final save (STEPS): the restore had none to read.
-    committed = _committed(run_dir)
-    assert [s for s in committed if s < STEPS] == [], committed
-    assert committed == [STEPS], f"a clean end commits its last step durably: {committed}"
-    assert sorted(compare(reference, run_dir)["nodes_per_step"][STEPS]) == sorted(
-        [node0.name, spare.name]
-    )
-    _bit_exact(reference, run_dir)
-
-
 def test_a_node_and_its_peer_lost_fall_back_to_durable(
     harness: NodeHarness, url: str, reference: str, tmp_path
 ) -> None:
@@ -225,7 +177,7 @@ def test_a_node_and_its_peer_lost_fall_back_to_durable(
         harness.kill(node)
     job.wait(timeout=60, expect={node0.name: None, node1.name: None})
     assert os.listdir(node0.memory_dir) == os.listdir(node1.memory_dir) == []
-    durable = _committed(run_dir)
+    durable = committed_steps(run_dir)
     assert durable and max(durable) >= DURABLE_EVERY, durable
     _log(f"[memtier] killed both nodes at step ~{at}; committed durable steps {durable}")
 
@@ -294,7 +246,7 @@ def test_a_reused_run_dir_and_another_users_files_are_never_restored(
     for node in (node0, node1):
         _kill_processes(harness, node)
     job.wait(timeout=60, expect={node0.name: None, node1.name: None})
-    held = {n.name: _snapshots(n) for n in (node0, node1)}
+    held = {n.name: memory_snapshots(n) for n in (node0, node1)}
     assert all(sorted(h) == [0, 1] for h in held.values()), held  # own copies and the peer's
     key = store_key(JOB_ID, os.path.join(run_dir, "checkpoints"))  # as predictable to all
     shutil.rmtree(run_dir)  # rm -rf RUN: the identity and the durable checkpoints go
@@ -311,7 +263,7 @@ def test_a_reused_run_dir_and_another_users_files_are_never_restored(
     with open(victim, "rb") as f:
         assert f.read() == b"an unrelated file"  # never written through
 
-    rep = report(run_dir)
+    rep = report(run_dir, plots=False)  # its restores, not its pictures
     why = [(p["node"], _last2(p["path"]), p["reason"]) for p in rep["restores_passed_over"]]
     stale = {(n, f) for n, f, r in why if "written by another run (nonce" in r}
     want = {(n, f"rank{o:05d}/step-{s:09d}.snap") for n, h in held.items() for o in h for s in h[o]}

@@ -159,3 +159,11 @@ def test_the_spare_comes_back_from_its_peers_memory_and_without_it_from_durable(
     assert result["memory_every_steps"] == {"without_fix": 0, "with_fix": MEMORY_EVERY}
     # No durable checkpoint existed yet when the spare restored: it read none.
     assert fixed["step"] < FIX_EVERY, (fixed, result["durable_every_steps"])
+    # node-0's memory held its own copies and node-1's when node-1 died (the only place
+    # node-1's state could come from: its own memory went with it).
+    held = result["runs"]["with_fix"]["node0_memory_at_kill"]
+    assert sorted(held) == ["0", "1"], held
+    # A clean end commits its last step durably, in both runs.
+    for run in ("without_fix", "with_fix"):
+        committed = result["runs"][run]["committed"]
+        assert committed and max(committed) == STEPS, (run, committed)

@@ -24,6 +24,7 @@ from steadytrain.monitor import straggler_live
 from steadytrain.monitor.alerts import AlertConfig
 from steadytrain.monitor.sinks import ConsoleSink, offscreen_console
 from steadytrain.printable import html_text, printable
+from steadytrain.report.plots import PLOT_NAMES
 from steadytrain.run_support import say
 from steadytrain.testing import forkserver
 
@@ -97,6 +98,25 @@ def test_a_plot_that_cannot_be_drawn_is_named_and_the_report_is_written(tmp_path
     text = _report(run)
     assert text.returncode == 0, text.stderr[-3000:]
     assert "plot not drawn: waits.png (IsADirectoryError" in text.stdout
+
+
+def test_no_plots_draws_none_and_says_so_with_the_same_numbers(tmp_path: Path) -> None:
+    """``--no-plots``: no PNG, each named as not asked for on the page and in the JSON; the
+    numbers are those of the report with its plots."""
+    run = _run_with_node(tmp_path / "run", "node-1")
+    p = _report(run, "--json", "--no-plots")
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(p.stdout)
+    assert s["plots"] == {} and not list((run / "report").glob("*.png"))
+    assert s["plots_missing"] == dict.fromkeys(PLOT_NAMES, "not asked for (--no-plots)")
+    page = Path(s["html"]).read_text(encoding="utf-8")
+    assert "data:image/png" not in page and "timeline.png not drawn: not asked for" in page
+    full = json.loads(_report(run, "--json").stdout)
+    assert set(full["plots"]) == set(PLOT_NAMES)
+    drop = ("plots", "plots_missing", "plotted")
+    assert {k: v for k, v in s.items() if k not in drop} == {
+        k: v for k, v in full.items() if k not in drop
+    }
 
 
 def test_no_control_character_from_the_records_reaches_the_terminal_or_the_page(

@@ -1,4 +1,5 @@
-"""`steadytrain report RUN_DIR [--out DIR] [--json]`: goodput, incidents, plots."""
+"""`steadytrain report RUN_DIR [--out DIR] [--json] [--no-plots]`: goodput, incidents,
+plots."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding ledger.jsonl")
     p.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/report)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="draw no PNG (the page and the numbers stay; most of a report's CPU is plots)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         # them reaches the terminal (steadytrain/printable.py).
         print(printable(line))
 
-    s = build_report(args.run_dir, args.out)
+    s = build_report(args.run_dir, args.out, plots=not args.no_plots)
     if args.json:
         print_json(s)
         return 0

@@ -160,6 +160,10 @@ def goodput_bar(b: Any) -> dict[str, Any]:
     }
 
 
+# Every PNG a report draws, in the page's order (``plots``).
+PLOT_NAMES = ("throughput", "waits", "goodput", "ranks", "timeline")
+
+
 def plots(
     data: dict[str, Any],
     out: Path,
@@ -190,6 +194,7 @@ def plots(
         # per node: attempts, crashes, incidents
         "timeline": lambda: plot_timeline(data, out, plt),
     }
+    assert tuple(figures) == PLOT_NAMES
     paths = {}
     for name, draw in figures.items():
         path = _drawn(name, draw, plt, missing)

@@ -25,6 +25,7 @@ __all__ = [
     "incident_rows",
     "read_trace",
     "report",
+    "reports",
     "small_shards",
     "train_args",
 ]
@@ -105,10 +106,12 @@ def last_step(run_dir: str) -> int:
     return max((r["step"] for r in read_trace(run_dir)), default=0)
 
 
-def report(run_dir: str, *, timeout: float = 180) -> dict[str, Any]:
-    """``steadytrain report RUN_DIR --json`` in a fresh process (as a user runs it)."""
+def report(run_dir: str, *, timeout: float = 180, plots: bool = True) -> dict[str, Any]:
+    """``steadytrain report RUN_DIR --json`` in a fresh process (as a user runs it);
+    ``plots`` False adds ``--no-plots``, for a caller that reads only the numbers."""
     r = subprocess.run(
-        [sys.executable, "-m", "steadytrain.cli", "report", run_dir, "--json"],
+        [sys.executable, "-m", "steadytrain.cli", "report", run_dir, "--json"]
+        + ([] if plots else ["--no-plots"]),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -116,6 +119,17 @@ def report(run_dir: str, *, timeout: float = 180) -> dict[str, Any]:
     if r.returncode != 0:
         raise RuntimeError(f"steadytrain report {run_dir} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout)
+
+
+def reports(run_dirs: dict[str, str], *, timeout: float = 180) -> dict[str, dict[str, Any]]:
+    """``report`` of every run in ``run_dirs`` (name -> directory) at once, each in its own
+    process: a replay's runs are over by then and a report only reads their records, so
+    the reports need not wait for each other (a few seconds each, more on a loaded machine)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(run_dirs)) as pool:
+        futures = {k: pool.submit(report, d, timeout=timeout) for k, d in run_dirs.items()}
+    return {k: f.result() for k, f in futures.items()}
 
 
 def incident_rows(summary: dict[str, Any], run: str) -> list[dict[str, Any]]:

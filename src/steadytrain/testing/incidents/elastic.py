@@ -8,6 +8,7 @@ tests/nodes/test_memory_tier_nodes.py, so both run the same job the same way.
 
 from __future__ import annotations
 
+import glob
 import os
 import time
 from collections.abc import Sequence
@@ -30,7 +31,9 @@ __all__ = [
     "STEPS",
     "ElasticJob",
     "add_spare",
+    "committed_steps",
     "kill_mid_run",
+    "memory_snapshots",
     "restores",
     "settings",
     "start_job",
@@ -206,9 +209,35 @@ def kill_mid_run(
 def restores(run_dir: str, rep: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Each restart's restore, ``[{attempt, step, tier, seconds, steps_lost, ...}]``: the
     report's ``restores`` (``rep``: its ``report --json``; None: ``steadytrain report`` is
-    run here). The harness computes none of it: what it prints is what the product found."""
-    rep = report(run_dir) if rep is None else rep
+    run here, without plots: only the numbers are read). The harness computes none of it:
+    what it prints is what the product found."""
+    rep = report(run_dir, plots=False) if rep is None else rep
     got = rep.get("restores")
     if not isinstance(got, list):
         raise RuntimeError(f"steadytrain report {run_dir} --json has no restores list")
     return got
+
+
+def memory_snapshots(node: Node) -> dict[int, list[int]]:
+    """{owner rank: steps} of the complete snapshot files in ``node``'s memory (its own
+    copies and the ones it holds for a peer)."""
+    out: dict[int, list[int]] = {}
+    for path in glob.glob(os.path.join(node.memory_dir, "*", "rank*", "step-*.snap")):
+        owner = int(os.path.basename(os.path.dirname(path)).removeprefix("rank"))
+        step = int(os.path.basename(path).removeprefix("step-").removesuffix(".snap"))
+        out.setdefault(owner, []).append(step)
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def committed_steps(run_dir: str) -> list[int]:
+    """Steps of the durable checkpoints committed under ``RUN_DIR/checkpoints``."""
+    from steadytrain.checkpoint.commit import COMMIT_NAME, parse_dirname
+
+    root = os.path.join(run_dir, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(
+        parsed[0]
+        for n in names
+        if (parsed := parse_dirname(n)) is not None
+        and os.path.exists(os.path.join(root, n, COMMIT_NAME))
+    )

@@ -39,7 +39,7 @@ from steadytrain.testing.incidents.common import (
     IncidentJob,
     Log,
     incident_rows,
-    report,
+    reports,
     run_summary,
     small_shards,
 )
@@ -120,6 +120,8 @@ def expected(run_dir: str) -> dict[str, Any]:
 
 
 def _one_run(h: NodeHarness, workdir: str, dataset: str, name: str, log: Log) -> dict[str, Any]:
+    """One run, up to its end; its ``timing`` and its agents' exit codes (the report is
+    built after both runs: ``replay``)."""
     run_dir = os.path.join(workdir, name)
     watchdog = WATCHDOG if name == "with_fix" else ["monitor.watchdog.enabled=false"]
     settings = [
@@ -164,13 +166,10 @@ def _one_run(h: NodeHarness, workdir: str, dataset: str, name: str, log: Log) ->
     finally:
         if not healed:
             h.partition(node, down=False)
-    rep = report(run_dir)
     timing = _timing(run_dir, partitioned_t)
     return {
-        "report": rep,
         "timing": timing,
         "summary": {
-            **run_summary(run_dir, rep),
             "agent_exit_codes": codes,
             "partitioned_node": PARTITIONED,
             **{k: v for k, v in timing.items() if k != "hang_record"},
@@ -194,6 +193,10 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
         for name in ("without_fix", "with_fix"):
             results[name] = _one_run(h, workdir, dataset, name, log)
         mode, reason = h.mode, h.reason
+    got = reports({name: os.path.join(workdir, name) for name in results})
+    for name, r in results.items():
+        r["report"] = got[name]
+        r["summary"] = {**run_summary(os.path.join(workdir, name), got[name]), **r["summary"]}
     leftovers = h.leftovers()
     # The object store (unused here: the dataset is local) is not worth keeping.
     shutil.rmtree(os.path.join(workdir, "harness", "seaweed"), ignore_errors=True)

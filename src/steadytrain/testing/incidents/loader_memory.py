@@ -36,10 +36,10 @@ from steadytrain.testing.incidents.common import (
     IncidentJob,
     Log,
     incident_rows,
-    report,
     run_summary,
     small_shards,
 )
+from steadytrain.testing.incidents.common import reports as reports_of
 from steadytrain.testing.incidents.expect import expectation, judge, node_ranks
 from steadytrain.testing.nodes import Node, NodeHarness
 
@@ -106,12 +106,11 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
         "checkpoint.every_steps=1000",  # the final save only: this run is about memory
     ]
     runs: dict[str, Any] = {}
-    reports: dict[str, dict[str, Any]] = {}
+    dirs = {name: os.path.join(workdir, name) for name in ("without_fix", "with_fix")}
     os.makedirs(workdir, exist_ok=True)
     h = NodeHarness(os.path.join(workdir, "harness"), nodes=2, cache_size="32M", log=log)
     with h:
-        for name in ("without_fix", "with_fix"):
-            run_dir = os.path.join(workdir, name)
+        for name, run_dir in dirs.items():
             log(f"[loader-memory] {name}: {STEPS} steps on 2 nodes ({run_dir})")
             try:
                 if name == "without_fix":
@@ -123,26 +122,28 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
                 for path in leftover_index_files(run_dir):
                     log(f"[loader-memory] removing {path} (its process was killed)")
                     os.unlink(path)
-            reports[name] = rep = report(run_dir)
-            row = _node_row(rep, NAIVE_NODE)
-            runs[name] = {
-                **run_summary(run_dir, rep),
-                "node": NAIVE_NODE,
-                "rank": row["rank"],
-                "loader": "NaiveIndexLoader" if name == "without_fix" else "TokenLoader",
-                "shm_growth_bytes": _growth_bytes(row, "shm_growth_mib"),
-                "rss_growth_bytes": _growth_bytes(row, "rss_growth_mib"),
-                "data_wait_share": row.get("data_wait_share"),
-                # the same STEPS steps: the straggler's cost, in seconds
-                "train_s": row.get("step_s"),
-            }
-            log(
-                f"[loader-memory] {name}: {NAIVE_NODE} (rank {row['rank']}) /dev/shm "
-                f"{row.get('shm_growth_mib') or 0:+.0f} MiB, RSS "
-                f"{row.get('rss_growth_mib') or 0:+.0f} MiB, data wait "
-                f"{100 * (row.get('data_wait_share') or 0):.0f} % of its step time"
-            )
         mode, reason = h.mode, h.reason
+    reports = reports_of(dirs)
+    for name, run_dir in dirs.items():
+        rep = reports[name]
+        row = _node_row(rep, NAIVE_NODE)
+        runs[name] = {
+            **run_summary(run_dir, rep),
+            "node": NAIVE_NODE,
+            "rank": row["rank"],
+            "loader": "NaiveIndexLoader" if name == "without_fix" else "TokenLoader",
+            "shm_growth_bytes": _growth_bytes(row, "shm_growth_mib"),
+            "rss_growth_bytes": _growth_bytes(row, "rss_growth_mib"),
+            "data_wait_share": row.get("data_wait_share"),
+            # the same STEPS steps: the straggler's cost, in seconds
+            "train_s": row.get("step_s"),
+        }
+        log(
+            f"[loader-memory] {name}: {NAIVE_NODE} (rank {row['rank']}) /dev/shm "
+            f"{row.get('shm_growth_mib') or 0:+.0f} MiB, RSS "
+            f"{row.get('rss_growth_mib') or 0:+.0f} MiB, data wait "
+            f"{100 * (row.get('data_wait_share') or 0):.0f} % of its step time"
+        )
     leftovers = h.leftovers()
     # The object store (unused here: the dataset is local) is not worth keeping.
     shutil.rmtree(os.path.join(workdir, "harness", "seaweed"), ignore_errors=True)

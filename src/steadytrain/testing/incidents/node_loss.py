@@ -54,7 +54,7 @@ from steadytrain.testing.incidents.common import (
     IncidentJob,
     Log,
     incident_rows,
-    report,
+    reports,
     run_summary,
     small_shards,
 )
@@ -71,7 +71,9 @@ from steadytrain.testing.incidents.elastic import (
     NNODES,
     STEPS,
     add_spare,
+    committed_steps,
     kill_mid_run,
+    memory_snapshots,
     restores,
     settings,
     start_job,
@@ -180,12 +182,16 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
             h, [node0, node1], fixed_dir, settings(url, every=FIX_EVERY, memory_every=MEMORY_EVERY)
         )
         add_spare(job, spare, log)
+        job.wait_for_step(KILL_AT, timeout=300)
+        # What node-0's memory held when node-1 died: its own copies and node-1's.
+        held = memory_snapshots(node0)
         killed_at["with_fix"] = kill_mid_run(h, job, node1, log)
         spare_link_bytes = spare.link.down.bytes - link_after_stage
         spare_fetched = fetched_lines(_log_text(job, spare.name))
 
         log("[node-loss] building the reports")
-        naive, fixed, ref = report(naive_dir), report(fixed_dir), report(ref_dir)
+        got = reports({"without_fix": naive_dir, "with_fix": fixed_dir, "reference": ref_dir})
+        naive, fixed, ref = got["without_fix"], got["with_fix"], got["reference"]
     leftovers = h.leftovers()
     came_back = {"without_fix": restores(naive_dir, naive), "with_fix": restores(fixed_dir, fixed)}
     for run, rows in came_back.items():
@@ -215,6 +221,7 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
                 "resumed_on": resumed_on(naive_dir),
                 "measured": measured(naive_dir),
                 "restores": came_back["without_fix"],
+                "committed": committed_steps(naive_dir),
             },
             "with_fix": {
                 **run_summary(fixed_dir, fixed),
@@ -222,6 +229,9 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
                 "resumed_on": resumed_on(fixed_dir),
                 "measured": measured(fixed_dir),
                 "restores": came_back["with_fix"],
+                "committed": committed_steps(fixed_dir),
+                # {owner rank: steps} of the snapshots in node-0's memory at the kill
+                "node0_memory_at_kill": {str(k): v for k, v in held.items()},
             },
         },
         # The uninterrupted 2-node run both are compared with: a clean run for the report.

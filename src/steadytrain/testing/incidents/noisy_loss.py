@@ -40,7 +40,7 @@ from steadytrain.testing.incidents.common import (
     Log,
     incident_rows,
     read_trace,
-    report,
+    reports,
     run_summary,
 )
 from steadytrain.testing.incidents.expect import expectation, judge, node_ranks
@@ -231,7 +231,7 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
             job.wait(timeout=300)
     leftovers = h.leftovers()
     log("[noisy-loss] both runs done, building the reports")
-    reps = {run: report(dirs[run]) for run in runs}
+    reps = reports(dirs)
     curves = {mode: loss_curve(dirs[run]) for run, mode in runs.items()}
     for mode, curve in curves.items():
         if len(curve) < STEPS:

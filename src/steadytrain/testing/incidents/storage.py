@@ -27,7 +27,7 @@ from steadytrain.testing.incidents.common import (
     IncidentJob,
     Log,
     incident_rows,
-    report,
+    reports,
     run_summary,
     small_shards,
 )
@@ -63,8 +63,8 @@ def _clear(path: str) -> None:
         shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
 
 
-def _run(h: NodeHarness, url: str, run_dir: str, extra: list[str], log: Log) -> dict[str, Any]:
-    """One 2-node job; node-1's link slows at step SLOW_AT. Returns its report."""
+def _run(h: NodeHarness, url: str, run_dir: str, extra: list[str], log: Log) -> None:
+    """One 2-node job; node-1's link slows at step SLOW_AT (its report: ``replay``)."""
     settings = [
         f"data.dataset={url}",
         "data.cache_dir=$NODE_CACHE",
@@ -82,8 +82,7 @@ def _run(h: NodeHarness, url: str, run_dir: str, extra: list[str], log: Log) -> 
         job.wait(timeout=300)
     finally:
         h.slow_storage(node1)
-    log(f"[storage] {os.path.basename(run_dir)}: done, building the report")
-    return report(run_dir)
+    log(f"[storage] {os.path.basename(run_dir)}: done")
 
 
 def _measured(rep: dict[str, Any]) -> dict[str, Any]:
@@ -112,7 +111,7 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
         log(f"[storage] without the fix: prefetch off, empty caches; {SLOW_NODE} slows at "
             f"step {SLOW_AT}")  # fmt: skip
         naive_dir = os.path.join(workdir, "without_fix")
-        naive = _run(h, url, naive_dir, ["data.prefetch_steps=0"], log)
+        _run(h, url, naive_dir, ["data.prefetch_steps=0"], log)
 
         staged = {}
         for n in h.nodes:
@@ -122,7 +121,10 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
                 raise RuntimeError(f"stage on {n.name} did not verify: {staged[n.name]}")
         log("[storage] with the fix: each node's cache staged, prefetch on")
         fixed_dir = os.path.join(workdir, "with_fix")
-        fixed = _run(h, url, fixed_dir, [], log)
+        _run(h, url, fixed_dir, [], log)
+    log("[storage] building the reports")
+    got = reports({"without_fix": naive_dir, "with_fix": fixed_dir})
+    naive, fixed = got["without_fix"], got["with_fix"]
     leftovers = h.leftovers()
     # The object store's copy of the dataset is not worth keeping next to the reports.
     shutil.rmtree(os.path.join(workdir, "harness", "seaweed"), ignore_errors=True)
