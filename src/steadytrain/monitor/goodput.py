@@ -27,8 +27,9 @@ Over the whole job (every attempt in the ledger):
   - ``restore``: ``job_start.restore_s`` (loading the checkpoint);
   - ``data_wait``: ``data_wait_s`` of every step record (time blocked in ``next()``);
   - ``checkpoint_block``: ``checkpoint_block_s`` of every step record (the part of a save
-    the loop waited for; the background part of an async save is charged under ``slowdown``
-    when it slows the steps that run beside it);
+    the loop waited for) and of a ``job_end`` (the closing wait for the final save and
+    the one in flight); the background part of an async save is charged under
+    ``slowdown`` when it slows the steps that run beside it;
   - ``eval``: ``eval_s`` of every step record (time inside the declared ``eval`` phase since
     the previous step: ``with run.phase("eval")``, the trainer callbacks' evaluations) and of
     a ``job_end`` (an evaluation after the last step). Badput,
@@ -45,8 +46,8 @@ Over the whole job (every attempt in the ledger):
   - ``lost_to_failures``: productive time of superseded steps (the work redone after a
     resume: steps after the checkpoint that the next attempt restored);
   - ``restart_gap``: wall time from the last progress of an attempt (its newest ``step``
-    or ``checkpoint`` record, or its ``job_start`` before any; plus the ``eval_s`` of its
-    ``job_end``) to the process start of the next one: failure detection (the step the
+    or ``ok`` ``checkpoint`` record, or its ``job_start`` before any; plus the ``eval_s``
+    and ``checkpoint_block_s`` of its ``job_end``) to the process start of the next one: failure detection (the step the
     fault cut short, a survivor blocked in a collective until the peer's socket closed, the
     crash's ``job_end``), rescheduling, queueing. The window ``report/restarts.py`` splits
     into phases, so the two views agree; a ``hang`` record never moves the gap's start, so
@@ -290,8 +291,11 @@ class GoodputAccumulator:
         elif kind == "job_end":
             tail = _sec(rec.get("eval_s"))  # an evaluation after the last step
             self.sums["eval"] += tail
-            if self.progress_t is not None:  # claimed: the gap starts after it
-                self.progress_t += tail
+            # the closing wait for the final save (and the one in flight): checkpoint time
+            block = _sec(rec.get("checkpoint_block_s"))
+            self.sums["checkpoint_block"] += block
+            if self.progress_t is not None:  # claimed: the gap starts after them
+                self.progress_t += tail + block
             if self._attempt is not None:
                 self._attempt["reason"] = rec.get("reason", "finished")
         elif kind == "hang":
@@ -305,7 +309,7 @@ class GoodputAccumulator:
             return
         if t and self.start is not None:
             self.last_t = t if self.last_t is None else max(self.last_t, t)
-            if kind in ("step", "checkpoint"):
+            if kind == "step" or (kind == "checkpoint" and rec.get("ok", True)):
                 self.progress_t = t if self.progress_t is None else max(self.progress_t, t)
             if self._attempt is not None:
                 self._attempt["end_t"] = max(self._attempt["end_t"], t)
