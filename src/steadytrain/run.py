@@ -554,6 +554,7 @@ class Run:
         self._signals.hold()  # a SIGTERM now is remembered, not allowed to cut this short
         self._state = "closed"
         error = exc
+        closing, block = time.monotonic(), 0.0  # the final save, the wait for the one in flight
         try:
             if error is None:
                 try:
@@ -564,6 +565,7 @@ class Run:
                 phase = self.watchdog.phase("checkpoint") if self.watchdog else None
                 with phase or contextlib.nullcontext():
                     self.checkpointer.close()  # waits for the in-flight save; meter records it
+                block = time.monotonic() - closing
         finally:
             if self.watchdog is not None:
                 self.watchdog.close()
@@ -572,7 +574,9 @@ class Run:
             if self.meter is not None:
                 # an evaluation after the last step (a final one, or one a crash cut short)
                 tail = max(0.0, self._eval.read()[1] - self._eval_seen)
-                self.meter.close(crash_reason(error, self._signals.pending), eval_s=tail)
+                # The closing wait is checkpoint time no step record carries (not "other")
+                reason = crash_reason(error, self._signals.pending)
+                self.meter.close(reason, eval_s=tail, checkpoint_block_s=block)
             if self._lease is not None:  # after job_end: the next job may start now
                 self._lease.release()
                 self._lease = None

@@ -19,23 +19,29 @@ import sys
 import pytest
 from example_runs import finish
 from harness import env, start_agent
+from warm_pool import launch
 
 from steadytrain.monitor.ledger import read_ledger
 from steadytrain.testing import forkserver
 from steadytrain.testing.incidents.common import report
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+# 480 s: the first run may wait up to 60 s for its warm process (warm_pool.READY_S), and at
+# load ~20 the two runs and three reports took just past 300 s warm (221 s fresh at load 40).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plain_worker.py")
 STEPS = 10
 
 
 def start(data: str, run_dir: str, *args: str) -> subprocess.Popen | forkserver.ForkedProcess:
+    """The worker under torchrun, its ranks forked from the worker's warm process
+    (``warm_pool.py``): nothing here depends on a fresh interpreter's start-up."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
-    cmd += ["--monitor-interval=0.2", WORKER, "--data", data, "--run-dir", run_dir]
+    entry, warm_env = launch(WORKER)
+    cmd += ["--monitor-interval=0.2", *entry, "--data", data, "--run-dir", run_dir]
     cmd += ["--steps", str(STEPS), "--every", "4", *args]
-    return start_agent(cmd, env())
+    return start_agent(cmd, env(**warm_env))
 
 
 def test_plain_loop_crash_and_hang_under_torchrun(dataset: str, tmp_path) -> None:

@@ -1,6 +1,7 @@
 """What the trainer plugins write, read back: a damaged newest checkpoint, export, best k.
 
-One process each (no torchrun), the examples as a user runs them:
+One process each (no torchrun, forked from a warm process: `warm_pool.py`), the examples
+as a user runs them:
 
 - a run of 12 steps saving every 4 is SIGKILLed inside the save of step 12 (no COMMIT);
   the newest committed checkpoint, step 8, is then damaged (one byte of a shard flipped).
@@ -26,6 +27,7 @@ import types
 
 import pytest
 from example_runs import EXAMPLES
+from warm_pool import python
 
 from steadytrain.testing.incidents.common import report
 
@@ -35,17 +37,14 @@ CLI = [sys.executable, "-m", "steadytrain.cli"]
 
 
 def _example(script: str, data: str, run_dir: str, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """``python examples/SCRIPT ...`` as a user runs it, one process, no torchrun; forked
+    from the script's warm process (``warm_pool.py``: Lightning's or transformers' imports
+    once per test process, not once per run), fresh with ``STEADYTRAIN_TEST_FRESH=1``."""
+    args = ["--data", data, "--run-dir", run_dir, "--steps", "12", *extra]
+    cmd = python(os.path.join(EXAMPLES, script), *args, OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, os.path.join(EXAMPLES, script), "--data", data, "--run-dir", run_dir]
-    return subprocess.Popen(
-        [*cmd, "--steps", "12", *extra],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+        cmd["env"].pop(key, None)
+    return subprocess.Popen(**cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _done(proc: subprocess.Popen, code: int = 0) -> str:

@@ -142,6 +142,8 @@ def test_exception_is_a_crash_and_the_restart_is_booked(data: str, tmp_path) -> 
     # time would end the crashed attempt and swallow the restart gap.
     assert recs[second + 1]["type"] == "restore" and recs[second + 1]["step"] == 4
     assert recs[-1]["type"] == "job_end" and recs[-1]["reason"] == "finished"
+    # Its wait for that final save is booked as checkpoint time, not left to "other".
+    assert recs[-1]["checkpoint_block_s"] > 0, recs[-1]
     # The last step is committed although 10 is not a multiple of every_steps = 4.
     assert _committed(os.path.join(run_dir, "checkpoints"))[-1] == 10
     assert any(r["type"] == "checkpoint" and r["ok"] and r["step"] == 10 for r in recs)

@@ -27,8 +27,9 @@ Over the whole job (every attempt in the ledger):
   - ``restore``: ``job_start.restore_s`` (loading the checkpoint);
   - ``data_wait``: ``data_wait_s`` of every step record (time blocked in ``next()``);
   - ``checkpoint_block``: ``checkpoint_block_s`` of every step record (the part of a save
-    the loop waited for; the background part of an async save is charged under ``slowdown``
-    when it slows the steps that run beside it);
+    the loop waited for) and of a ``job_end`` (the closing wait for the final save and
+    the one in flight); the background part of an async save is charged under
+    ``slowdown`` when it slows the steps that run beside it;
   - ``eval``: ``eval_s`` of every step record (time inside the declared ``eval`` phase since
     the previous step: ``with run.phase("eval")``, the trainer callbacks' evaluations) and of
     a ``job_end`` (an evaluation after the last step). Badput,
@@ -44,10 +45,13 @@ Over the whole job (every attempt in the ledger):
     ``Breakdown.slowdown_unmeasured_steps`` (unmeasured, not free);
   - ``lost_to_failures``: productive time of superseded steps (the work redone after a
     resume: steps after the checkpoint that the next attempt restored);
-  - ``restart_gap``: wall time from the last record of an attempt to the process start of
-    the next one (failure detection, rescheduling, queueing); a ``hang`` record is not a
-    "last record": a hung attempt's gap starts at its last step, so the time the watchdog
-    took to detect the hang is charged here too;
+  - ``restart_gap``: wall time from the last progress of an attempt (its newest ``step``
+    or ``ok`` ``checkpoint`` record, or its ``job_start`` before any; plus the ``eval_s``
+    and ``checkpoint_block_s`` of its ``job_end``) to the process start of the next one: failure detection (the step the
+    fault cut short, a survivor blocked in a collective until the peer's socket closed, the
+    crash's ``job_end``), rescheduling, queueing. The window ``report/restarts.py`` splits
+    into phases, so the two views agree; a ``hang`` record never moves the gap's start, so
+    the time the watchdog took to detect the hang is charged here too;
   - ``other``: the rest (loop overhead between ``next()`` and the step, logging, the tail
     after the last step).
 
@@ -242,6 +246,9 @@ class GoodputAccumulator:
     def __init__(self) -> None:
         self.start: float | None = None
         self.last_t: float | None = None
+        # The newest progress (module docstring, ``restart_gap``): where a restart's gap
+        # starts. Records after it (a crash's job_end, a failed save) claim no time.
+        self.progress_t: float | None = None
         self.sums = dict.fromkeys(BUCKETS, 0.0)
         self.productive_all = 0.0
         self.attempts = 0
@@ -282,7 +289,13 @@ class GoodputAccumulator:
         elif kind == "restore":
             self._restored(rec)
         elif kind == "job_end":
-            self.sums["eval"] += _sec(rec.get("eval_s"))  # an evaluation after the last step
+            tail = _sec(rec.get("eval_s"))  # an evaluation after the last step
+            self.sums["eval"] += tail
+            # the closing wait for the final save (and the one in flight): checkpoint time
+            block = _sec(rec.get("checkpoint_block_s"))
+            self.sums["checkpoint_block"] += block
+            if self.progress_t is not None:  # claimed: the gap starts after them
+                self.progress_t += tail + block
             if self._attempt is not None:
                 self._attempt["reason"] = rec.get("reason", "finished")
         elif kind == "hang":
@@ -296,6 +309,8 @@ class GoodputAccumulator:
             return
         if t and self.start is not None:
             self.last_t = t if self.last_t is None else max(self.last_t, t)
+            if kind == "step" or (kind == "checkpoint" and rec.get("ok", True)):
+                self.progress_t = t if self.progress_t is None else max(self.progress_t, t)
             if self._attempt is not None:
                 self._attempt["end_t"] = max(self._attempt["end_t"], t)
 
@@ -306,7 +321,9 @@ class GoodputAccumulator:
         if self.start is None:
             self.start = began
         elif self.last_t is not None:
-            self.sums["restart_gap"] += max(0.0, began - self.last_t)
+            since = self.last_t if self.progress_t is None else min(self.last_t, self.progress_t)
+            self.sums["restart_gap"] += max(0.0, began - since)
+        self.progress_t = t if self.start is not None and t else None
         self.sums["startup"] += startup
         self.sums["restore"] += restore
         self.attempts += 1
@@ -455,6 +472,7 @@ class GoodputAccumulator:
             "version": STATE_VERSION,
             "start": self.start,
             "last_t": self.last_t,
+            "progress_t": self.progress_t,
             "sums": dict(self.sums),
             "productive_all": self.productive_all,
             "attempts": self.attempts,
@@ -487,6 +505,8 @@ class GoodputAccumulator:
 
         self.start = sd["start"]
         self.last_t = sd["last_t"]
+        # absent in an older snapshot: the gap then starts at the last record, as it did
+        self.progress_t = sd.get("progress_t")
         sums = sd["sums"]
         self.sums = {
             k: float(sums.get(k, 0.0) if k in _ADDED_BUCKETS else sums[k]) for k in BUCKETS

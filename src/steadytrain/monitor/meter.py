@@ -363,7 +363,9 @@ class GoodputMeter:
                 return False
             time.sleep(0.002)  # the loop records the step right after maybe_save returns
 
-    def close(self, reason: str = "finished", eval_s: float = 0.0) -> None:
+    def close(
+        self, reason: str = "finished", eval_s: float = 0.0, checkpoint_block_s: float = 0.0
+    ) -> None:
         """Write ``job_end``, drain the queue, fsync the ledger, close every sink.
         ``eval_s``: seconds evaluated after the last step (in the ``job_end``: no step
         record follows to carry them)."""
@@ -380,6 +382,8 @@ class GoodputMeter:
             end = {"type": "job_end", "t": time.time(), "step": self._last_step, "reason": reason}
             if eval_s > 0:
                 end["eval_s"] = float(eval_s)
+            if checkpoint_block_s > 0:
+                end["checkpoint_block_s"] = float(checkpoint_block_s)
             writer.put(end)
             # The writer closes the sinks: a threaded one may wait for its own (bounded) time.
             slow = [s for s in getattr(self, "_sinks", ()) if isinstance(s, ThreadedSink)]

@@ -158,8 +158,15 @@ LEDGER_FIELDS: dict[str, dict[str, str]] = {
         "node": "str?",
         "evidence": "dict?",
     },
-    # eval_s: an evaluation after the last step (no step record follows to carry it)
-    "job_end": {"t": "time?", "step": "int?", "reason": "str?", "eval_s": "dur?"},
+    # eval_s: an evaluation after the last step (no step record follows to carry it);
+    # checkpoint_block_s: the closing wait for the final save and the one in flight
+    "job_end": {
+        "t": "time?",
+        "step": "int?",
+        "reason": "str?",
+        "eval_s": "dur?",
+        "checkpoint_block_s": "dur?",
+    },
     "hang": {"t": "time?", "attempt": "int?", "step": "int?", "stuck_ranks": "ints?"},
     # one per in-place recovery or its fallback (run_inplace.recovery_record, issue 44)
     "inplace_recovery": {
