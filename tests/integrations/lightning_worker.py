@@ -5,14 +5,20 @@
 - ``sigterm``: SIGTERM to itself (Lightning's handler, then its ``SIGTERMException``);
 - ``hang``: the step never ends (the watchdog's deadlines are shortened by ``--floor``);
 - ``setup``: an exception in the module's ``setup`` (before ``on_train_start``);
+- ``escape``: as ``raise``, and a user callback's ``on_exception`` raises too, so the
+  exception escapes Lightning's hooks before the strategy's ``on_exception`` and teardown
+  (with ``--strategy``: the process leaves with the strategy's Run open);
 - ``none``: nothing fails; with ``--val-s S`` Lightning validates every 4 steps, each
   validation taking S seconds, and their times go to RUN_DIR/validations.json. That run
   also accumulates 2 micro-batches a step and saves every 4 steps (``ModelCheckpoint``,
   on the steps it validates: the save first, then the validation), and the loss
   ``training_step`` logs at each step's last micro-batch goes to RUN_DIR/losses.json.
 
-Usage: python lightning_worker.py DATASET RUN_DIR --fail raise|sigterm|hang|setup|none
-           [--at 3] [--val-s S]
+``--strategy``: steadytrain's ``SteadySingleDeviceStrategy`` (its own Run) instead of the
+callback.
+
+Usage: python lightning_worker.py DATASET RUN_DIR --fail raise|sigterm|hang|setup|escape|none
+           [--at 3] [--val-s S] [--strategy]
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ class Failing(TinyLM):
 
     def training_step(self, batch: dict[str, torch.Tensor], idx: int) -> torch.Tensor:
         if self.trainer.global_step + 1 == self.at:
-            if self.how == "raise":
+            if self.how in ("raise", "escape"):
                 raise ValueError(f"injected failure at step {self.at}")
             if self.how == "sigterm":
                 os.kill(os.getpid(), signal.SIGTERM)  # Lightning stops after this batch
@@ -72,11 +78,20 @@ class Failing(TinyLM):
 VAL_BATCHES = 2
 
 
+class FailingOnException(L.Callback):
+    """A user callback whose own ``on_exception`` fails (a logger whose server is gone)."""
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exc: BaseException):
+        raise RuntimeError("a user callback's on_exception failed")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("data")
     p.add_argument("run_dir")
-    p.add_argument("--fail", choices=["raise", "sigterm", "hang", "setup", "none"], required=True)
+    fails = ["raise", "sigterm", "hang", "setup", "escape", "none"]
+    p.add_argument("--fail", choices=fails, required=True)
+    p.add_argument("--strategy", action="store_true", help="SteadySingleDeviceStrategy")
     p.add_argument("--at", type=int, default=3)
     p.add_argument("--floor", type=float, default=2.0, help="watchdog deadlines (s)")
     p.add_argument("--val-s", type=float, default=0.0, help="seconds per validation")
@@ -87,7 +102,18 @@ def main() -> None:
     watchdog = {"floor_s": f, "init_s": f, "checkpoint_s": f, "poll_s": 0.2, "grace_s": 1.0}
     windows = TokenWindows(ds, 32, labels="next")
     val: dict = {"limit_val_batches": 0, "enable_checkpointing": False}
-    callbacks: list = [SteadytrainCallback(args.run_dir, monitor={"watchdog": watchdog})]
+    steady: dict = {}
+    if args.strategy:
+        from steadytrain.integrations.lightning_steady import SteadySingleDeviceStrategy
+
+        steady["strategy"] = SteadySingleDeviceStrategy(
+            args.run_dir, monitor={"watchdog": watchdog}
+        )
+        callbacks: list = []
+    else:
+        callbacks = [SteadytrainCallback(args.run_dir, monitor={"watchdog": watchdog})]
+    if args.fail == "escape":
+        callbacks.append(FailingOnException())
     if args.val_s:  # every 4 steps; its own deadline, longer than the step's and the save's
         watchdog["phases"] = {"eval_s": 5 * f}
         # What these runs test is the step deadline (f) an evaluation outlasts; start-up and
@@ -102,8 +128,7 @@ def main() -> None:
             )
         )
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
+        **(steady or {"accelerator": "cpu", "devices": 1}),
         max_steps=8,
         callbacks=callbacks,
         default_root_dir=args.run_dir,

@@ -143,6 +143,30 @@ def test_lightning_callback_failure_is_a_crash(dataset, tmp_path, fail, reason) 
     assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, reason)]
 
 
+def test_a_process_leaving_with_the_strategys_run_open_is_a_crash(dataset, tmp_path) -> None:
+    """steadytrain's strategy owns its Run: an exception that escapes Lightning's hooks
+    before the strategy's ``on_exception`` (here a user callback's own ``on_exception``
+    fails) leaves the interpreter with that Run open. Its ``ExitGuard`` closes it as the
+    crash it is, not the meter's clean ``interpreter_exit`` (a crashed attempt the report
+    listed as none: seen in CI on a 2-rank strategy run)."""
+    from steadytrain.monitor.ledger import read_ledger
+
+    run_dir = str(tmp_path / "escape")
+    proc = subprocess.run(
+        **python(WORKER, dataset, run_dir, "--fail", "escape", "--strategy", OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert "a user callback's on_exception failed" in proc.stderr, proc.stderr[-4000:]
+    records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
+    ends = [r["reason"] for r in records if r["type"] == "job_end"]
+    assert ends == ["error: RuntimeError: a user callback's on_exception failed"], ends
+    rep = _report(run_dir)
+    assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, ends[0])]
+
+
 def test_lightning_callback_hang_is_detected(dataset, tmp_path) -> None:
     from steadytrain.monitor.ledger import read_ledger
 

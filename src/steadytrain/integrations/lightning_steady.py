@@ -67,6 +67,7 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from steadytrain.integrations.hooks import ExitGuard
 from steadytrain.integrations.lightning import ExactResume, SteadytrainCallback
 from steadytrain.integrations.lightning_state import (
     RESTORED_MARK,
@@ -115,6 +116,7 @@ class LightningCheckpoints:
         self._trainer: Any = None
         self._pending: dict[str, Any] | None = None  # the dict Lightning is saving now
         self._saved_step = -1
+        self._guard: ExitGuard | None = None
 
     # -- open / close ----------------------------------------------------------------------
     def open(self, trainer: Any, strategy: Any) -> None:
@@ -143,6 +145,11 @@ class LightningCheckpoints:
         )
         run.__enter__()
         self.run, self._saved_step = run, run.start_step
+        # A process that leaves with this Run open (an exception that escapes Lightning's
+        # hooks, SIGTERM seen only at exit) closes it as a crash, as the callbacks' Run does:
+        # never the meter's clean ``interpreter_exit`` for an attempt that failed.
+        self._guard = ExitGuard(self.close, "Lightning's teardown (the strategy's Run open)")
+        self._guard.install()
         self._pin()
         self.callback = self._accounting(trainer)
         if exact is not None and exact not in trainer.callbacks:
@@ -155,6 +162,8 @@ class LightningCheckpoints:
         run, self.run = self.run, None
         if run is None:
             return
+        if self._guard is not None:
+            self._guard.uninstall()
         if self.callback is not None and self.callback.run is run:
             self.callback._close(exc)  # its pending step first (no hook reached it)
         self._pending = None
