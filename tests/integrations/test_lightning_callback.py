@@ -108,9 +108,9 @@ def test_lightning_crash_resume_is_exact_and_recorded(dataset: str, tmp_path, ra
     ]
 
 
-def _worker(dataset: str, run_dir: str, fail: str) -> subprocess.CompletedProcess:
+def _worker(dataset: str, run_dir: str, fail: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        **python(WORKER, dataset, run_dir, "--fail", fail, OMP_NUM_THREADS="1"),
+        **python(WORKER, dataset, run_dir, "--fail", fail, *extra, OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=120,
@@ -152,12 +152,7 @@ def test_a_process_leaving_with_the_strategys_run_open_is_a_crash(dataset, tmp_p
     from steadytrain.monitor.ledger import read_ledger
 
     run_dir = str(tmp_path / "escape")
-    proc = subprocess.run(
-        **python(WORKER, dataset, run_dir, "--fail", "escape", "--strategy", OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _worker(dataset, run_dir, "escape", "--strategy")
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert "a user callback's on_exception failed" in proc.stderr, proc.stderr[-4000:]
     records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
