@@ -34,12 +34,15 @@ from harness import (  # noqa: E402
     rendezvous_store,
     start_agent,
     torchrun_cmd,
-    warm_ranks,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.machine, pytest.mark.timeout(180)]  # speeds compared
 
 STEPS, SLOW_FROM, SLOW_S = 40, 6, 0.08
+# Fresh ranks, not forked from a warm process (tests/e2e/train/harness.py, warm_ranks): with
+# warm ranks the live check twice named "storage on node node-b" instead of "data loading on
+# rank 1", both times beside other test runs (a CI run of 1bda21d, a helper's run); fresh, it
+# has not. Why is open (docs/testing.md, "Where the fifth pass leaves the suite").
 
 
 def test_one_slow_node_is_named(dataset: str, tmp_path) -> None:
@@ -57,7 +60,6 @@ def test_one_slow_node_is_named(dataset: str, tmp_path) -> None:
     procs, logs = {}, {}
     try:
         for node, fault in faults.items():
-            entry, warm_env = warm_ranks()
             cmd = torchrun_cmd(
                 1,
                 settings,
@@ -65,11 +67,9 @@ def test_one_slow_node_is_named(dataset: str, tmp_path) -> None:
                 nnodes="2",
                 rdzv_conf="is_host=false",
                 run_id="straggler",
-                entry=entry,
             )
             logs[node] = open(tmp_path / f"{node}.log", "w")  # noqa: SIM115
-            node_env = env(fault, STEADYTRAIN_NODE=node, **warm_env)
-            procs[node] = start_agent(cmd, node_env, stdout=logs[node])
+            procs[node] = start_agent(cmd, env(fault, STEADYTRAIN_NODE=node), stdout=logs[node])
         for node, p in procs.items():
             assert p.wait(timeout=150) == 0, (tmp_path / f"{node}.log").read_text()[-6000:]
     finally:
