@@ -46,8 +46,10 @@ EVERY = 2  # checkpoint interval (steps)
 # it, or the job starts on one and is not the run it is compared with. 6 s was too short
 # once in CI, where the other replay lane and the suite load both cores (node-1's agent
 # arrived late and the with-fix run started on 1 node); only the run without a spare pays
-# the wait again, once, after the kill.
-RDZV = "last_call_timeout=12,keep_alive_interval=2,keep_alive_max_attempt=4"
+# the wait again, once, after the kill. 12 s was too short once too (CI of 29c5e1c: an HF
+# Trainer job's node-1 agent, importing transformers beside the replays, came late and the
+# job started on 1 node): 30 s, torch's own default.
+RDZV = "last_call_timeout=30,keep_alive_interval=2,keep_alive_max_attempt=4"
 # The steps around the kill each wait 0.3 s for data, so the kill lands mid-run (each such
 # fault fires once per run: the steps redone after the restart do not wait again).
 FAULTS = "slow_read_at_steps=" + ",".join(map(str, range(3, KILL_AT + 4))) + ";slow_read_s=0.3"
