@@ -42,13 +42,22 @@ PHASES_0 = {"imports_s": 3.0, "build_s": 1.0, "group_s": 0.5, "setup_s": 0.5}
 PHASES_1 = {"imports_s": 5.0, "build_s": 2.0, "group_s": 0.5, "setup_s": 0.5}
 
 
-def _run(tmp_path, *, rank0_end: bool = True, rank1_end: bool = True, phases: bool = True):
+def _run(
+    tmp_path,
+    *,
+    rank0_end: bool = True,
+    rank1_end: bool = True,
+    phases: bool = True,
+    failed_save: bool = False,
+):
     """Attempt 0: rank 0 steps until t=105, rank 1 until t=106; rank 0 records an error at
     107, rank 1 a SIGTERM at 108. Attempt 1: born at 110, job_start at 120 (8 s start-up,
     2 s restore), its first step at 123 (3 s after job_start), steady steps of 1 s."""
     run = str(tmp_path / "run")
     ledger = [_start(100.0, 0, 5.0, 0.0, PHASES_0 if phases else None)]
     ledger += _steps(1, [101.0, 102.0, 103.0, 104.0, 105.0], [1.0] * 5)
+    if failed_save:  # a save that failed after the last step: no progress (goodput agrees)
+        ledger.append({"type": "checkpoint", "t": 106.5, "step": 5, "ok": False})
     if rank0_end:
         ledger.append({"type": "job_end", "t": 107.0, "step": 5, "reason": "error: RuntimeError"})
     ledger.append(_start(120.0, 1, 8.0, 2.0, PHASES_1 if phases else None))
@@ -96,6 +105,13 @@ def test_each_phase_where_it_belongs_and_they_add_up(tmp_path) -> None:
         "first step excess 0.00 s"
     )
     assert lines[1].startswith("restart into attempt 1: 17.00 s") and "relaunch 2.00" in lines[1]
+
+
+def test_a_failed_save_is_not_progress(tmp_path) -> None:
+    (row,) = restart_rows(load(_run(tmp_path, failed_save=True)))
+    assert row["wall_s"] == pytest.approx(123.0 - 106.0)  # from rank 1's last step, as before
+    assert row["phases"]["detection_s"] == pytest.approx(1.0)
+    assert sum(row["phases"].values()) + row["steady_step_s"] == pytest.approx(row["wall_s"])
 
 
 def test_no_rank_recorded_the_failure_the_gap_is_undivided(tmp_path) -> None:

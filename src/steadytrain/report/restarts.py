@@ -1,7 +1,8 @@
 """The restart ledger: every attempt's start-up and every restart, phase by phase (issue 44).
 
 A restart is one window of wall time, from the failed attempt's last progress (its newest
-``step`` or ``checkpoint`` record on any rank) to the next attempt's first productive step.
+``step`` or ``ok`` ``checkpoint`` record on any rank, as goodput's ``restart_gap`` has it)
+to the next attempt's first productive step.
 Its phases, in the order they happen, each from records alone:
 
 - ``detection_s``: last progress -> the failure decided: the first record of the failure on
@@ -161,7 +162,7 @@ def _attempt_facts(records: Any, number: Any, index: int) -> dict[str, Any]:
             failed.append(t)  # a recovered verdict arrives in a later attempt: by number
         elif k != index:
             continue
-        elif kind == "checkpoint":
+        elif kind == "checkpoint" and e.get("ok", True):  # a failed save kept nothing
             progress.append(t)
         elif kind == "job_end":
             seen.append(t)
