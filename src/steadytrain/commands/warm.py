@@ -22,8 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("script", metavar="SCRIPT", help="the training script torchrun runs")
 
 
-def run(args: argparse.Namespace) -> int:
-    from steadytrain.warm.server import serve
+def run(args: argparse.Namespace) -> int:  # never returns: the warm process leaves
+    from steadytrain.warm.server import serve_then_exit
 
-    serve(args.socket, args.script)
-    return 0
+    serve_then_exit(args.socket, args.script)
