@@ -69,6 +69,11 @@ sys.exit(int(what))
 """
 
 
+LONG_POLL = (
+    "import sys; import steadytrain.warm.server as s; s.POLL_S = 3600.0; s.main(sys.argv[1:])"
+)
+
+
 def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", **extra}
 
@@ -94,8 +99,10 @@ def _serving(root: Path, script: str, **env: str) -> Iterator[dict]:
     """A warm process for ``root/script``, its socket under ``root/run``, stopped at the end."""
     sock = root / "run" / "warm.sock"
     log = open(root / "server.log", "w")  # noqa: SIM115
+    # An hour between polls: the loop must wake by itself for a worker's end (an entry
+    # learns of a SIGKILL before the survivors' errors reach torchrun) and for SIGTERM.
     server = subprocess.Popen(
-        [sys.executable, "-m", "steadytrain.warm", "--socket", str(sock), str(root / script)],
+        [sys.executable, "-c", LONG_POLL, "--socket", str(sock), str(root / script)],
         env=_env(**env),
         stdout=log,
         stderr=subprocess.STDOUT,

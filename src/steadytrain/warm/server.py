@@ -39,6 +39,8 @@ from steadytrain.warm import protocol
 
 __all__ = ["check_path", "listen", "serve", "serve_then_exit"]
 
+POLL_S = 0.1  # a fallback only: a worker's end, a request and a signal wake the loop at once
+
 log = logging.getLogger("steadytrain.warm")
 
 
@@ -126,10 +128,13 @@ def _reread_rank() -> None:
             print(f"steadytrain.warm: could not reset {name}'s rank: {e}", file=sys.stderr)
 
 
-def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) -> int | None:
+def _fork_worker(
+    conn: socket.socket, script: str, others: list[socket.socket], wake: tuple[int, int]
+) -> int | None:
     """Read one request from ``conn`` and fork its worker; its pid (None: refused).
     ``others``: the warm process's other sockets, which the worker closes (it must not hold
-    the listener or another entry's connection)."""
+    the listener or another entry's connection); ``wake``: the loop's wakeup pipe, which
+    the worker closes after giving SIGCHLD back its default."""
     try:
         req, fds = protocol.recv(conn, maxfds=3)
     except (OSError, ValueError) as e:
@@ -156,6 +161,10 @@ def _fork_worker(conn: socket.socket, script: str, others: list[socket.socket]) 
     if pid == 0:  # the worker
         code = 1
         try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in wake:
+                os.close(fd)
             for s in (conn, *others):
                 s.close()
             for i, fd in enumerate(fds):
@@ -269,12 +278,20 @@ def serve(path: str, script: str) -> None:
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: stop.append(s))
+    # A worker's end and a signal wake the loop at once through the wakeup pipe: a SIGKILLed
+    # worker's entry must end by SIGKILL before its survivors' errors reach torchrun's agent,
+    # which reports the first failure it sees (a 0.1 s poll lost that race under load).
+    wake = os.pipe()
+    for fd in wake:
+        os.set_blocking(fd, False)
+    signal.signal(signal.SIGCHLD, lambda _s, _f: None)  # a handler: the pipe is written
+    signal.set_wakeup_fd(wake[1])
     workers: dict[socket.socket, int] = {}  # an entry's connection -> its worker
     print(f"steadytrain.warm: ready at {path} for {script}", file=sys.stderr, flush=True)
     try:
         while not stop:
             try:
-                ready, _, _ = select.select([listener, *workers], [], [], 0.1)
+                ready, _, _ = select.select([listener, wake[0], *workers], [], [], POLL_S)
             except InterruptedError:
                 continue
             for s in ready:
@@ -283,16 +300,21 @@ def serve(path: str, script: str) -> None:
                     if _peer_uid(conn) != os.getuid():
                         conn.close()  # another user's process: never run its request
                         continue
-                    pid = _fork_worker(conn, script, [listener, *workers])
+                    pid = _fork_worker(conn, script, [listener, *workers], wake)
                     if pid is None:
                         conn.close()
                     else:
                         workers[conn] = pid
+                elif s == wake[0]:
+                    _drain(wake[0])
                 else:  # the entry's end closed while its worker runs: torchrun killed it
                     _kill(workers.pop(s))
                     s.close()
             _reap(workers)
     finally:
+        signal.set_wakeup_fd(-1)
+        for fd in wake:
+            os.close(fd)
         listener.close()
         try:
             os.unlink(path)
@@ -308,6 +330,14 @@ def serve_then_exit(path: str, script: str) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _kill(pid: int) -> None:
