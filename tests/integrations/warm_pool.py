@@ -124,6 +124,20 @@ def stop_all() -> None:
     assert not left, f"workers outlived their warm process: {left}"
 
 
+KEEPER_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "keeper_entry.py")
+
+
+def keeper(worker: str) -> tuple[list[str], dict[str, str]]:
+    """What replaces ``-m steadytrain.inplace.keeper WORKER`` on torchrun's command line, and
+    the environment it needs: the keeper forked from the warm process of ``keeper_entry.py``
+    (which imports what the keeper and the in-place workers import); main's command line
+    with ``STEADYTRAIN_TEST_FRESH=1`` or while that warm process is not listening."""
+    entry, warm_env = launch(KEEPER_ENTRY)
+    if not warm_env:
+        return ["-m", "steadytrain.inplace.keeper", worker], {}
+    return [*entry, worker], warm_env
+
+
 def python(script: str, *args: str, **env_extra: str) -> dict:
     """``subprocess.run``'s ``args`` and ``env`` for ``python SCRIPT ARGS`` (one process, no
     torchrun), the test's environment with ``env_extra``, forked from ``script``'s warm
