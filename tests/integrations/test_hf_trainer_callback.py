@@ -74,7 +74,7 @@ def test_hf_trainer_callback_records_crash_and_resume(dataset: str, tmp_path) ->
     assert crash.startswith("error: RuntimeError") or crash == "signal: SIGTERM", crash
     assert ends[1]["reason"] == "finished"
 
-    rep = _report(run_dir)
+    rep = _report(run_dir, plots=False)
     assert [c["attempt"] for c in rep["crashes"]] == [0], rep["crashes"]
     assert rep["crashes"][0]["reason"] == crash
     assert rep["restarts"] == 1
@@ -119,7 +119,7 @@ def test_hf_trainer_callback_failure_is_a_crash(dataset, tmp_path, fail, code, r
     assert [e["reason"] for e in ends] == [reason]
     if fail == "raise":  # the user still sees the traceback (the excepthook chains)
         assert "ValueError: injected failure at step 3" in proc.stderr
-    rep = _report(run_dir)
+    rep = _report(run_dir, plots=False)
     assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, reason)]
 
 

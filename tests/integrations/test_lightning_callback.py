@@ -96,7 +96,7 @@ def test_lightning_crash_resume_is_exact_and_recorded(dataset: str, tmp_path, ra
     assert crash.startswith("error: RuntimeError") or crash == "signal: SIGTERM", crash
     assert ends[1]["reason"] == "finished"
 
-    rep = _report(run_dir)
+    rep = _report(run_dir, plots=False)
     assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, crash)]
     assert rep["restarts"] == 1
     assert rep["badput"]["restart_gap"] > 0, rep["badput"]
@@ -139,7 +139,7 @@ def test_lightning_callback_failure_is_a_crash(dataset, tmp_path, fail, reason) 
     assert ends == [reason], proc.stderr[-4000:]
     starts = [r for r in records if r["type"] == "job_start"]
     assert [(s["attempt"], s["restored_step"]) for s in starts] == [(0, 0)]
-    rep = _report(run_dir)
+    rep = _report(run_dir, plots=False)
     assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, reason)]
 
 
@@ -158,7 +158,7 @@ def test_a_process_leaving_with_the_strategys_run_open_is_a_crash(dataset, tmp_p
     records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
     ends = [r["reason"] for r in records if r["type"] == "job_end"]
     assert ends == ["error: RuntimeError: a user callback's on_exception failed"], ends
-    rep = _report(run_dir)
+    rep = _report(run_dir, plots=False)
     assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, ends[0])]
 
 
