@@ -20,17 +20,22 @@ import subprocess
 import pytest
 from example_runs import (
     CRASH_AT,
+    EXAMPLES,
     STEPS,
     assert_evaluations_are_eval,
     assert_finished_without_hang,
     finish,
     start_example,
 )
-from warm_pool import python
+from warm_pool import prestart_module, python
 
 from steadytrain.testing.incidents.common import report as _report
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+WORKER = os.path.join(os.path.dirname(__file__), "hf_trainer_worker.py")
+# The module on one worker, its two warm processes started as it begins (warm_pool).
+warm_module = prestart_module(os.path.join(EXAMPLES, "hf_trainer_callback.py"), WORKER)
 
 
 def test_hf_trainer_callback_records_crash_and_resume(dataset: str, tmp_path) -> None:
@@ -87,9 +92,6 @@ def test_hf_trainer_callback_records_crash_and_resume(dataset: str, tmp_path) ->
     assert [(r["step"], r["tier"], r["seconds"], r["in_startup"]) for r in rep["restores"]] == [
         (8, "trainer", None, True)
     ]
-
-
-WORKER = os.path.join(os.path.dirname(__file__), "hf_trainer_worker.py")
 
 
 @pytest.mark.parametrize(

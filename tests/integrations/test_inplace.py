@@ -39,11 +39,13 @@ import pytest
 import torch
 from example_runs import finish
 from harness import env, start_agent
-from warm_pool import keeper
+from warm_pool import KEEPER_ENTRY, keeper, prestart_module
 
 from steadytrain.testing import forkserver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+# The module on one worker, its keepers' warm process started as it begins (warm_pool).
+warm_module = prestart_module(KEEPER_ENTRY)
 
 WORKER = os.path.join(os.path.dirname(__file__), "inplace_worker.py")
 STEPS, KILL_AT = 10, 7

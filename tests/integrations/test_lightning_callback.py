@@ -34,7 +34,7 @@ from example_runs import (
     start_example,
 )
 from harness import assert_same_run
-from warm_pool import python
+from warm_pool import prestart_module, python
 
 from steadytrain.testing.incidents.common import report as _report
 
@@ -46,6 +46,8 @@ if importlib.util.find_spec("lightning") is None:
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
+# The module on one worker, its two warm processes started as it begins (warm_pool).
+warm_module = prestart_module(os.path.join(EXAMPLES, "lightning_callback.py"), WORKER)
 
 
 def _steps_by_attempt(records: list[dict]) -> dict[int, list[int]]:

@@ -23,7 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
+import pytest
 from harness import REPO, env
 
 FRESH = os.environ.get("STEADYTRAIN_TEST_FRESH") == "1"
@@ -82,6 +84,23 @@ def prestart(script: str) -> None:
     script = os.path.abspath(script)
     if not FRESH and (script not in _servers or _servers[script][0].poll() is not None):
         _servers[script] = _start(script)
+
+
+def prestart_module(*scripts: str) -> Callable[[], None]:
+    """A module-scoped autouse fixture (assign it to a name in the test module) that starts
+    the warm processes of ``scripts`` as the module begins: their preloads (Lightning's or
+    transformers' imports, ~6-8 s of CPU each) overlap its first test's set-up. Being
+    module-scoped, it also keeps the module on one worker of the suite (tests/conftest.py,
+    ``unit_of``), so each preload is paid once per run, not by every worker that draws one
+    of its tests (in the suite of bf12b28, three workers each paid both preloads of
+    test_lightning_callback.py)."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def warm_module() -> None:
+        for script in scripts:
+            prestart(script)
+
+    return warm_module
 
 
 def launch(
