@@ -34,8 +34,9 @@ from steadytrain.testing.incidents.common import report as _report
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 WORKER = os.path.join(os.path.dirname(__file__), "hf_trainer_worker.py")
-# The module on one worker, its two warm processes started as it begins (warm_pool).
-warm_module = prestart_module(os.path.join(EXAMPLES, "hf_trainer_callback.py"), WORKER)
+# The module on one worker, the warm process of its first test started as it begins
+# (warm_pool); WORKER's starts at its first use, so the two preloads do not compete.
+warm_module = prestart_module(os.path.join(EXAMPLES, "hf_trainer_callback.py"))
 
 
 def test_hf_trainer_callback_records_crash_and_resume(dataset: str, tmp_path) -> None:

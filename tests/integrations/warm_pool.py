@@ -93,7 +93,9 @@ def prestart_module(*scripts: str) -> Callable[[], None]:
     module-scoped, it also keeps the module on one worker of the suite (tests/conftest.py,
     ``unit_of``), so each preload is paid once per run, not by every worker that draws one
     of its tests (in the suite of bf12b28, three workers each paid both preloads of
-    test_lightning_callback.py)."""
+    test_lightning_callback.py). Name the script of the module's first test: two preloads
+    started at once slow each other, and a run whose warm process is not listening within
+    ``READY_S`` starts fresh (seen at load ~19: the first test's CPU doubled)."""
 
     @pytest.fixture(scope="module", autouse=True)
     def warm_module() -> None:
