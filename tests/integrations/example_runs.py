@@ -124,7 +124,7 @@ def assert_crash_reported(crashed: str) -> None:
     train`` gets it through ``steadytrain.Run``: the first attempt is a crash (rank 0 died
     of gloo's "Connection reset by peer", never the clean ``interpreter_exit``), the restart
     gap and the start-up are booked, and "other" holds under 10 % of the wall time."""
-    rep = report(crashed)
+    rep = report(crashed, plots=False)
     assert [c["attempt"] for c in rep["crashes"]] == [0], rep["crashes"]
     assert rep["crashes"][0]["reason"] not in ("finished", "interpreter_exit", "killed")
     assert rep["restarts"] == 1, rep["restarts"]
@@ -160,7 +160,7 @@ def assert_evaluations_are_eval(run_dir: str, evaluated_s: float, each_s: float)
     assert [r["step"] for r in ckpts] == [4, 8]
     for r in steps:  # no data wait and no save holds an evaluation
         assert r["data_wait_s"] < each_s and r["checkpoint_block_s"] < each_s, r
-    rep = report(run_dir)
+    rep = report(run_dir, plots=False)
     assert rep["badput_s"]["eval"] >= evaluated_s, rep["badput_s"]
     assert rep["badput_s"]["data_wait"] + rep["badput_s"]["checkpoint_block"] < each_s
     assert rep["ranks"][0]["data_wait_share"] < 0.5, rep["ranks"]
@@ -200,7 +200,7 @@ def assert_restored(run_dir: str, steps: tuple[int, ...], skipped: str = "") -> 
     """``steadytrain report``: one crash (attempt 0), one restart, restored from durable
     storage at one of ``steps``, and, with ``skipped``, that checkpoint named as passed over.
     Returns the report."""
-    rep = report(run_dir)
+    rep = report(run_dir, plots=False)
     assert [c["attempt"] for c in rep["crashes"]] == [0], rep["crashes"]
     assert rep["restarts"] == 1, rep["restarts"]
     [row] = rep["restores"]

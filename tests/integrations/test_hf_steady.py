@@ -15,10 +15,12 @@ no sample is read twice.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
-from example_runs import SAVE_CRASH, STEPS, assert_restored, run_kills
+from example_runs import EXAMPLES, SAVE_CRASH, STEPS, assert_restored, run_kills
 from harness import assert_same_run
+from warm_pool import prestart_module
 
 # Looked up, not imported: importing transformers costs seconds of CPU in every test process
 # that collects this file, the inner loop's too (it leaves this e2e file out after collection).
@@ -26,6 +28,8 @@ NEEDS_TRANSFORMERS = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="no transformers"
 )
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), NEEDS_TRANSFORMERS]
+# Both cases on one worker, with one warm process started as the module begins (warm_pool).
+warm_module = prestart_module(os.path.join(EXAMPLES, "hf_trainer_callback.py"))
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

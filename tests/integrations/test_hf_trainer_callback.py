@@ -20,17 +20,23 @@ import subprocess
 import pytest
 from example_runs import (
     CRASH_AT,
+    EXAMPLES,
     STEPS,
     assert_evaluations_are_eval,
     assert_finished_without_hang,
     finish,
     start_example,
 )
-from warm_pool import python
+from warm_pool import prestart_module, python
 
 from steadytrain.testing.incidents.common import report as _report
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+WORKER = os.path.join(os.path.dirname(__file__), "hf_trainer_worker.py")
+# The module on one worker, the warm process of its first test started as it begins
+# (warm_pool); WORKER's starts at its first use, so the two preloads do not compete.
+warm_module = prestart_module(os.path.join(EXAMPLES, "hf_trainer_callback.py"))
 
 
 def test_hf_trainer_callback_records_crash_and_resume(dataset: str, tmp_path) -> None:
@@ -74,7 +80,7 @@ def test_hf_trainer_callback_records_crash_and_resume(dataset: str, tmp_path) ->
     assert crash.startswith("error: RuntimeError") or crash == "signal: SIGTERM", crash
     assert ends[1]["reason"] == "finished"
 
-    rep = _report(run_dir)
+    rep = _report(run_dir, plots=False)
     assert [c["attempt"] for c in rep["crashes"]] == [0], rep["crashes"]
     assert rep["crashes"][0]["reason"] == crash
     assert rep["restarts"] == 1
@@ -87,9 +93,6 @@ def test_hf_trainer_callback_records_crash_and_resume(dataset: str, tmp_path) ->
     assert [(r["step"], r["tier"], r["seconds"], r["in_startup"]) for r in rep["restores"]] == [
         (8, "trainer", None, True)
     ]
-
-
-WORKER = os.path.join(os.path.dirname(__file__), "hf_trainer_worker.py")
 
 
 @pytest.mark.parametrize(
@@ -119,7 +122,7 @@ def test_hf_trainer_callback_failure_is_a_crash(dataset, tmp_path, fail, code, r
     assert [e["reason"] for e in ends] == [reason]
     if fail == "raise":  # the user still sees the traceback (the excepthook chains)
         assert "ValueError: injected failure at step 3" in proc.stderr
-    rep = _report(run_dir)
+    rep = _report(run_dir, plots=False)
     assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, reason)]
 
 

@@ -39,10 +39,13 @@ import pytest
 import torch
 from example_runs import finish
 from harness import env, start_agent
+from warm_pool import KEEPER_ENTRY, keeper, prestart_module
 
 from steadytrain.testing import forkserver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+# The module on one worker, its keepers' warm process started as it begins (warm_pool).
+warm_module = prestart_module(KEEPER_ENTRY)
 
 WORKER = os.path.join(os.path.dirname(__file__), "inplace_worker.py")
 STEPS, KILL_AT = 10, 7
@@ -58,12 +61,13 @@ def start(
     os.makedirs(out)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
-    cmd += ["--monitor-interval=0.2", "-m", "steadytrain.inplace.keeper", WORKER, out]
+    entry, warm_env = keeper(WORKER)  # the keeper, forked from a warm process
+    cmd += ["--monitor-interval=0.2", *entry, out]
     every = EVERY.get(extra[0] if extra else "once", 0)
     cmd += [str(STEPS), str(kill_at), str(every), str(kill_rank), *extra]
     # In-place recovery regroups on torchrun's shared store: the harness's
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 would turn it off (the keeper says so).
-    e = env()
+    e = env(**warm_env)
     e.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     return start_agent(cmd, e)
 

@@ -34,7 +34,7 @@ from example_runs import (
     start_example,
 )
 from harness import assert_same_run
-from warm_pool import python
+from warm_pool import prestart_module, python
 
 from steadytrain.testing.incidents.common import report as _report
 
@@ -46,6 +46,9 @@ if importlib.util.find_spec("lightning") is None:
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
+# The module on one worker, the warm process of its first test started as it begins
+# (warm_pool); WORKER's starts at its first use, so the two preloads do not compete.
+warm_module = prestart_module(os.path.join(EXAMPLES, "lightning_callback.py"))
 
 
 def _steps_by_attempt(records: list[dict]) -> dict[int, list[int]]:
@@ -96,7 +99,7 @@ def test_lightning_crash_resume_is_exact_and_recorded(dataset: str, tmp_path, ra
     assert crash.startswith("error: RuntimeError") or crash == "signal: SIGTERM", crash
     assert ends[1]["reason"] == "finished"
 
-    rep = _report(run_dir)
+    rep = _report(run_dir, plots=False)
     assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, crash)]
     assert rep["restarts"] == 1
     assert rep["badput"]["restart_gap"] > 0, rep["badput"]
@@ -139,7 +142,7 @@ def test_lightning_callback_failure_is_a_crash(dataset, tmp_path, fail, reason) 
     assert ends == [reason], proc.stderr[-4000:]
     starts = [r for r in records if r["type"] == "job_start"]
     assert [(s["attempt"], s["restored_step"]) for s in starts] == [(0, 0)]
-    rep = _report(run_dir)
+    rep = _report(run_dir, plots=False)
     assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, reason)]
 
 
@@ -158,7 +161,7 @@ def test_a_process_leaving_with_the_strategys_run_open_is_a_crash(dataset, tmp_p
     records = read_ledger(os.path.join(run_dir, "ledger.jsonl"))
     ends = [r["reason"] for r in records if r["type"] == "job_end"]
     assert ends == ["error: RuntimeError: a user callback's on_exception failed"], ends
-    rep = _report(run_dir)
+    rep = _report(run_dir, plots=False)
     assert [(c["attempt"], c["reason"]) for c in rep["crashes"]] == [(0, ends[0])]
 
 

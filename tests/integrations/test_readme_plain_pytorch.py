@@ -27,6 +27,7 @@ import pytest
 from example_runs import finish
 from harness import env as torchrun_env
 from harness import start_agent
+from warm_pool import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,14 +98,15 @@ with open(f"rank{os.environ['RANK']}.json", "w") as f:
                "weights": digest.hexdigest()}, f)
 """
 
-# Before it: rank 1 dies in step KILL of the first attempt (the README block is not edited).
-KILL = 120
+# Before it: in the run whose agent sets KILL_ENV, rank 1 dies in step KILL of the first
+# attempt (the README block is not edited). One script for both runs: one warm process.
+KILL, KILL_ENV = 120, "README_TEST_KILL"
 PRELUDE = f"""
 import os, signal, steadytrain
 _step_done = steadytrain.Run.step_done
 def _killing_step_done(self, step, **kw):
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-    if first and os.environ.get("RANK") == "1" and step == {KILL}:
+    if os.environ.get("{KILL_ENV}") and first and os.environ.get("RANK") == "1" and step == {KILL}:
         os.kill(os.getpid(), signal.SIGKILL)
     return _step_done(self, step, **kw)
 steadytrain.Run.step_done = _killing_step_done
@@ -115,18 +117,20 @@ def test_readme_plain_pytorch_is_data_parallel_and_exact_under_torchrun(dataset,
     from steadytrain import TokenDataset, TokenLoader
     from steadytrain.monitor.ledger import read_ledger
 
-    code = readme_block()
-    runs = {"ref": "", "killed": PRELUDE}
+    script = tmp_path / "block.py"
+    script.write_text(PRELUDE + readme_block() + EPILOGUE)
+    # The ranks fork from the script's warm process (the block runs as written, as
+    # ``__main__``; test_readme_plain_pytorch_example_runs_and_resumes runs it as a user
+    # types it, a fresh ``python``).
+    entry, warm_env = launch(str(script))
     procs = {}
-    for name, prelude in runs.items():
+    for name, kill in (("ref", {}), ("killed", {KILL_ENV: "1"})):
         (tmp_path / name).mkdir()
         shutil.copytree(dataset, tmp_path / name / "my-dataset")
-        script = tmp_path / name / "block.py"
-        script.write_text(prelude + code + EPILOGUE)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
         cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
-        cmd += ["--monitor-interval=0.2", str(script)]
-        procs[name] = start_agent(cmd, torchrun_env(), cwd=str(tmp_path / name))
+        cmd += ["--monitor-interval=0.2", *entry]
+        procs[name] = start_agent(cmd, torchrun_env(**warm_env, **kill), cwd=str(tmp_path / name))
     outs = {name: finish(proc) for name, proc in procs.items()}
     assert "exitcode: -9" in outs["killed"], outs["killed"][-4000:]
 

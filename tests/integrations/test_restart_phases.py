@@ -69,7 +69,7 @@ def test_restart_phases_add_up_to_the_restart(dataset: str, tmp_path) -> None:
 
     # -- the report's phases ------------------------------------------------------------------
     r = subprocess.run(
-        [sys.executable, "-m", "steadytrain.cli", "report", run_dir, "--json"],
+        [sys.executable, "-m", "steadytrain.cli", "report", run_dir, "--json", "--no-plots"],
         capture_output=True,
         text=True,
         env=env(),

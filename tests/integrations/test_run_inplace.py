@@ -28,6 +28,7 @@ import pytest
 import torch
 from example_runs import finish
 from harness import env, start_agent
+from warm_pool import keeper
 
 from steadytrain.report.build import build_report
 from steadytrain.testing import forkserver
@@ -41,9 +42,10 @@ STEPS, KILL_AT = 12, 7  # the fault at 7 resumes at 7 (live: nothing is redone)
 def start(run_dir: str, kill_at: int) -> subprocess.Popen | forkserver.ForkedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
-    cmd += ["--monitor-interval=0.2", "-m", "steadytrain.inplace.keeper", WORKER, run_dir]
+    entry, warm_env = keeper(WORKER)  # the keeper, forked from a warm process
+    cmd += ["--monitor-interval=0.2", *entry, run_dir]
     cmd += [str(STEPS), str(kill_at), "0"]
-    e = env()
+    e = env(**warm_env)
     e.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")  # the regroup needs torchrun's shared store
     return start_agent(cmd, e)
 

@@ -53,7 +53,7 @@ def test_plain_loop_crash_and_hang_under_torchrun(dataset: str, tmp_path) -> Non
     outs = [finish(p) for p in procs]
 
     # -- the SIGKILLed rank ------------------------------------------------------------
-    rep = report(crashed)
+    rep = report(crashed, plots=False)
     assert [c["attempt"] for c in rep["crashes"]] == [0], rep["crashes"]
     assert rep["crashes"][0]["reason"].startswith("error: "), rep["crashes"]
     assert rep["restarts"] == 1 and rep["last_step"] == STEPS
@@ -73,5 +73,5 @@ def test_plain_loop_crash_and_hang_under_torchrun(dataset: str, tmp_path) -> Non
     starts = [r for r in recs if r["type"] == "job_start"]
     assert [s["attempt"] for s in starts] == [0, 1] and starts[1]["restored_step"] == 4
     assert os.path.exists(os.path.join(hung, "hangs", "attempt-0", "rank-1.txt"))
-    rep = report(hung)
+    rep = report(hung, plots=False)
     assert rep["last_step"] == STEPS and rep["badput"]["restart_gap"] > 0

@@ -84,7 +84,7 @@ def _damaged_newest_falls_back(script: str, data: str, tmp) -> str:
     _done(_example(script, data, run_dir))  # no argument: it finds its own way back
 
     assert _final(run_dir) == _final(ref) and _final(ref)["step"] == 12
-    rep = report(run_dir)
+    rep = report(run_dir, plots=False)
     [row] = rep["restores"]
     assert (row["step"], row["tier"]) == (4, "durable"), row
     skipped = {k["path"]: k["reason"] for k in rep["restores_passed_over"]}
@@ -92,7 +92,7 @@ def _damaged_newest_falls_back(script: str, data: str, tmp) -> str:
     assert "no COMMIT" in skipped["step-00000012"]
     assert "checksum" in skipped["step-00000008"], skipped
     text = subprocess.run(
-        [*CLI, "report", run_dir], capture_output=True, text=True, timeout=180
+        [*CLI, "report", run_dir, "--no-plots"], capture_output=True, text=True, timeout=180
     ).stdout
     assert "passed over at restore" in text, text
     assert "step 8, step-00000008: " in text and "step 12, step-00000012: " in text, text

@@ -23,7 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
+import pytest
 from harness import REPO, env
 
 FRESH = os.environ.get("STEADYTRAIN_TEST_FRESH") == "1"
@@ -84,6 +86,25 @@ def prestart(script: str) -> None:
         _servers[script] = _start(script)
 
 
+def prestart_module(*scripts: str) -> Callable[[], None]:
+    """A module-scoped autouse fixture (assign it to a name in the test module) that starts
+    the warm processes of ``scripts`` as the module begins: their preloads (Lightning's or
+    transformers' imports, ~6-8 s of CPU each) overlap its first test's set-up. Being
+    module-scoped, it also keeps the module on one worker of the suite (tests/conftest.py,
+    ``unit_of``), so each preload is paid once per run, not by every worker that draws one
+    of its tests (in the suite of bf12b28, three workers each paid both preloads of
+    test_lightning_callback.py). Name the script of the module's first test: two preloads
+    started at once slow each other, and a run whose warm process is not listening within
+    ``READY_S`` starts fresh (seen at load ~19: the first test's CPU doubled)."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def warm_module() -> None:
+        for script in scripts:
+            prestart(script)
+
+    return warm_module
+
+
 def launch(
     script: str, fresh: bool = False, wait_s: float = READY_S
 ) -> tuple[list[str], dict[str, str]]:
@@ -122,6 +143,20 @@ def stop_all() -> None:
     if _root:
         shutil.rmtree(_root.pop(), ignore_errors=True)
     assert not left, f"workers outlived their warm process: {left}"
+
+
+KEEPER_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "keeper_entry.py")
+
+
+def keeper(worker: str) -> tuple[list[str], dict[str, str]]:
+    """What replaces ``-m steadytrain.inplace.keeper WORKER`` on torchrun's command line, and
+    the environment it needs: the keeper forked from the warm process of ``keeper_entry.py``
+    (which imports what the keeper and the in-place workers import); main's command line
+    with ``STEADYTRAIN_TEST_FRESH=1`` or while that warm process is not listening."""
+    entry, warm_env = launch(KEEPER_ENTRY)
+    if not warm_env:
+        return ["-m", "steadytrain.inplace.keeper", worker], {}
+    return [*entry, worker], warm_env
 
 
 def python(script: str, *args: str, **env_extra: str) -> dict:

@@ -83,11 +83,14 @@ def make_dataset(dest: str, max_bytes: int = 400_000) -> str:
     return dest
 
 
-# How long a run waits for the warm process to listen before its ranks start fresh. Short:
-# the warm process was started with the first training test (``prestart_warm``), and a test
-# must never spend its own timeout (120 s for the hang tests) on a preload that takes
-# minutes at load 30; a later run finds it ready.
-WARM_WAIT_S = 5.0
+# How long a run waits for the warm process to listen before its ranks start fresh (the
+# warm process was started with the first training test, ``prestart_warm``). A run that
+# starts fresh pays ~3.3 s of CPU per rank on top of the preload already under way: in the
+# suite (4 workers on 2 cores) a worker's first training runs started fresh with 5 s, and
+# the waiting costs no CPU. The hang tests (whole-test timeouts of 120 and 180 s) must not
+# spend their own time on a preload that takes minutes at load 30: they wait HANG_WARM_WAIT_S.
+WARM_WAIT_S = 60.0
+HANG_WARM_WAIT_S = 5.0
 
 
 def _warm_pool() -> Any:
@@ -108,18 +111,20 @@ def prestart_warm() -> None:
     _warm_pool().prestart(train_entry())
 
 
-def warm_ranks(fresh: bool = False) -> tuple[list[str], dict[str, str]]:
+def warm_ranks(
+    fresh: bool = False, wait_s: float = WARM_WAIT_S
+) -> tuple[list[str], dict[str, str]]:
     """What torchrun starts for each rank of ``steadytrain train``, and the environment the
     agent needs for it: ``-m steadytrain.warm.enter`` on the CLI's preloading entry file
     (``steadytrain/inplace/train_entry.py``) with the socket of this test process's warm
     process for it (``tests/integrations/warm_pool.py``); ``-m steadytrain.cli`` (a fresh
     interpreter per rank) when ``fresh``, with ``STEADYTRAIN_TEST_FRESH=1``, or while the
-    warm process is not listening yet."""
+    warm process is not listening within ``wait_s``."""
     if fresh:
         return ["-m", "steadytrain.cli"], {}
     from steadytrain.train.demo_run import train_entry
 
-    args, warm_env = _warm_pool().launch(train_entry(), wait_s=WARM_WAIT_S)
+    args, warm_env = _warm_pool().launch(train_entry(), wait_s=wait_s)
     return (args if warm_env else ["-m", "steadytrain.cli"]), warm_env
 
 
@@ -215,10 +220,11 @@ def start_torchrun(
     faults: str = "",
     max_restarts: int = 0,
     fresh: bool = False,
+    warm_wait_s: float = WARM_WAIT_S,
 ) -> subprocess.Popen | forkserver.ForkedProcess:
     """``steadytrain train`` under torchrun in the background (``wait_torchrun`` it); its
-    ranks forked from the warm process unless ``fresh`` (``warm_ranks``)."""
-    entry, warm_env = warm_ranks(fresh)
+    ranks forked from the warm process unless ``fresh`` (``warm_ranks``, ``warm_wait_s``)."""
+    entry, warm_env = warm_ranks(fresh, warm_wait_s)
     cmd = torchrun_cmd(nproc, BASE_SETTINGS + settings, max_restarts=max_restarts, entry=entry)
     return start_agent(cmd, env(faults, **warm_env), merge=False)
 
@@ -232,8 +238,16 @@ def run_torchrun(
     timeout: float = 180,
     check: bool = True,
     fresh: bool = False,
+    warm_wait_s: float = WARM_WAIT_S,
 ) -> subprocess.CompletedProcess:
-    proc = start_torchrun(nproc, settings, faults=faults, max_restarts=max_restarts, fresh=fresh)
+    proc = start_torchrun(
+        nproc,
+        settings,
+        faults=faults,
+        max_restarts=max_restarts,
+        fresh=fresh,
+        warm_wait_s=warm_wait_s,
+    )
     return wait_torchrun(proc, timeout=timeout, check=check)
 
 

@@ -24,7 +24,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from harness import final, ledger, run_torchrun  # noqa: E402
+from harness import HANG_WARM_WAIT_S, final, ledger, run_torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -55,6 +55,7 @@ def test_a_stopped_rank_is_reaped_and_the_job_restarts_before_the_backend_timeou
         faults=f"hang_at_step={HANG_STEP};hang_rank=1;hang_mode=sigstop",
         max_restarts=1,
         timeout=160,
+        warm_wait_s=HANG_WARM_WAIT_S,  # a preload must not eat the whole-test timeout
     )
     assert final(run_dir)["step"] == STEPS
     assert "[fault] rank 1: hangs" in done.stderr

@@ -25,7 +25,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from harness import final, ledger, run_torchrun  # noqa: E402
+from harness import HANG_WARM_WAIT_S, final, ledger, run_torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -50,6 +50,7 @@ def test_hung_rank_is_detected_recorded_and_restarted(dataset: str, tmp_path) ->
         faults=f"hang_at_step={HANG_STEP};hang_rank=1",
         max_restarts=1,
         timeout=100,
+        warm_wait_s=HANG_WARM_WAIT_S,  # a preload must not eat the whole-test timeout
     )
     assert final(run_dir)["step"] == STEPS
     assert "[watchdog] rank 1" in done.stderr and "[fault] rank 1: hangs" in done.stderr
