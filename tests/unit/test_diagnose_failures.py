@@ -426,6 +426,22 @@ def test_a_partitioned_node_that_rejoins_late_is_the_hangs_cost_not_a_crash(
     assert "node-1 rejoined" in inc.message, inc.message
 
 
+def test_a_hang_that_comes_back_after_each_rejoin_is_a_restart_loop(tmp_path: Path) -> None:
+    """The same partition three times, each followed by the restart that admitted node-1
+    again: the rejoins neither count nor break the run of hangs, which is one loop."""
+    b = _shrunk_after_a_timeout(tmp_path)
+    timeout = "error: RuntimeError: Timed out waiting 15000ms for recv operation to complete"
+    for _ in range(2):
+        b.attempt({0: "node-0", 1: "node-1"}, 9, restored=8, end_after_s=15.0,
+                  ends={0: timeout, 1: timeout}, job_end=timeout)  # fmt: skip
+        b.attempt({0: "node-0"}, 10, restored=8, ends={0: "signal: SIGTERM"},
+                  job_end="signal: SIGTERM")  # fmt: skip
+    b.attempt({0: "node-0", 1: "node-1"}, 9, restored=8, ends={}, job_end=None)
+    [loop] = detect(load(b.write()))
+    assert loop.kind == "restart-loop", loop.message
+    assert loop.evidence["attempts"] == [0, 2, 4], loop.evidence
+
+
 def test_a_signal_that_costs_steps_on_the_same_nodes_stays_a_crash(tmp_path: Path) -> None:
     """The same shape, but the attempt after the SIGTERM runs on no node more than the
     stopped one did: nobody was admitted, so it is a preemption that cost steps."""

@@ -8,7 +8,8 @@ steps that smaller attempt took past its restore point are redone: a cost of wha
 the job shrink, so it goes to the previous attempt's incident (``rejoined`` in its
 evidence, its ``lost_s``, a clause of its message), and is no ``crash`` of its own. An
 attempt stopped by a signal whose next attempt admitted nobody stays what it was (a
-preemption that cost steps is a crash).
+preemption that cost steps is a crash). A restart loop (``failures_more.restart_loops``)
+looks through such attempts: a hang, a rejoin, the same hang again is one run.
 """
 
 from __future__ import annotations
