@@ -34,6 +34,7 @@ import json
 
 import pytest
 
+from steadytrain.testing.incidents.cpu_quota import DETECT_STEPS
 from steadytrain.testing.incidents.expect import check, describe, expectation, score
 from steadytrain.testing.incidents.matrix import CASES, CI_CASES, FAULT_AT, STEPS, injected
 from steadytrain.testing.s3_server import find_weed
@@ -101,6 +102,27 @@ def test_the_cases_inject_two_kinds_on_two_nodes_one_kind_on_two_of_three_and_a_
     assert CI_CASES == ("cpu-quota",) and CASES["cpu-quota"].nodes == 2
     # The evaluation-heavy run is clean: every incident there is a false alarm.
     assert CASES["eval-heavy"].clean and CASES["eval-heavy"].eval_every > 0
+
+
+def test_a_quota_that_landed_late_moves_the_onset_window_not_its_start(tmp_path) -> None:
+    """The suite's quiet run: the quota was asked for at step 4, but moving node-1's
+    processes into their cgroup took the loaded harness until step 12, and the report's
+    onset was step 13. The window's end follows the step traced once the quota was in
+    place; its start stays at the step it was asked for (never an onset before it)."""
+    from steadytrain.testing.incidents.matrix import expected
+
+    (tmp_path / "ranks").mkdir()
+    for rank, node in ((0, "node-0"), (1, "node-1")):
+        start = {"type": "rank_start", "attempt": 0, "rank": rank, "node": node}
+        (tmp_path / "ranks" / f"rank-{rank:05d}.jsonl").write_text(json.dumps(start) + "\n")
+    seen = {**_inc("host-contention", ["node-0"], 13, 24), "nodes": ["node-1"], "ranks": [1]}
+    [late] = expected(CASES["cpu-quota"], str(tmp_path), quota_step=12)
+    assert late["first_step"] == [FAULT_AT, 12 + DETECT_STEPS], late
+    assert check([late], [seen])["matched"]
+    [prompt] = expected(CASES["cpu-quota"], str(tmp_path), quota_step=FAULT_AT)
+    assert not check([prompt], [seen])["matched"]  # a quota in force at step 4: 13 is late
+    early = {**seen, "first_step": FAULT_AT - 1}
+    assert not check([late], [early])["matched"]
 
 
 def test_every_case_builds_its_job_settings() -> None:

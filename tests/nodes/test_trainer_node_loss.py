@@ -7,8 +7,8 @@ as one elastic job (``--nnodes 1:2``, one rank per node, as the node-loss replay
 step and no durable checkpoint before the final save, and a spare waiting in the rendezvous.
 Node 1 is killed mid-run (its processes and its memory, the node's own tmpfs); the spare
 takes its seat and its state can only come from node 0's copy of node 1's snapshots.
-``steadytrain report`` shows that restore as ``peer-memory`` with at most one step lost,
-and every step's sample ids and loss, and the final weights, equal an uninterrupted 2-rank
+``steadytrain report`` shows that restore as ``peer-memory`` with at most two steps lost
+(one when the kill misses the snapshot in flight), and every step's sample ids and loss, and the final weights, equal an uninterrupted 2-rank
 run's (under plain torchrun beside it), and the last step is committed.
 
 The examples' steps take milliseconds: on a loaded machine the kill can land after the last
@@ -66,7 +66,14 @@ def test_a_trainer_job_comes_back_from_a_node_loss_through_its_peers_memory(
 
     [r] = restores(run_dir)
     assert r["tier"] == "peer-memory", r
-    assert 0 <= r["steps_lost"] <= 1 and r["step"] >= killed_at - 2, (r, killed_at)
+    # At most one generation is in flight (checkpoint/memory/tier.py): the snapshot of step
+    # N goes to the peer during step N + 1, and the snapshot call at the end of step N + 1
+    # waits for it. A kill that lands after step N + 1's all-reduce but before snapshot N
+    # reached node 0 loses generation N (node 1's copy of it went with the node) while step
+    # N + 1 is already recorded: the restore reads N - 1 and two steps are redone. Under
+    # load (snapshot writes slower than these millisecond steps) it happened: step 10
+    # recorded, snapshots 9 and 10 failed on the reset link, step 8 restored.
+    assert 0 <= r["steps_lost"] <= 2 and r["step"] >= killed_at - 2, (r, killed_at)
     got = compare(ref_dir, run_dir)
     assert got["final_step"] == STEPS, got
     if r["step"] < STEPS:  # the spare trained the steps after the restored one

@@ -393,6 +393,64 @@ def test_backend_timeout_without_a_named_peer_names_every_rank(tmp_path: Path) -
     assert "every rank waited" in inc.evidence["cause"]
 
 
+def _shrunk_after_a_timeout(tmp_path: Path) -> RunBuilder:
+    """Both ranks time out after step 9 (a partition); attempt 1 runs on node-0 alone from
+    step 8 to step 10 and is stopped by SIGTERM."""
+    timeout = "error: RuntimeError: Timed out waiting 15000ms for recv operation to complete"
+    b = RunBuilder(tmp_path)
+    b.attempt({0: "node-0", 1: "node-1"}, 9, end_after_s=15.0, ends={0: timeout, 1: timeout},
+              job_end=timeout)  # fmt: skip
+    b.attempt({0: "node-0"}, 10, restored=8, ends={0: "signal: SIGTERM"},
+              job_end="signal: SIGTERM")  # fmt: skip
+    return b
+
+
+def test_a_partitioned_node_that_rejoins_late_is_the_hangs_cost_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    """The hang replay without its fix, in the suite's quiet run: node-1's rank timed out
+    10 s after node-0's, so node-0's agent re-rendezvoused alone (attempt 1, world 1,
+    resumed from step 8) and, when node-1 came back, stopped its worker with SIGTERM to
+    admit it (attempt 2, both nodes, from step 8 again: attempt 1's steps 9-10 redone).
+    That SIGTERM is the elastic agent at work, a consequence of the hang: its cost goes to
+    the hang, and no crash is reported."""
+    b = _shrunk_after_a_timeout(tmp_path)
+    b.attempt({0: "node-0", 1: "node-1"}, 20, restored=8)
+    [inc] = detect(load(b.write()))
+    assert inc.kind == "hang" and inc.first_step == inc.last_step == 9, inc.message
+    assert inc.nodes == ["node-0", "node-1"] and inc.attempt == 0
+    [back] = inc.evidence["rejoined"]
+    assert back["attempt"] == 1 and back["nodes"] == ["node-1"], back
+    assert back["steps_redone"] == 2 and back["lost_s"] > 0, back
+    assert inc.lost_s == pytest.approx(inc.evidence["lost_s"] + back["lost_s"])
+    assert "node-1 rejoined" in inc.message, inc.message
+
+
+def test_a_hang_that_comes_back_after_each_rejoin_is_a_restart_loop(tmp_path: Path) -> None:
+    """The same partition three times, each followed by the restart that admitted node-1
+    again: the rejoins neither count nor break the run of hangs, which is one loop."""
+    b = _shrunk_after_a_timeout(tmp_path)
+    timeout = "error: RuntimeError: Timed out waiting 15000ms for recv operation to complete"
+    for _ in range(2):
+        b.attempt({0: "node-0", 1: "node-1"}, 9, restored=8, end_after_s=15.0,
+                  ends={0: timeout, 1: timeout}, job_end=timeout)  # fmt: skip
+        b.attempt({0: "node-0"}, 10, restored=8, ends={0: "signal: SIGTERM"},
+                  job_end="signal: SIGTERM")  # fmt: skip
+    b.attempt({0: "node-0", 1: "node-1"}, 9, restored=8, ends={}, job_end=None)
+    [loop] = detect(load(b.write()))
+    assert loop.kind == "restart-loop", loop.message
+    assert loop.evidence["attempts"] == [0, 2, 4], loop.evidence
+
+
+def test_a_signal_that_costs_steps_on_the_same_nodes_stays_a_crash(tmp_path: Path) -> None:
+    """The same shape, but the attempt after the SIGTERM runs on no node more than the
+    stopped one did: nobody was admitted, so it is a preemption that cost steps."""
+    b = _shrunk_after_a_timeout(tmp_path)
+    b.attempt({0: "node-0"}, 20, restored=8)
+    kinds = [(i.kind, i.attempt) for i in detect(load(b.write()))]
+    assert ("crash", 1) in kinds, kinds
+
+
 @pytest.mark.parametrize(
     ("errors", "cause"),
     [

@@ -20,7 +20,9 @@ other failed save is a ``checkpoint`` incident naming its cause, and three or mo
 attempts in a row without progress are one ``restart-loop`` (``failures_more``).
 
 An attempt that every rank left on SIGTERM with nothing to redo (a planned preemption, a
-cancelled job resumed from its last step) is no incident.
+cancelled job resumed from its last step) is no incident; nor is one that every rank left
+on SIGTERM when the next attempt admitted a node (torchelastic restarting to grow the job,
+``failures_rejoin``): its cost goes to the previous attempt's incident.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from steadytrain.diagnose.failures_more import (
     fold_saves,
     restart_loops,
 )
+from steadytrain.diagnose.failures_rejoin import admitted, fold_rejoin
 from steadytrain.diagnose.incident import Incident
 from steadytrain.diagnose.inputs import RunRecords
 from steadytrain.diagnose.job_state import state_advice
@@ -61,6 +64,12 @@ def detect(rec: RunRecords) -> list[Incident]:
             continue
         step_s = a.step_s or run_step_s
         if _stopped_cleanly(a, nxt, step_s):
+            continue
+        if _stopped_from_outside(a) and (joined := admitted(a, nxt)):
+            # the agent stopped the workers to admit a node (failures_rejoin.py): what
+            # it cost belongs to what made the job start without that node
+            if (prev := failures.get(a.index - 1)) is not None:
+                fold_rejoin(prev, atts[a.index - 1], a, joined, restart_cost(a, nxt, step_s))
             continue
         inc = (
             hang_incident(rec, a, nxt, step_s, words)

@@ -181,7 +181,12 @@ def restart_loops(
     incident of its own (issue 42), and it counts towards ``LOOP_MIN``."""
     runs: list[list[Attempt]] = []
     cur: list[Attempt] = []
+    # restarts that admitted a node (failures_rejoin): part of the failure before them, so
+    # they neither count nor break a run (a hang, a rejoin, the same hang again is a loop)
+    rejoins = {r["attempt"] for i in failures.values() for r in i.evidence.get("rejoined", [])}
     for a in atts:
+        if a.number in rejoins:
+            continue
         nxt = atts[a.index + 1] if a.index + 1 < len(atts) else None
         if a.index in failures and _stuck(a, nxt):
             cur.append(a)
@@ -193,7 +198,7 @@ def restart_loops(
     for run in runs:
         if not run:
             continue
-        first = _first_time(atts, run, failures)
+        first = _first_time(atts, run, failures, rejoins)
         if len(run) + (first is not None) >= LOOP_MIN:
             loops.append((first, run))
     if not loops:
@@ -210,10 +215,13 @@ def restart_loops(
 
 
 def _first_time(
-    atts: list[Attempt], run: list[Attempt], failures: dict[int, Incident]
+    atts: list[Attempt], run: list[Attempt], failures: dict[int, Incident], rejoins: set[int]
 ) -> Attempt | None:
-    """The failed attempt before ``run`` when the same fault struck it at the same step."""
+    """The failed attempt before ``run`` (past any restart that admitted a node) when the
+    same fault struck it at the same step."""
     i = run[0].index - 1
+    while i >= 0 and atts[i].number in rejoins:
+        i -= 1
     if i < 0 or i not in failures or failures[i].kind not in ("crash", "hang"):
         return None
     p = atts[i]

@@ -18,7 +18,12 @@ repaired link would), and torchrun restarts the job, which resumes from its last
 checkpoint and finishes. ``--nnodes 1:2`` (and ``train.elastic_nnodes=1:2``) because the
 partitioned node's agent cannot reach the rendezvous store while its link is down and may
 give up: then node-0 goes on alone (the loader's order does not depend on the world
-size); if node-1's agent survives it rejoins, as it did in our runs.
+size); if node-1's agent survives it rejoins, as it did in our runs: in the next
+rendezvous, or, when its agent sees its worker fail after node-0's rendezvous closed
+(``last_call_timeout``; 10 s late in the suite's quiet run of bf12b28, load 5-13), in one
+more: node-0's agent had started an attempt alone and stops it (SIGTERM) to admit node-1.
+The report charges that restart to the hang (``diagnose/failures_rejoin.py``), not to a
+crash of its own.
 
 ``detect_s`` per run is from the last step record before the partition to the failure: the
 watchdog's detection (the ``hang`` record's ``detect_t``), or the attempt's end with the

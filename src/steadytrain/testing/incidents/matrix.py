@@ -55,6 +55,7 @@ from steadytrain.testing.incidents.common import (
     IncidentJob,
     Log,
     incident_rows,
+    last_step,
     read_trace,
     report,
     small_shards,
@@ -134,9 +135,12 @@ CI_CASES = ("cpu-quota",)
 CLEAN_CASES = ("clean-2", "clean-3")
 
 
-def expected(case: Case, run_dir: str, fault_step: int = FAULT_AT) -> list[dict[str, Any]]:
+def expected(
+    case: Case, run_dir: str, fault_step: int = FAULT_AT, quota_step: int | None = None
+) -> list[dict[str, Any]]:
     """What the report must find in ``case``'s run (``fault_step``: the newest step traced
-    when the kill or stop came, for ``node-loss`` and ``hang``)."""
+    when the kill or stop came, for ``node-loss`` and ``hang``; ``quota_step``: the newest
+    step traced once a CPU quota was in place)."""
     out = []
     ranks = node_ranks(run_dir)
     if case.storage:
@@ -155,7 +159,9 @@ def expected(case: Case, run_dir: str, fault_step: int = FAULT_AT) -> list[dict[
     if case.data_order:
         out.append(noisy_loss.expected(run_dir, case.steps))
     if case.cpu_quota:
-        out.append(cpu_quota.expected(run_dir, list(case.cpu_quota), FAULT_AT, case.steps))
+        out.append(
+            cpu_quota.expected(run_dir, list(case.cpu_quota), FAULT_AT, case.steps, quota_step)
+        )
     return out
 
 
@@ -247,6 +253,7 @@ def run_case(
     fault_step = FAULT_AT
     victim = case.kill or case.stop
     quota = [by_name[n] for n in case.cpu_quota]
+    quota_step: int | None = None
     try:
         if case.storage or victim or quota:
             job.wait_for_step(FAULT_AT, timeout=300)
@@ -254,6 +261,8 @@ def run_case(
         for name in case.storage:
             h.slow_storage(by_name[name], latency_s=LATENCY_S)
         cpu_quota.throttle(h, quota)
+        # where the quota was surely in force (throttle takes a while on a loaded machine)
+        quota_step = last_step(run_dir) if quota else None
         if case.kill:
             h.kill(by_name[case.kill])
         if case.stop:
@@ -270,13 +279,14 @@ def run_case(
             os.unlink(path)
     rep = report(run_dir)
     incidents = incident_rows(rep, case.name)
-    want = expected(case, run_dir, fault_step)
+    want = expected(case, run_dir, fault_step, quota_step)
     return {
         "case": case.name,
         "faults": asdict(case),
         "run_dir": run_dir,
         "report_html": rep.get("html"),
         "fault_step": fault_step,
+        "quota_step": quota_step,
         "node_ranks": node_ranks(run_dir),
         "expected": want,
         "incidents": incidents,
