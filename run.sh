@@ -24,6 +24,11 @@ fi
 # side). The suite mostly waits on processes and sockets, so more workers than cores pay:
 # docs/testing.md has the measurements. `-n N` or `-p no:xdist` in the arguments wins.
 workers=(-n "${STEADYTRAIN_TEST_WORKERS:-4}")
+# Byte-code caches on for the tests, whatever the shell says: with PYTHONDONTWRITEBYTECODE set
+# every worker re-ran pytest's assertion rewriting of every test module at each collection
+# (~8 s of CPU per worker per run) and every fresh interpreter compiled steadytrain again.
+# The caches go to __pycache__/ (git-ignored); docs/testing.md has the measurement.
+unset PYTHONDONTWRITEBYTECODE
 for a in "$@"; do
   case "$a" in -n|-n[0-9]*|--numprocesses*|no:xdist|-pno:xdist|--pdb) workers=() ;; esac
 done

@@ -17,6 +17,10 @@ from steadytrain.monitor.goodput import (
     compute_goodput,
 )
 
+# The report tests here read its numbers and words (text, JSON, the HTML page's text), the same
+# without PNGs; matplotlib was most of each report's CPU.
+NO_PLOTS = ["--no-plots"]
+
 
 def start(t, attempt=0, restored=0):
     return {"type": "job_start", "t": t, "attempt": attempt, "restored_step": restored}
@@ -207,9 +211,9 @@ def test_report_command_prints_the_slowdown(tmp_path, capsys) -> None:
     run.mkdir()
     records = async_save_run([1.5, 1.5, 1.5, 1.5]).records
     (run / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert main(["report", str(run), "--out", str(tmp_path / "rep"), "--json"]) == 0
+    assert main(["report", str(run), "--out", str(tmp_path / "rep"), "--json", *NO_PLOTS]) == 0
     assert json.loads(capsys.readouterr().out)["badput_s"]["slowdown"] == pytest.approx(2.0)
-    assert main(["report", str(run), "--out", str(tmp_path / "rep")]) == 0
+    assert main(["report", str(run), "--out", str(tmp_path / "rep"), *NO_PLOTS]) == 0
     assert "slowdown" in capsys.readouterr().out
 
 
@@ -393,12 +397,12 @@ def test_report_says_when_the_slowdown_is_unmeasured(tmp_path, capsys) -> None:
     run = tmp_path / "run"
     run.mkdir()
     (run / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in c.records))
-    assert main(["report", str(run), "--out", str(tmp_path / "rep"), "--json"]) == 0
+    assert main(["report", str(run), "--out", str(tmp_path / "rep"), "--json", *NO_PLOTS]) == 0
     assert json.loads(capsys.readouterr().out)["slowdown_unmeasured_steps"] == 2
     assert (
         json.loads((tmp_path / "rep" / "report.json").read_text())["slowdown_unmeasured_steps"] == 2
     )
-    assert main(["report", str(run), "--out", str(tmp_path / "rep")]) == 0
+    assert main(["report", str(run), "--out", str(tmp_path / "rep"), *NO_PLOTS]) == 0
     words = "slowdown unmeasured for 2 step(s): no step ran without a checkpoint write"
     assert words in capsys.readouterr().out
     assert words in (tmp_path / "rep" / "report.html").read_text()

@@ -208,7 +208,10 @@ def test_fuzz_report(ledger_ops: dict[int, tuple[Any, ...]], rank_ops: dict[int,
         write_lines(run / "ranks" / "rank-00000.jsonl", _rank_records(0), {})
         write_lines(run / "ranks" / "rank-00001.jsonl", _rank_records(1), rank_ops)
         try:
-            s = build_report(run)
+            # The numbers only: a plot that fails is named in plots_missing, never fatal, and
+            # matplotlib drew ~0.8 s of CPU per example here that nothing asserted on. Every
+            # plot over every bad line: test_hostile_records::test_cli_report_json_over_every_bad_line.
+            s = build_report(run, plots=False)
         except SteadyError as e:  # documented: no valid job_start left in the ledger
             assert "job_start" in str(e) and "ledger.jsonl" in str(e)
             return

@@ -125,16 +125,20 @@ def test_heading_json_and_goodput_bar_are_one_number(run: Path, tmp_path: Path, 
 
 
 def test_every_bucket_listed_and_summing_to_100(run: Path, tmp_path: Path, capsys) -> None:
-    s = json.loads(_cli(capsys, str(run), "--out", str(tmp_path), "--json"))
+    # No PNGs: the buckets' numbers, text and HTML table are what is read.
+    s = json.loads(_cli(capsys, str(run), "--out", str(tmp_path), "--json", "--no-plots"))
     keys = {"goodput", *s["badput"]}
     assert {"straggler_wait", "lost_to_failures", "restart_gap", "data_wait"} <= keys
     assert s["goodput_s"] + sum(s["badput_s"].values()) == pytest.approx(s["total_s"])
 
     html_rows = _html_buckets(Path(s["html"]).read_text())
-    text_rows = _text_buckets(_cli(capsys, str(run), "--out", str(tmp_path)))
+    text_rows = _text_buckets(_cli(capsys, str(run), "--out", str(tmp_path), "--no-plots"))
     for rows in (html_rows, text_rows):
         assert keys | {"total"} == set(rows)  # every bucket, zero ones too, and the sum
-        assert sum(v for k, v in rows.items() if k != "total") == pytest.approx(100, abs=0.1)
+        # Each share is printed to 0.1 %, so their sum is 100 within 0.05 per bucket (a fixed
+        # 0.1 failed when the run's real timings rounded 5 buckets up: 100.1).
+        rounding = 0.05 * (len(rows) - 1) + 1e-9
+        assert sum(v for k, v in rows.items() if k != "total") == pytest.approx(100, abs=rounding)
         assert rows["total"] == pytest.approx(100, abs=0.1)
         for k in keys:  # the same figures as the JSON
             share = s["goodput"] if k == "goodput" else s["badput"][k]

@@ -91,7 +91,9 @@ KEYS = ("attempt", "step", "tier", "seconds", "steps_lost")
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> str:
-    assert main(["report", *args]) == 0
+    # No PNGs (here or in build_report below): these tests read the restores' numbers, text
+    # and HTML table, which are the same without plots; matplotlib was most of their CPU.
+    assert main(["report", *args, "--no-plots"]) == 0
     return capsys.readouterr().out
 
 
@@ -129,7 +131,7 @@ def test_text_and_html_print_the_restores_table(
 
 
 def test_snapshot_blocking_is_inside_checkpoint_block_not_added(tmp_path: Path) -> None:
-    with_snaps = build_report(_tiered_run(tmp_path / "a"), tmp_path / "oa")
+    with_snaps = build_report(_tiered_run(tmp_path / "a"), tmp_path / "oa", plots=False)
     # The same steps (the same checkpoint_block_s) without the memory_snapshot records.
     without = compute_goodput(
         r for r in read_ledger(tmp_path / "a") if r["type"] != "memory_snapshot"
@@ -158,7 +160,7 @@ def test_old_ledger_without_tier_reads_as_durable(tmp_path: Path) -> None:
     tl.advance(5.0)
     tl.job_start(attempt=2, restored_step=8, restore_s=1.5)  # no restore record at all
     _steps(tl, 9, 10, memory=False)
-    s = build_report(_write(tmp_path / "run", tl.records), tmp_path / "out")
+    s = build_report(_write(tmp_path / "run", tl.records), tmp_path / "out", plots=False)
     rows = [{k: r[k] for k in KEYS} for r in s["restores"]]
     assert rows == [
         {"attempt": 1, "step": 4, "tier": "durable", "seconds": 2.5, "steps_lost": 4},
@@ -173,7 +175,7 @@ def test_a_fresh_start_is_no_restore(tmp_path: Path) -> None:
     tl.job_start(attempt=0)
     _steps(tl, 1, 3)
     _restore(tl, 0, "durable", 0.01)  # restore_latest found nothing: step 0
-    s = build_report(_write(tmp_path / "run", tl.records), tmp_path / "out")
+    s = build_report(_write(tmp_path / "run", tl.records), tmp_path / "out", plots=False)
     assert s["restores"] == []
 
 
@@ -214,7 +216,7 @@ def test_a_refused_snapshot_counts_its_blocking_and_error(tmp_path: Path) -> Non
     error = "memory tier: needs 4096 bytes, budget 1024: raise checkpoint.memory.budget_bytes"
     tl.event({"type": "memory_snapshot", "step": 2, "ok": False, "block_s": 0.05,
               "write_s": 0.0, "peer_s": 0.0, "bytes": 0, "peer_bytes": 0, "error": error})  # fmt: skip
-    s = build_report(_write(tmp_path / "run", tl.records), tmp_path / "out")
+    s = build_report(_write(tmp_path / "run", tl.records), tmp_path / "out", plots=False)
     snaps = s["memory_snapshots"]
     assert (snaps["ok"], snaps["failed"], snaps["last_error"]) == (0, 1, error)
     assert snaps["block_s"] == pytest.approx(0.05)
@@ -307,6 +309,6 @@ def test_passed_over_entries_are_bounded(tmp_path: Path) -> None:
     many = [{"path": f"p{i}", "step": i, "reason": "r"} for i in range(PASSED_PER_RESTORE + 7)]
     tl.event({"type": "restore", "step": 0, "restore_s": 0.1, "skipped": many})
     _steps(tl, 1, 2)
-    s = build_report(_write(tmp_path / "run", tl.records), tmp_path / "out")
+    s = build_report(_write(tmp_path / "run", tl.records), tmp_path / "out", plots=False)
     assert len(s["restores_passed_over"]) == PASSED_PER_RESTORE
     assert s["restores_passed_over_more"] == 7

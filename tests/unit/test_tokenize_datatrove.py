@@ -14,9 +14,6 @@ import shutil
 
 import numpy as np
 import pytest
-from datatrove.data import Document
-from datatrove.pipeline.tokens.merger import DocumentTokenizerMerger
-from datatrove.pipeline.tokens.tokenizer import DocumentTokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from steadytrain.cli import main
@@ -44,6 +41,11 @@ def _docs(url: str) -> list[list[int]]:
 
 def _tokenize(out: str, tokenizer: str, texts: list[str], ranks: int, **kw) -> None:
     """What a datatrove job with ``ranks`` tasks writes: one ``.ds`` per rank."""
+    # datatrove imported here, not at collection: every xdist worker collects this module
+    # and only the one that runs it (a module fixture keeps it whole) needs the package.
+    from datatrove.data import Document
+    from datatrove.pipeline.tokens.tokenizer import DocumentTokenizer
+
     for rank in range(ranks):
         step = DocumentTokenizer(out, tokenizer_name_or_path=tokenizer, save_filename="run", **kw)
         docs = (Document(text=t, id=str(i)) for i, t in enumerate(texts[rank::ranks]))
@@ -100,6 +102,8 @@ def test_merged_shuffled_output_with_tokenizer_json_through_the_cli(tmp_path, bp
     path, tok = bpe
     _tokenize(str(tmp_path / "dt"), path, TEXTS, ranks=3, eos_token=EOS, seed=3)
     merged = str(tmp_path / "merged")
+    from datatrove.pipeline.tokens.merger import DocumentTokenizerMerger
+
     merger = DocumentTokenizerMerger(
         str(tmp_path / "dt"), merged, save_filename="m", seed=5, progress=False
     )
