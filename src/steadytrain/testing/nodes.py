@@ -65,13 +65,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-from steadytrain.testing import netns
+from steadytrain.testing import forkserver, netns
 from steadytrain.testing.cgroups import (
     NODE_SHELL,
     CgroupView,
     NodeQuota,
     leftover_cgroups,
 )
+from steadytrain.testing.forkserver import ForkedProcess
 from steadytrain.testing.netns import NetnsUnavailable, ip
 from steadytrain.testing.node_local import (
     empty_dir,
@@ -92,6 +93,17 @@ MARK_ENV = "STEADYTRAIN_NODE_HARNESS"
 
 
 Mode = Literal["auto", "netns", "loopback"]
+# A node's process: fresh (``ip netns exec``) or forked into the node (``forkserver``).
+Proc = subprocess.Popen[Any] | ForkedProcess
+# What a forked child takes of ``subprocess.Popen``'s arguments (output to a file, a pipe,
+# the caller's own stdout and stderr; a working directory); anything else starts fresh.
+_FORK_KWARGS = frozenset({"stdout", "stderr", "text", "cwd"})
+
+
+def _output(target: Any, inherited: int) -> Any:
+    """A forked child's stdout or stderr: ``target``, or (None) the caller's own fd, which a
+    fresh process would inherit."""
+    return inherited if target is None else target
 
 
 def _stderr(msg: str) -> None:
@@ -112,7 +124,7 @@ class Node:
     memory_tmpfs: bool
     link: SlowLink
     env: dict[str, str]
-    procs: list[subprocess.Popen[Any]] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
     logs: list[IO[Any]] = field(default_factory=list)
     cgroup_view: str | None = None  # the machine's /sys/fs/cgroup, bound by the harness
 
@@ -284,27 +296,68 @@ class NodeHarness:
         *,
         log_path: str | None = None,
         env: dict[str, str] | None = None,
+        fork: bool | None = None,
         **kwargs: Any,
-    ) -> subprocess.Popen[Any]:
+    ) -> Proc:
         """Start ``argv`` on ``node`` with its environment (plus ``env``); output goes to
-        ``log_path`` when given. The harness tracks the process for kill and teardown."""
+        ``log_path`` when given. The harness tracks the process for kill and teardown.
+
+        ``fork``: None forks a Python command line (``forkserver.forks``) into the node
+        when ``can_fork`` says it can, else starts it fresh; True insists on the fork
+        (``ValueError`` where it cannot); False starts it fresh (``ip netns exec``). A
+        forked child is a ``ForkedProcess`` (no ``stdin``, no ``stdout`` stream to read
+        line by line: a caller that needs those passes ``stdin=``/``stdout=PIPE`` and gets
+        a fresh process, or ``fork=False``)."""
         if log_path is not None:
             out = open(log_path, "w")  # noqa: SIM115 - closed at kill/teardown
             node.logs.append(out)
             kwargs.setdefault("stdout", out)
             kwargs.setdefault("stderr", subprocess.STDOUT)
-        proc = subprocess.Popen(node.argv(argv), env={**node.env, **(env or {})}, **kwargs)
+        streams = subprocess.PIPE in (kwargs.get("stdout"), kwargs.get("stderr"))
+        ok = self.can_fork(node, argv, kwargs)
+        if fork and not ok:
+            raise ValueError(f"{list(argv)[:3]} cannot be forked into {node.name}: "
+                             f"mode {self.mode}, arguments {sorted(kwargs)}")  # fmt: skip
+        full_env = {**node.env, **(env or {})}
+        proc: Proc
+        if ok and (fork or (fork is None and not streams)):
+            assert node.netns is not None
+            proc = forkserver.popen(
+                argv,
+                env=full_env,
+                cwd=kwargs.get("cwd"),
+                stdout=_output(kwargs.get("stdout"), 1),
+                stderr=_output(kwargs.get("stderr"), 2),
+                node=(node.netns, node.cgroup_view),
+            )
+        else:
+            proc = subprocess.Popen(node.argv(argv), env=full_env, **kwargs)
         node.procs.append(proc)
         return proc
+
+    def can_fork(self, node: Node, argv: Sequence[str], kwargs: dict[str, Any]) -> bool:
+        """Whether ``argv`` (with ``subprocess.Popen``'s ``kwargs``) can be forked into
+        ``node``: mode netns, a Python command line the fork server runs, no
+        ``STEADYTRAIN_TEST_FRESH=1``, and only arguments a forked child takes (text output,
+        no ``DEVNULL``)."""
+        if node.netns is None or not forkserver.forks(argv) or not set(kwargs) <= _FORK_KWARGS:
+            return False
+        outputs = (kwargs.get("stdout"), kwargs.get("stderr"))
+        if subprocess.DEVNULL in outputs:
+            return False
+        # A forked child's pipes are read back as text: bytes asked for start fresh.
+        return subprocess.PIPE not in outputs or bool(kwargs.get("text"))
 
     def run(
         self, node: Node, argv: Sequence[str], *, timeout: float = 120, **kwargs: Any
     ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` on ``node`` to completion (text output captured); on time-out the
         node's process is killed by PID and ``TimeoutExpired`` raised."""
-        proc = self.popen(
-            node, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
-        )
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        fork = kwargs.pop("fork", None)
+        if fork is None:  # read to the end here: no stream to read line by line
+            fork = self.can_fork(node, argv, {k: v for k, v in kwargs.items() if k != "env"})
+        proc = self.popen(node, argv, fork=fork, **kwargs)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -325,7 +378,7 @@ class NodeHarness:
         rdzv_conf: str = "",
         log_path: str | None = None,
         env: dict[str, str] | None = None,
-    ) -> subprocess.Popen[Any]:
+    ) -> Proc:
         """This node's torchrun agent (``args``: what follows, e.g. ``["-m",
         "steadytrain.cli", "train", ...]``), joined to the harness's rendezvous store."""
         conf = ",".join(c for c in ("is_host=false", rdzv_conf) if c)
