@@ -12,6 +12,7 @@ import re
 import sys
 import time
 
+import psutil
 import pytest
 
 from steadytrain.testing import netns
@@ -332,6 +333,13 @@ def test_a_partly_staged_spare_fetches_the_rest_and_says_how_much(
     job.wait(timeout=600)
     with open(job.log_path(spare.name)) as f:
         text = f.read()
+    # The rank was forked from the spare's warm process (forked into the node itself):
+    # that process reaped its CPU, and no rank started cold.
+    warm = harness.warm_pid(spare)
+    assert warm is not None and warm in harness.pids(spare)
+    reaped = psutil.Process(warm).cpu_times()
+    assert reaped.children_user + reaped.children_system > 0
+    assert "starting cold" not in text
     # At start the preflight says what is missing and from which step (the staged steps
     # are covered) ...
     first = re.search(

@@ -65,6 +65,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, TYPE_CHECKING, Any, Literal
 
+import psutil
+
 from steadytrain.testing import forkserver, netns
 from steadytrain.testing.cgroups import (
     NODE_SHELL,
@@ -81,6 +83,7 @@ from steadytrain.testing.node_local import (
     node_env,
     process_tree,
 )
+from steadytrain.testing.node_warm import NodeWarm, warm_args
 from steadytrain.testing.s3_server import SeaweedServer
 from steadytrain.testing.slowlink import SlowLink
 
@@ -98,6 +101,13 @@ Proc = subprocess.Popen[Any] | ForkedProcess
 # What a forked child takes of ``subprocess.Popen``'s arguments (output to a file, a pipe,
 # the caller's own stdout and stderr; a working directory); anything else starts fresh.
 _FORK_KWARGS = frozenset({"stdout", "stderr", "text", "cwd"})
+
+
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
 
 
 def _output(target: Any, inherited: int) -> Any:
@@ -181,6 +191,7 @@ class NodeHarness:
         self._namespaces: list[str] = []
         self.cgroup_view: str | None = None
         self._quotas: dict[str, NodeQuota] = {}
+        self._warm = NodeWarm(self._start_warm, log)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -378,9 +389,17 @@ class NodeHarness:
         rdzv_conf: str = "",
         log_path: str | None = None,
         env: dict[str, str] | None = None,
+        warm: bool | None = None,
     ) -> Proc:
         """This node's torchrun agent (``args``: what follows, e.g. ``["-m",
-        "steadytrain.cli", "train", ...]``), joined to the harness's rendezvous store."""
+        "steadytrain.cli", "train", ...]``), joined to the harness's rendezvous store.
+
+        ``warm``: None (auto) has the CLI's ranks (``-m steadytrain.cli ...``) fork from
+        the node's warm process (``node_warm``) where ``can_warm``, else start fresh; False
+        keeps them fresh (a test of the cold path, or of freshness itself); True insists."""
+        args, warm_env = self._warm_ranks(node, list(args), warm)
+        if warm_env:
+            env = {**(env or {}), **warm_env}
         conf = ",".join(c for c in ("is_host=false", rdzv_conf) if c)
         argv = [
             sys.executable,
@@ -398,6 +417,59 @@ class NodeHarness:
             *args,
         ]
         return self.popen(node, argv, log_path=log_path, env=env)
+
+    # -- warm ranks --------------------------------------------------------------------
+
+    def can_warm(self, node: Node) -> bool:
+        """Whether ``node``'s ranks can fork from a warm process: its warm process can be
+        forked into it (``can_fork``)."""
+        return self.can_fork(node, [sys.executable, "-m", "steadytrain.warm"], {})
+
+    def prewarm(self, nodes: Sequence[Node], args: Sequence[str]) -> None:
+        """Start each node's warm process now (not waited for) when torchrun's script
+        ``args`` run the CLI: a job on several nodes starts them together, then each agent
+        waits for its own."""
+        from steadytrain.train.demo_run import train_entry
+
+        if warm_args(list(args), train_entry()) is None:
+            return
+        for node in nodes:
+            if self.can_warm(node):
+                self._warm.start(node, train_entry())
+
+    def _warm_ranks(
+        self, node: Node, args: list[str], warm: bool | None
+    ) -> tuple[list[str], dict[str, str]]:
+        """torchrun's script arguments and the agent's extra environment for ``warm``."""
+        from steadytrain.train.demo_run import train_entry
+        from steadytrain.warm.protocol import ENV_SOCKET
+
+        entry = warm_args(args, train_entry())
+        if warm is False or (warm is None and (entry is None or not self.can_warm(node))):
+            return args, {}
+        if entry is None or not self.can_warm(node):
+            raise ValueError(f"warm ranks on {node.name} need mode netns, a fork server and "
+                             f"the CLI's ranks (-m steadytrain.cli): {args[:3]}")  # fmt: skip
+        self.prewarm([node], args)
+        sock = self._warm.socket(node)
+        return (entry, {ENV_SOCKET: sock}) if sock else (args, {})
+
+    def _start_warm(self, node: Node, argv: list[str], log_path: str) -> Proc:
+        return self.popen(node, [sys.executable, *argv], log_path=log_path, fork=True)
+
+    def workers(self, node: Node, agent: Proc) -> list[psutil.Process]:
+        """The training processes ``agent`` (a torchrun agent on ``node``) started: its
+        children that run steadytrain, or, where they entered the node's warm process (the
+        agent's child is then ``steadytrain.warm.enter``), the workers that process forked."""
+        kids = [p for p in psutil.Process(agent.pid).children() if "steadytrain" in _cmd(p)]
+        if not any("steadytrain.warm.enter" in _cmd(p) for p in kids):
+            return kids
+        warm = self.warm_pid(node)
+        return psutil.Process(warm).children() if warm else []
+
+    def warm_pid(self, node: Node) -> int | None:
+        """The pid of ``node``'s warm process while it runs (None: none started, or gone)."""
+        return self._warm.pid(node)
 
     # -- operations --------------------------------------------------------------------
 
@@ -501,6 +573,7 @@ class NodeHarness:
             if not q.remove():
                 self.log(f"[nodes] {name}: cgroup {q.path} still holds {sorted(q.pids())}")
         self._quotas.clear()
+        self._warm.close()
         self._mounts.close()
         for k, ns in enumerate(self._namespaces):
             netns.remove_namespace(ns, f"st{self.tag}h{k}")

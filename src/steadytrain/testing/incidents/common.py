@@ -168,6 +168,7 @@ class IncidentJob:
             else (train_args([*TINY_SETTINGS, f"run_dir={run_dir}", *settings], module))
         )
         self.argv = args
+        h.prewarm(self.nodes, args)  # each node's warm process at once (the CLI's ranks fork)
         self.agents = {
             n.name: h.torchrun(
                 n,
