@@ -43,9 +43,23 @@ made: no ``ip``, not root, or ``ip`` refused): nodes are distinct ``127.0.0.(10+
 addresses in the root namespace, servers listen on 127.0.0.1, and ``partition`` is not
 available. The mode and its reason are printed when the harness starts.
 
-Every process a node starts carries ``STEADYTRAIN_NODE_HARNESS=TAG/node-k`` in its
-environment; a node's processes are those, plus its namespace's (``ip netns pids``), plus
-the descendants of what the harness started there. ``close()`` sends them SIGTERM, then
+How a node's process starts (mode netns): a Python command line (``sys.executable -m
+MODULE``/``SCRIPT``/``-c``, what ``run``, ``stage`` and ``torchrun`` start) is forked from
+the test process's fork server (``testing.forkserver``, torch imported once) and enters the
+node before it runs (``testing.node_entry``: ``setns`` to the node's network namespace, a
+mount namespace of its own with the node's ``/etc/hosts``, ``/sys`` and the cgroup view, as
+``ip netns exec`` and ``NODE_SHELL`` make them); a child that cannot enter fails loudly
+(``NodeEntryFailed``), it never runs in the machine's namespaces. A torchrun agent's CLI
+ranks (``-m steadytrain.cli``) fork in turn from the node's warm process
+(``testing.node_warm``, itself forked into the node; ``torchrun(warm=False)`` keeps them
+fresh). Anything else starts fresh through ``ip netns exec``: other programs (Slurm's
+daemons, ``sh``), a caller that needs ``stdin`` or a stdout stream to read line by line,
+loopback mode, and every process with ``STEADYTRAIN_TEST_FRESH=1``.
+
+A fresh process of a node carries ``STEADYTRAIN_NODE_HARNESS=TAG/node-k`` in its
+environment; a forked one has it in ``os.environ`` only (``/proc/PID/environ`` shows the
+fork server's), so a node's processes are the marked ones, plus its namespace's (``ip
+netns pids``), plus the descendants of what the harness started there. ``close()`` sends them SIGTERM, then
 SIGKILL by PID to any still running after ``grace_s`` (saying which), unmounts the disks,
 deletes namespaces, veths and the bridge, and stops the servers; ``leftovers()`` lists
 anything that survived (a test asserts it is empty).
