@@ -404,13 +404,15 @@ class NodeHarness:
         log_path: str | None = None,
         env: dict[str, str] | None = None,
         warm: bool | None = None,
+        fork: bool | None = None,
     ) -> Proc:
         """This node's torchrun agent (``args``: what follows, e.g. ``["-m",
         "steadytrain.cli", "train", ...]``), joined to the harness's rendezvous store.
 
         ``warm``: None (auto) has the CLI's ranks (``-m steadytrain.cli ...``) fork from
         the node's warm process (``node_warm``) where ``can_warm``, else start fresh; False
-        keeps them fresh (a test of the cold path, or of freshness itself); True insists."""
+        keeps them fresh (a test of the cold path, or of freshness itself); True insists.
+        ``fork``: the agent's own start, as ``popen`` takes it."""
         args, warm_env = self._warm_ranks(node, list(args), warm)
         if warm_env:
             env = {**(env or {}), **warm_env}
@@ -430,7 +432,7 @@ class NodeHarness:
             "--monitor-interval=0.2",
             *args,
         ]
-        return self.popen(node, argv, log_path=log_path, env=env)
+        return self.popen(node, argv, log_path=log_path, env=env, fork=fork)
 
     # -- warm ranks --------------------------------------------------------------------
 
