@@ -139,9 +139,8 @@ def test_each_node_has_its_own_memory_and_a_kill_empties_it(harness: NodeHarness
 
 def _worker(job: Any, node: Node) -> psutil.Process:
     """The training process that ``node``'s torchrun agent started."""
-    agent = psutil.Process(job.agents[node.name].pid)
-    workers = [c for c in agent.children() if "steadytrain.cli" in " ".join(c.cmdline())]
-    assert len(workers) == 1, [c.cmdline() for c in agent.children()]
+    workers = job.h.workers(node, job.agents[node.name])
+    assert len(workers) == 1, [c.cmdline() for c in workers]
     return workers[0]
 
 

@@ -10,9 +10,13 @@ import json
 import os
 import re
 import sys
+import time
 
+import psutil
 import pytest
 
+from steadytrain.testing import netns
+from steadytrain.testing.forkserver import ForkedProcess, NodeEntryFailed
 from steadytrain.testing.incidents.common import IncidentJob, small_shards
 from steadytrain.testing.incidents.continuation import fetched_lines
 from steadytrain.testing.nodes import NodeHarness
@@ -143,6 +147,84 @@ def test_a_cpu_quota_holds_one_node_and_its_process_sees_it(harness: NodeHarness
     assert quiet["quota"] is None and not quiet["throttled"], quiet
 
 
+# Forked into a node: what it sees of the node (one JSON line), a grandchild in a session
+# of its own (as torchrun starts its workers), then it sleeps until killed.
+_IN_NODE = """
+import json, os, socket, subprocess, sys, time
+kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                       start_new_session=True)
+addrs = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+print(json.dumps({"pid": os.getpid(), "grandchild": kid.pid, "addrs": addrs,
+                  "net": sorted(os.listdir("/sys/class/net")),
+                  "peer": socket.gethostbyname(sys.argv[1]),
+                  "cgroup": sorted(os.listdir("/sys/fs/cgroup"))}), flush=True)
+time.sleep(600)
+"""
+
+
+def _netns_inode(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def _first_line(path: str, proc, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(path) as f:
+            text = f.read()
+        if text.endswith("\n") and text.lstrip().startswith("{"):
+            return json.loads(text.splitlines()[0])
+        assert proc.poll() is None, text[-3000:]
+        time.sleep(0.1)
+    raise AssertionError(f"no line from the forked process in {timeout} s")
+
+
+def test_a_process_forked_into_a_node_is_in_the_node_and_killed_with_it(
+    harness: NodeHarness, tmp_path
+) -> None:
+    """A Python process on a node is forked from the fork server and enters the node
+    (``node_entry``): its network namespace (its address; ``/sys/class/net`` only lo and
+    eth0), the node's ``/etc/hosts`` (a peer node's name resolves), the cgroup view. Its
+    environment in ``/proc`` is the server's, so the node finds it by namespace and process
+    tree: ``pids`` lists it and its grandchild, ``kill`` ends both."""
+    node0 = harness.nodes[0]
+    spare = harness.add_node()
+    log = str(tmp_path / "in-node.log")
+    proc = harness.popen(spare, [sys.executable, "-c", _IN_NODE, node0.name], log_path=log)
+    assert isinstance(proc, ForkedProcess)  # Python on a node forks unless told otherwise
+    got = _first_line(log, proc)
+    assert got["pid"] == proc.pid
+    assert got["net"] == ["eth0", "lo"], got["net"]  # /sys describes the node's namespace
+    assert f"inet {spare.addr}/24" in got["addrs"], got["addrs"]
+    assert got["peer"] == node0.addr  # the node's /etc/hosts
+    assert got["cgroup"], "the cgroup view is bound over /sys/fs/cgroup"
+    ns = os.stat(os.path.join("/run/netns", spare.netns)).st_ino
+    for pid in (proc.pid, got["grandchild"]):
+        assert _netns_inode(pid) == f"net:[{ns}]"
+    assert proc.pid not in netns.marked_pids(f"STEADYTRAIN_NODE_HARNESS={harness.tag}/{spare.name}")
+    assert {proc.pid, got["grandchild"]} <= harness.pids(spare)
+    assert proc.pid not in harness.pids(node0)
+    killed = harness.kill(spare)
+    assert {proc.pid, got["grandchild"]} <= killed
+    assert proc.returncode == -9
+    deadline = time.monotonic() + 30
+    while netns.alive(got["grandchild"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not netns.alive(got["grandchild"])
+    assert harness.pids(spare) == set()
+
+
+def test_a_process_that_cannot_enter_its_node_does_not_run(harness: NodeHarness) -> None:
+    """Loud, never silent: a fork whose node namespace is gone raises, and nothing ran."""
+    from steadytrain.testing import forkserver
+
+    marker = harness.nodes[0].cache_dir + "/ran-outside"
+    with pytest.raises(NodeEntryFailed, match="st-gone.*cannot open /run/netns/st-gone"):
+        forkserver.popen([sys.executable, "-c", f"open({marker!r}, 'w')"], node=("st-gone", None))
+    # The server answers once the child's end of its pipe closed: the child had ended (126)
+    # at the entry, before it could run anything.
+    assert not os.path.exists(marker)
+
+
 @pytest.fixture
 def weed() -> None:
     if find_weed() is None:
@@ -164,6 +246,7 @@ def test_teardown_is_clean_and_kills_a_stuck_process(weed, tmp_path) -> None:
         stuck = h.popen(h.nodes[1], [sys.executable, "-c", stubborn], stdout=-1, text=True)
         assert stuck.stdout.readline().strip() == "ready"
         calm = h.popen(h.nodes[0], [sys.executable, "-c", "import time; time.sleep(600)"])
+        assert isinstance(calm, ForkedProcess)  # forked into node-0: found all the same
         pids = h.pids(h.nodes[0]) | h.pids(h.nodes[1])
         assert {stuck.pid, calm.pid} < pids and len(pids) >= 3
         names = [n.netns for n in h.nodes]
@@ -250,6 +333,13 @@ def test_a_partly_staged_spare_fetches_the_rest_and_says_how_much(
     job.wait(timeout=600)
     with open(job.log_path(spare.name)) as f:
         text = f.read()
+    # The rank was forked from the spare's warm process (forked into the node itself):
+    # that process reaped its CPU, and no rank started cold.
+    warm = harness.warm_pid(spare)
+    assert warm is not None and warm in harness.pids(spare)
+    reaped = psutil.Process(warm).cpu_times()
+    assert reaped.children_user + reaped.children_system > 0
+    assert "starting cold" not in text
     # At start the preflight says what is missing and from which step (the staged steps
     # are covered) ...
     first = re.search(

@@ -51,7 +51,16 @@ import threading
 from collections.abc import Sequence
 from typing import IO, Any, NoReturn
 
-__all__ = ["PRELOAD", "ForkedProcess", "Forkserver", "popen", "python_argv", "run"]
+__all__ = [
+    "PRELOAD",
+    "ForkedProcess",
+    "Forkserver",
+    "NodeEntryFailed",
+    "forks",
+    "popen",
+    "python_argv",
+    "run",
+]
 
 # What the server imports before it forks: the bulk of any torch process's start-up. Not
 # steadytrain (0.3 s more once torch is in): a stock reader checks that it never imports it.
@@ -103,10 +112,48 @@ def _main(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def _become(msg: dict[str, Any], fds: list[int]) -> int:
+def _node_entry() -> Any:
+    """``steadytrain/testing/node_entry.py``, loaded by its path: the server must not import
+    the steadytrain package. Loaded once, before the first fork, so children inherit it."""
+    import importlib.util
+
+    name = "_steadytrain_node_entry"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_entry.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _enter_node(node: list[Any], r: int, w: int) -> list[str]:
+    """In the forked child, first: enter the node (``node_entry.enter(NETNS, CGROUP_VIEW)``)
+    and close ``w``, the pipe the server waits on; a failure is written there (the server
+    answers it as the request's error) and ends the child with 126, before it ran anything."""
+    os.close(r)
+    try:
+        notes = _node_entry().enter(*node)
+    except BaseException as e:  # noqa: BLE001 - any failure: the child must not run
+        with contextlib.suppress(OSError):
+            os.write(w, f"{type(e).__name__}: {e}".encode()[:4000])
+        os._exit(126)
+    os.close(w)
+    return notes
+
+
+def _read_all(fd: int) -> bytes:
+    data = b""
+    while chunk := os.read(fd, 4096):
+        data += chunk
+    return data
+
+
+def _become(msg: dict[str, Any], fds: list[int], notes: Sequence[str] = ()) -> int:
     """In the forked child: become the process asked for, run it; its exit code (negative:
     the signal it must end by). The caller then ends it as a fresh interpreter ends
-    (``_end``)."""
+    (``_end``). ``notes``: lines for its stderr first (what entering its node warned)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # SIGPIPE stays ignored, as
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Python sets it; SIGCHLD was never set
     null = os.open(os.devnull, os.O_RDONLY)
@@ -115,6 +162,8 @@ def _become(msg: dict[str, Any], fds: list[int]) -> int:
     os.dup2(fds[-1], 2)
     for fd in {null, *fds}:
         os.close(fd)
+    for note in notes:
+        print(note, file=sys.stderr, flush=True)
     os.environ.clear()
     os.environ.update(msg["env"])
     os.chdir(msg["cwd"])
@@ -217,6 +266,7 @@ def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
 def serve(sock: socket.socket, preload: Sequence[str]) -> None:
     """The server's loop (``python .../forkserver.py FD MODULE,...``)."""
     _warm_up(preload)
+    _node_entry()
     # Everything the preload made is frozen: never collected, so neither a child's
     # collections nor its exit walk it, and the pages a fork shares stay shared. Without it
     # the exit of a forked `python -c pass` cost 0.77 s of CPU here (the final collection and
@@ -246,14 +296,22 @@ def serve(sock: socket.socket, preload: Sequence[str]) -> None:
         req = json.loads(data)
         sys.stdout.flush()
         sys.stderr.flush()
+        node = req.get("node")
+        r, w = os.pipe() if node else (-1, -1)
         pid = os.fork()
         if pid == 0:
             sock.close()
-            _end(_become(req, fds))
+            notes = _enter_node(node, r, w) if node else []
+            _end(_become(req, fds, notes))
+        error = ""
+        if node:  # the child has entered its node (EOF) or said why not (milliseconds)
+            os.close(w)
+            error = _read_all(r).decode(errors="replace")
+            os.close(r)
         for fd in fds:
             os.close(fd)
         children.add(pid)
-        reply({"pid": pid, "id": req.get("id")})
+        reply({"pid": pid, "id": req.get("id"), "error": error})
 
 
 # -- client ---------------------------------------------------------------------------------
@@ -262,6 +320,10 @@ def serve(sock: socket.socket, preload: Sequence[str]) -> None:
 def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+class NodeEntryFailed(RuntimeError):
+    """A child forked for a node could not enter the node's namespaces (it did not run)."""
 
 
 class _Pipe:
@@ -343,6 +405,7 @@ class Forkserver:
         # test's timeout) leaves its pid unclaimed, and the next caller must not take it (it
         # did: every later process of the test process got its predecessor's pid and exit).
         self._pids: dict[int, int] = {}
+        self._errors: dict[int, str] = {}  # a request's child that could not enter its node
         self._abandoned: set[int] = set()  # requests whose caller stopped waiting
         self._next_id = 0
         self._cond = threading.Condition()
@@ -364,6 +427,8 @@ class Forkserver:
                         _kill(msg["pid"])
                     else:
                         self._pids[msg["id"]] = msg["pid"]
+                        if msg.get("error"):
+                            self._errors[msg["id"]] = msg["error"]
                     self._cond.notify_all()
         with self._cond:
             self.closed = True
@@ -379,10 +444,13 @@ class Forkserver:
         umask: int | None = None,
         stdout: Output = subprocess.PIPE,
         stderr: Output | None = None,
+        node: tuple[str, str | None] | None = None,
     ) -> ForkedProcess:
         """Fork ``python *argv`` with exactly ``env``. ``stdout``: a pipe (``PIPE``) or a
         file object or fd the child writes to; ``stderr``: the same choices or ``STDOUT``,
-        by default ``STDOUT`` with ``merge`` and a pipe of its own without."""
+        by default ``STDOUT`` with ``merge`` and a pipe of its own without. ``node``:
+        ``(NETNS, CGROUP_VIEW or None)``, the node harness's node the child enters before it
+        runs (``node_entry``); ``NodeEntryFailed`` when it could not."""
         if stderr is None:
             stderr = subprocess.STDOUT if merge else subprocess.PIPE
         made: list[tuple[int, int]] = []  # (read, write) of the pipes made here
@@ -401,6 +469,8 @@ class Forkserver:
             rid = self._next_id
             self._next_id += 1
             req = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "umask": umask, "id": rid}
+            if node is not None:
+                req["node"] = list(node)
             try:
                 socket.send_fds(self._sock, [json.dumps(req).encode() + b"\n"], send)
             finally:
@@ -412,6 +482,7 @@ class Forkserver:
                     if rid not in self._pids:
                         raise RuntimeError(f"the fork server is gone (exit {self._proc.poll()})")
                     pid = self._pids.pop(rid)
+                    error = self._errors.pop(rid, "")
             except BaseException:  # gone, or interrupted: no child is left running unheld
                 with self._cond:
                     if rid in self._pids:
@@ -421,6 +492,15 @@ class Forkserver:
                 for r, _ in made:
                     os.close(r)
                 raise
+        if error:  # the child ended (126) before it ran anything
+            for r, _ in made:
+                os.close(r)
+            assert node is not None
+            raise NodeEntryFailed(
+                f"a process forked for node namespace {node[0]} could not enter it, so it "
+                f"did not run ({error}); {' '.join(argv[:3])}. Run as root where `ip netns "
+                "exec` works, or with STEADYTRAIN_TEST_FRESH=1"
+            )
         reads = iter(_Pipe(r) for r, _ in made)
         out = next(reads) if stdout == subprocess.PIPE else None
         err = next(reads) if stderr == subprocess.PIPE else None
@@ -460,6 +540,12 @@ def python_argv(cmd: Sequence[str]) -> list[str] | None:
     return None
 
 
+def forks(cmd: Sequence[str]) -> bool:
+    """Whether ``popen(cmd)`` forks: a Python command line ``python_argv`` can run, and no
+    ``STEADYTRAIN_TEST_FRESH=1`` in this process's environment."""
+    return python_argv(cmd) is not None and os.environ.get("STEADYTRAIN_TEST_FRESH") != "1"
+
+
 def popen(
     cmd: Sequence[str],
     *,
@@ -469,16 +555,22 @@ def popen(
     umask: int | None = None,
     stdout: Output = subprocess.PIPE,
     stderr: Output | None = None,
+    node: tuple[str, str | None] | None = None,
 ) -> ForkedProcess | subprocess.Popen:
     """``subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, umask=umask)``
     (``stderr`` by default ``STDOUT`` with ``merge``, else ``PIPE``), forked from this
-    process's server (started at the first call, closed at exit) when ``python_argv(cmd)``
-    says a fork can run it; a fresh process otherwise, or with ``STEADYTRAIN_TEST_FRESH=1``."""
+    process's server (started at the first call, closed at exit) when ``forks(cmd)``; a
+    fresh process otherwise. ``node``: the harness node ``(NETNS, CGROUP_VIEW)`` the child
+    enters (``Forkserver.popen``); only a fork can (the harness starts a fresh process
+    there through ``ip netns exec``), so ``ValueError`` when ``cmd`` would run fresh."""
     env = dict(os.environ if env is None else env)
     if stderr is None:
         stderr = subprocess.STDOUT if merge else subprocess.PIPE
     argv = python_argv(cmd)
-    if argv is None or os.environ.get("STEADYTRAIN_TEST_FRESH") == "1":
+    if not forks(cmd):
+        if node is not None:
+            raise ValueError(f"{list(cmd)[:3]} runs fresh here: start it on node {node[0]} "
+                             "with `ip netns exec` (NodeHarness.popen does)")  # fmt: skip
         return subprocess.Popen(
             list(cmd), env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=True,
             umask=-1 if umask is None else umask,
@@ -489,7 +581,8 @@ def popen(
             _SERVER = Forkserver(PRELOAD)
             atexit.register(_SERVER.close)
         server = _SERVER
-    proc = server.popen(argv, env, cwd, umask=umask, stdout=stdout, stderr=stderr)
+    assert argv is not None
+    proc = server.popen(argv, env, cwd, umask=umask, stdout=stdout, stderr=stderr, node=node)
     proc.args = list(cmd)  # what subprocess.Popen would name in TimeoutExpired
     return proc
 

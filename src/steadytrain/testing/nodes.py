@@ -43,9 +43,23 @@ made: no ``ip``, not root, or ``ip`` refused): nodes are distinct ``127.0.0.(10+
 addresses in the root namespace, servers listen on 127.0.0.1, and ``partition`` is not
 available. The mode and its reason are printed when the harness starts.
 
-Every process a node starts carries ``STEADYTRAIN_NODE_HARNESS=TAG/node-k`` in its
-environment; a node's processes are those, plus its namespace's (``ip netns pids``), plus
-the descendants of what the harness started there. ``close()`` sends them SIGTERM, then
+How a node's process starts (mode netns): a Python command line (``sys.executable -m
+MODULE``/``SCRIPT``/``-c``, what ``run``, ``stage`` and ``torchrun`` start) is forked from
+the test process's fork server (``testing.forkserver``, torch imported once) and enters the
+node before it runs (``testing.node_entry``: ``setns`` to the node's network namespace, a
+mount namespace of its own with the node's ``/etc/hosts``, ``/sys`` and the cgroup view, as
+``ip netns exec`` and ``NODE_SHELL`` make them); a child that cannot enter fails loudly
+(``NodeEntryFailed``), it never runs in the machine's namespaces. A torchrun agent's CLI
+ranks (``-m steadytrain.cli``) fork in turn from the node's warm process
+(``testing.node_warm``, itself forked into the node; ``torchrun(warm=False)`` keeps them
+fresh). Anything else starts fresh through ``ip netns exec``: other programs (Slurm's
+daemons, ``sh``), a caller that needs ``stdin`` or a stdout stream to read line by line,
+loopback mode, and every process with ``STEADYTRAIN_TEST_FRESH=1``.
+
+A fresh process of a node carries ``STEADYTRAIN_NODE_HARNESS=TAG/node-k`` in its
+environment; a forked one has it in ``os.environ`` only (``/proc/PID/environ`` shows the
+fork server's), so a node's processes are the marked ones, plus its namespace's (``ip
+netns pids``), plus the descendants of what the harness started there. ``close()`` sends them SIGTERM, then
 SIGKILL by PID to any still running after ``grace_s`` (saying which), unmounts the disks,
 deletes namespaces, veths and the bridge, and stops the servers; ``leftovers()`` lists
 anything that survived (a test asserts it is empty).
@@ -65,13 +79,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-from steadytrain.testing import netns
+import psutil
+
+from steadytrain.testing import forkserver, netns
 from steadytrain.testing.cgroups import (
     NODE_SHELL,
     CgroupView,
     NodeQuota,
     leftover_cgroups,
 )
+from steadytrain.testing.forkserver import ForkedProcess
 from steadytrain.testing.netns import NetnsUnavailable, ip
 from steadytrain.testing.node_local import (
     empty_dir,
@@ -80,6 +97,7 @@ from steadytrain.testing.node_local import (
     node_env,
     process_tree,
 )
+from steadytrain.testing.node_warm import NodeWarm, warm_args
 from steadytrain.testing.s3_server import SeaweedServer
 from steadytrain.testing.slowlink import SlowLink
 
@@ -92,6 +110,24 @@ MARK_ENV = "STEADYTRAIN_NODE_HARNESS"
 
 
 Mode = Literal["auto", "netns", "loopback"]
+# A node's process: fresh (``ip netns exec``) or forked into the node (``forkserver``).
+Proc = subprocess.Popen[Any] | ForkedProcess
+# What a forked child takes of ``subprocess.Popen``'s arguments (output to a file, a pipe,
+# the caller's own stdout and stderr; a working directory); anything else starts fresh.
+_FORK_KWARGS = frozenset({"stdout", "stderr", "text", "cwd"})
+
+
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _output(target: Any, inherited: int) -> Any:
+    """A forked child's stdout or stderr: ``target``, or (None) the caller's own fd, which a
+    fresh process would inherit."""
+    return inherited if target is None else target
 
 
 def _stderr(msg: str) -> None:
@@ -112,7 +148,7 @@ class Node:
     memory_tmpfs: bool
     link: SlowLink
     env: dict[str, str]
-    procs: list[subprocess.Popen[Any]] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
     logs: list[IO[Any]] = field(default_factory=list)
     cgroup_view: str | None = None  # the machine's /sys/fs/cgroup, bound by the harness
 
@@ -169,6 +205,7 @@ class NodeHarness:
         self._namespaces: list[str] = []
         self.cgroup_view: str | None = None
         self._quotas: dict[str, NodeQuota] = {}
+        self._warm = NodeWarm(self._start_warm, log)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -284,27 +321,68 @@ class NodeHarness:
         *,
         log_path: str | None = None,
         env: dict[str, str] | None = None,
+        fork: bool | None = None,
         **kwargs: Any,
-    ) -> subprocess.Popen[Any]:
+    ) -> Proc:
         """Start ``argv`` on ``node`` with its environment (plus ``env``); output goes to
-        ``log_path`` when given. The harness tracks the process for kill and teardown."""
+        ``log_path`` when given. The harness tracks the process for kill and teardown.
+
+        ``fork``: None forks a Python command line (``forkserver.forks``) into the node
+        when ``can_fork`` says it can, else starts it fresh; True insists on the fork
+        (``ValueError`` where it cannot); False starts it fresh (``ip netns exec``). A
+        forked child is a ``ForkedProcess`` (no ``stdin``, no ``stdout`` stream to read
+        line by line: a caller that needs those passes ``stdin=``/``stdout=PIPE`` and gets
+        a fresh process, or ``fork=False``)."""
         if log_path is not None:
             out = open(log_path, "w")  # noqa: SIM115 - closed at kill/teardown
             node.logs.append(out)
             kwargs.setdefault("stdout", out)
             kwargs.setdefault("stderr", subprocess.STDOUT)
-        proc = subprocess.Popen(node.argv(argv), env={**node.env, **(env or {})}, **kwargs)
+        streams = subprocess.PIPE in (kwargs.get("stdout"), kwargs.get("stderr"))
+        ok = self.can_fork(node, argv, kwargs)
+        if fork and not ok:
+            raise ValueError(f"{list(argv)[:3]} cannot be forked into {node.name}: "
+                             f"mode {self.mode}, arguments {sorted(kwargs)}")  # fmt: skip
+        full_env = {**node.env, **(env or {})}
+        proc: Proc
+        if ok and (fork or (fork is None and not streams)):
+            assert node.netns is not None
+            proc = forkserver.popen(
+                argv,
+                env=full_env,
+                cwd=kwargs.get("cwd"),
+                stdout=_output(kwargs.get("stdout"), 1),
+                stderr=_output(kwargs.get("stderr"), 2),
+                node=(node.netns, node.cgroup_view),
+            )
+        else:
+            proc = subprocess.Popen(node.argv(argv), env=full_env, **kwargs)
         node.procs.append(proc)
         return proc
+
+    def can_fork(self, node: Node, argv: Sequence[str], kwargs: dict[str, Any]) -> bool:
+        """Whether ``argv`` (with ``subprocess.Popen``'s ``kwargs``) can be forked into
+        ``node``: mode netns, a Python command line the fork server runs, no
+        ``STEADYTRAIN_TEST_FRESH=1``, and only arguments a forked child takes (text output,
+        no ``DEVNULL``)."""
+        if node.netns is None or not forkserver.forks(argv) or not set(kwargs) <= _FORK_KWARGS:
+            return False
+        outputs = (kwargs.get("stdout"), kwargs.get("stderr"))
+        if subprocess.DEVNULL in outputs:
+            return False
+        # A forked child's pipes are read back as text: bytes asked for start fresh.
+        return subprocess.PIPE not in outputs or bool(kwargs.get("text"))
 
     def run(
         self, node: Node, argv: Sequence[str], *, timeout: float = 120, **kwargs: Any
     ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` on ``node`` to completion (text output captured); on time-out the
         node's process is killed by PID and ``TimeoutExpired`` raised."""
-        proc = self.popen(
-            node, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
-        )
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        fork = kwargs.pop("fork", None)
+        if fork is None:  # read to the end here: no stream to read line by line
+            fork = self.can_fork(node, argv, {k: v for k, v in kwargs.items() if k != "env"})
+        proc = self.popen(node, argv, fork=fork, **kwargs)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -325,9 +403,19 @@ class NodeHarness:
         rdzv_conf: str = "",
         log_path: str | None = None,
         env: dict[str, str] | None = None,
-    ) -> subprocess.Popen[Any]:
+        warm: bool | None = None,
+        fork: bool | None = None,
+    ) -> Proc:
         """This node's torchrun agent (``args``: what follows, e.g. ``["-m",
-        "steadytrain.cli", "train", ...]``), joined to the harness's rendezvous store."""
+        "steadytrain.cli", "train", ...]``), joined to the harness's rendezvous store.
+
+        ``warm``: None (auto) has the CLI's ranks (``-m steadytrain.cli ...``) fork from
+        the node's warm process (``node_warm``) where ``can_warm``, else start fresh; False
+        keeps them fresh (a test of the cold path, or of freshness itself); True insists.
+        ``fork``: the agent's own start, as ``popen`` takes it."""
+        args, warm_env = self._warm_ranks(node, list(args), warm)
+        if warm_env:
+            env = {**(env or {}), **warm_env}
         conf = ",".join(c for c in ("is_host=false", rdzv_conf) if c)
         argv = [
             sys.executable,
@@ -344,7 +432,60 @@ class NodeHarness:
             "--monitor-interval=0.2",
             *args,
         ]
-        return self.popen(node, argv, log_path=log_path, env=env)
+        return self.popen(node, argv, log_path=log_path, env=env, fork=fork)
+
+    # -- warm ranks --------------------------------------------------------------------
+
+    def can_warm(self, node: Node) -> bool:
+        """Whether ``node``'s ranks can fork from a warm process: its warm process can be
+        forked into it (``can_fork``)."""
+        return self.can_fork(node, [sys.executable, "-m", "steadytrain.warm"], {})
+
+    def prewarm(self, nodes: Sequence[Node], args: Sequence[str]) -> None:
+        """Start each node's warm process now (not waited for) when torchrun's script
+        ``args`` run the CLI: a job on several nodes starts them together, then each agent
+        waits for its own."""
+        from steadytrain.train.demo_run import train_entry
+
+        if warm_args(list(args), train_entry()) is None:
+            return
+        for node in nodes:
+            if self.can_warm(node):
+                self._warm.start(node, train_entry())
+
+    def _warm_ranks(
+        self, node: Node, args: list[str], warm: bool | None
+    ) -> tuple[list[str], dict[str, str]]:
+        """torchrun's script arguments and the agent's extra environment for ``warm``."""
+        from steadytrain.train.demo_run import train_entry
+        from steadytrain.warm.protocol import ENV_SOCKET
+
+        entry = warm_args(args, train_entry())
+        if warm is False or (warm is None and (entry is None or not self.can_warm(node))):
+            return args, {}
+        if entry is None or not self.can_warm(node):
+            raise ValueError(f"warm ranks on {node.name} need mode netns, a fork server and "
+                             f"the CLI's ranks (-m steadytrain.cli): {args[:3]}")  # fmt: skip
+        self.prewarm([node], args)
+        sock = self._warm.socket(node)
+        return (entry, {ENV_SOCKET: sock}) if sock else (args, {})
+
+    def _start_warm(self, node: Node, argv: list[str], log_path: str) -> Proc:
+        return self.popen(node, [sys.executable, *argv], log_path=log_path, fork=True)
+
+    def workers(self, node: Node, agent: Proc) -> list[psutil.Process]:
+        """The training processes ``agent`` (a torchrun agent on ``node``) started: its
+        children that run steadytrain, or, where they entered the node's warm process (the
+        agent's child is then ``steadytrain.warm.enter``), the workers that process forked."""
+        kids = [p for p in psutil.Process(agent.pid).children() if "steadytrain" in _cmd(p)]
+        if not any("steadytrain.warm.enter" in _cmd(p) for p in kids):
+            return kids
+        warm = self.warm_pid(node)
+        return psutil.Process(warm).children() if warm else []
+
+    def warm_pid(self, node: Node) -> int | None:
+        """The pid of ``node``'s warm process while it runs (None: none started, or gone)."""
+        return self._warm.pid(node)
 
     # -- operations --------------------------------------------------------------------
 
@@ -448,6 +589,7 @@ class NodeHarness:
             if not q.remove():
                 self.log(f"[nodes] {name}: cgroup {q.path} still holds {sorted(q.pids())}")
         self._quotas.clear()
+        self._warm.close()
         self._mounts.close()
         for k, ns in enumerate(self._namespaces):
             netns.remove_namespace(ns, f"st{self.tag}h{k}")

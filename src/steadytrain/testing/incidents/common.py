@@ -168,6 +168,11 @@ class IncidentJob:
             else (train_args([*TINY_SETTINGS, f"run_dir={run_dir}", *settings], module))
         )
         self.argv = args
+        # A trainer script's job (argv) keeps fresh agents: the Lightning node-loss case's
+        # forked agent twice waited 60 s in its first rendezvous `get` and exited (cause
+        # open, docs/testing.md); the CLI's jobs fork theirs.
+        self.fork_agents: bool | None = False if argv is not None else None
+        h.prewarm(self.nodes, args)  # each node's warm process at once (the CLI's ranks fork)
         self.agents = {
             n.name: h.torchrun(
                 n,
@@ -179,6 +184,7 @@ class IncidentJob:
                 rdzv_conf=rdzv_conf,
                 log_path=self.log_path(n.name),
                 env=env,
+                fork=self.fork_agents,
             )
             for n in self.nodes
         }

@@ -125,6 +125,7 @@ def _join(job: ElasticJob, node: Node) -> None:
         rdzv_conf=RDZV,
         log_path=job.log_path(node.name),
         env={"STEADYTRAIN_FAULTS": job.faults},
+        fork=job.fork_agents,
     )
 
 

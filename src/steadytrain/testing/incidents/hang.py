@@ -25,9 +25,12 @@ more: node-0's agent had started an attempt alone and stops it (SIGTERM) to admi
 The report charges that restart to the hang (``diagnose/failures_rejoin.py``), not to a
 crash of its own.
 
-``detect_s`` per run is from the last step record before the partition to the failure: the
-watchdog's detection (the ``hang`` record's ``detect_t``), or the attempt's end with the
-backend's error (its ``job_end``); ``restart_s`` to the next attempt's process start:
+``detect_s`` per run is from the last progress before the partition to the failure: the
+watchdog's detection (the ``hang`` record's ``detect_t``, from the detecting rank's own last
+progress, its ``progress_t``: rank 0's step record is written after the step, and a rank
+that fires on its deadline measured from its own, earlier, progress read 2.978 s against a
+3.0 s deadline from it), or the attempt's end with the backend's error (its ``job_end``,
+from the last step record); ``restart_s`` to the next attempt's process start:
 timings the replay measures. The diagnosis is the report's alone (``incidents``): in both
 runs one ``hang`` at the partition's step naming node-1 (``expected``, ``checks``).
 """
@@ -104,9 +107,10 @@ def _timing(run_dir: str, partitioned_t: float) -> dict[str, Any]:
     # The failure: the watchdog's detection, else the attempt's end with the backend's
     # error, else (no job_end: it died without one) the next process start, an upper bound.
     fail_t = hang["detect_t"] if hang else (end["t"] if end else restart_t)
+    since = hang.get("progress_t", last["t"]) if hang else last["t"]
     out: dict[str, Any] = {
         "last_step": last["step"],
-        "detect_s": None if fail_t is None else fail_t - last["t"],
+        "detect_s": None if fail_t is None else fail_t - since,
         "detected_by": "watchdog" if hang else ("backend timeout" if fail_t else None),
         "error": (end or {}).get("reason") if end and not hang else None,
         "hang_record": hang,

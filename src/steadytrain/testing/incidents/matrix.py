@@ -224,13 +224,12 @@ def _settings(case: Case, url: str, ordered: str | None) -> tuple[list[str], dic
 
 
 def _worker_pids(job: IncidentJob, node: str) -> list[int]:
-    """The training process(es) that ``node``'s torchrun agent started: its direct
-    children only (a rank's own helpers, such as the watchdog's reaper, are left running,
-    as when an operator or a debugger stops one process)."""
-    import psutil
-
-    kids = psutil.Process(job.agents[node].pid).children(recursive=False)
-    return [p.pid for p in kids if "steadytrain" in " ".join(p.cmdline())]
+    """The training process(es) that ``node``'s torchrun agent started (forked from the
+    node's warm process, or the agent's own children): those only (a rank's own helpers,
+    such as the watchdog's reaper, are left running, as when an operator or a debugger
+    stops one process)."""
+    by_name = {n.name: n for n in job.nodes}
+    return [p.pid for p in job.h.workers(by_name[node], job.agents[node])]
 
 
 def run_case(
