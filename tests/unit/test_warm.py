@@ -50,6 +50,11 @@ if what == "birth":
     with open(os.environ["OUT"][:-4] + ".birth", "w") as f:
         f.write(f"{run.PROCESS_START} {run.IMPORTED_AT}")
     what = "0"
+if what == "threads":  # torch's intra-op threads, as torchrun's OMP_NUM_THREADS asked
+    import torch
+    with open(os.environ["OUT"][:-4] + ".threads", "w") as f:
+        f.write(str(torch.get_num_threads()))
+    what = "0"
 with open(os.environ["OUT"] + ".tmp", "w") as f:  # whole or not at all: the test polls it
     f.write(f"{os.getpid()} {os.getcwd()} {os.environ.get('ASKED')} {' '.join(sys.argv[1:])}")
 os.replace(os.environ["OUT"] + ".tmp", os.environ["OUT"])
@@ -126,7 +131,8 @@ def warm(tmp_path_factory):
     (root / "warm_lazy" / "thing.py").write_text(LAZY_THING)
     (root / "job.py").write_text(SCRIPT)
     imports = root / "imports.txt"
-    with _serving(root, "job.py", IMPORTS=str(imports)) as w:
+    # the warm process runs 3 intra-op threads; each entry asks for 1 (``_env``)
+    with _serving(root, "job.py", IMPORTS=str(imports), OMP_NUM_THREADS="3") as w:
         yield {**w, "imports": imports}
 
 
@@ -163,6 +169,17 @@ def test_worker_runs_the_entrys_request_without_importing_again(warm):
     server = warm["server"].pid
     assert warm["imports"].read_text().splitlines() == [f"marker {server}", f"lazy {server}"]
     assert "starting cold" not in stderr
+
+
+def test_a_worker_runs_the_threads_its_own_environment_asks_for(warm):
+    """torchrun sets OMP_NUM_THREADS=1 for each worker of a multi-rank node; the warm
+    process, started by hand, has its own count (3 here): a forked worker must take the
+    worker's, as a fresh interpreter reads it at start, or every rank of the node runs as
+    many threads as the warm process (oversubscribed cores)."""
+    p = enter(warm, "threads")
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    assert p.out.with_suffix(".threads").read_text() == "1"
 
 
 def test_sigterm_reaches_the_worker_and_the_entry_ends_by_it(warm):

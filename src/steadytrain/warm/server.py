@@ -102,6 +102,18 @@ def _reborn() -> None:
     if hooks is not None and run is not None:
         hooks.PROCESS_START = run.PROCESS_START
     _reread_rank()
+    _threads_as_asked()
+
+
+def _threads_as_asked() -> None:
+    """In the worker, its environment in place: torch's intra-op threads as its own
+    ``OMP_NUM_THREADS`` asks (torchrun sets 1 for each worker of a multi-rank node), which a
+    fresh interpreter reads as torch starts. The warm process's count was fixed by the warm
+    process's environment; unset in the worker's, the worker keeps that count."""
+    torch = sys.modules.get("torch")
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and asked.isdigit() and int(asked) > 0:
+        torch.set_num_threads(int(asked))
 
 
 # Lightning's rank_zero module: it sets ``rank_zero_only.rank`` from RANK/LOCAL_RANK/... as
