@@ -35,7 +35,9 @@ SCRIPT = textwrap.dedent(
         # runs the C-level one on the watcher's thread, which writes the wakeup fd.
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
     os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(3.0)  # a save after the signal, or a C++ call that never returns
+    # a save after the signal, or a C++ call that never returns; stuck: far past exit_s, so a
+    # watcher thread starved of the CPU for seconds (4 test workers on 2 cores) still wins
+    time.sleep(30.0 if mode == "stuck" else 3.0)
     print("handler ran" if seen else "handler did not run", flush=True)
     """
 )
