@@ -200,6 +200,22 @@ def test_a_sigkilled_worker_ends_its_entry_by_sigkill(warm):
     assert int(p.out.read_text().split()[0]) != p.pid  # the forked worker was killed
 
 
+def test_a_sigkilled_workers_entry_ends_without_waiting_for_the_warm_process(warm):
+    """The entry sees its worker's SIGKILL itself: with the warm process stopped (scheduled
+    late, under load) it still ends by SIGKILL, before its peers' errors reach torchrun."""
+    p = enter(warm, "sleep")
+    _until(lambda: p.out.exists(), "the worker to start")
+    worker = int(p.out.read_text().split()[0])
+    server = warm["server"].pid
+    os.kill(server, signal.SIGSTOP)
+    try:
+        os.kill(worker, signal.SIGKILL)
+        assert p.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        os.kill(server, signal.SIGCONT)
+    _until(lambda: not _alive(worker), "the worker to be reaped")
+
+
 def test_the_workers_atexit_handlers_run_as_in_a_fresh_interpreter(warm):
     """A worker ends as a fresh interpreter does, its ``atexit`` handlers run (where
     steadytrain's ledger records a job's end), then with its own exit status."""

@@ -6,7 +6,9 @@
 Standard library only, so this process starts in tens of milliseconds. It asks the warm
 process for a worker (``protocol.py``), forwards SIGTERM, SIGINT and SIGHUP to it, and ends
 the way it ended (the same exit status or signal), so torchrun's agent sees the worker's
-own outcome. Without an answer it warns and runs the script in this process, cold: a
+own outcome. A killed worker's end is read here as it happens (``_worker_end``), not only
+from the warm process's report: torchrun reports the failures it has seen when the first
+one ends, so a SIGKILLed rank's entry must end before its peers' errors do. Without an answer it warns and runs the script in this process, cold: a
 missing warm process costs the imports, never the job.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import select
 import signal
 import socket
 import sys
@@ -112,11 +115,54 @@ def main(argv: Sequence[str]) -> None:
     worker.append(pid)
     for sig in pending:
         forward(sig, None)
-    reply, _ = protocol.recv(sock)
-    if reply is None or "exit" not in reply:  # the warm process died: its workers with it
+    code = _worker_end(sock, pid)
+    if code is None:  # the warm process died: its workers with it
         print(f"steadytrain.warm: the warm process at {path} went away", file=sys.stderr)
         _end_like(1)
-    _end_like(int(reply["exit"]))
+    _end_like(code)
+
+
+def _worker_end(sock: socket.socket, pid: int) -> int | None:
+    """How the worker ended (an exit status, or minus its signal); None: the warm process
+    went away first. The warm process reports every end once it has reaped the worker; a
+    worker killed by a signal is also seen here at once, through a pidfd (readable when the
+    worker ends, its parent or not) and its zombie's ``exit_code`` in ``/proc``: under load
+    the warm process can be scheduled after the killed rank's peers have failed and
+    torchrun's agent has reported them as the first failure (seen at load ~23)."""
+    try:
+        pidfd: int | None = os.pidfd_open(pid)
+    except OSError:  # already reaped, or no pidfd here (Linux < 5.3): the report alone
+        pidfd = None
+    try:
+        while True:
+            ready, _, _ = select.select([sock, *([pidfd] if pidfd is not None else [])], [], [])
+            if sock in ready:
+                reply, _ = protocol.recv(sock)
+                return None if reply is None or "exit" not in reply else int(reply["exit"])
+            assert pidfd is not None
+            os.close(pidfd)
+            pidfd = None
+            code = _zombie_signal(pid)
+            if code is not None:
+                return code
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _zombie_signal(pid: int) -> int | None:
+    """Minus the signal that ended ``pid``, read from its zombie (``/proc/PID/stat``'s
+    ``exit_code``, field 52); None when it is no zombie (reaped already), or ended by an exit
+    (the warm process's report is exact for those, and a 0 may be ``/proc`` hiding it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if len(fields) < 50 or fields[0] != "Z":
+        return None
+    status = int(fields[49])
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
 
 
 if __name__ == "__main__":
