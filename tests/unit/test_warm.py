@@ -312,7 +312,9 @@ def test_a_workers_start_up_counts_from_its_fork(warm):
     _, stderr = p.communicate(timeout=120)
     assert p.returncode == 0, stderr
     born, imported = (float(x) for x in p.out.with_suffix(".birth").read_text().split())
-    assert born >= t_ask - 0.01 and imported >= born  # one clock tick of /proc's birth
+    # /proc dates the birth to a clock tick (10 ms): allow one on both sides (CI: the import
+    # mark 1.1 ms before a birth rounded up)
+    assert born >= t_ask - 0.01 and imported >= born - 0.01
     assert born > t0
 
 
