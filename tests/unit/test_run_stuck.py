@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -34,7 +35,7 @@ SCRIPT = textwrap.dedent(
         # The main thread cannot run its handler (as inside a C++ call): the kernel still
         # runs the C-level one on the watcher's thread, which writes the wakeup fd.
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
-    os.kill(os.getpid(), signal.SIGTERM)
+    print("sleeping", flush=True)  # the test sends SIGTERM once this thread is in the call
     # a save after the signal, or a C++ call that never returns; stuck: far past exit_s, so a
     # watcher thread starved of the CPU for seconds (4 test workers on 2 cores) still wins
     time.sleep(30.0 if mode == "stuck" else 3.0)
@@ -43,13 +44,36 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def _asleep(pid: int) -> bool:
+    """The main thread of ``pid`` is blocked (state S), not running bytecode."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "S"
+
+
+def _run_and_signal(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``argv``; SIGTERM it once its main thread sleeps in the call. A signal sent by the
+    script itself could be handled between two bytecodes before the call began (seen in CI:
+    the "stuck" thread's handler ran, exit 0), which no C++ call allows."""
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = []
+    for line in p.stdout:
+        first.append(line)
+        if line.strip() == "sleeping":
+            break
+    calm = 0
+    while calm < 3 and p.poll() is None:  # three looks 50 ms apart: inside the sleep
+        calm = calm + 1 if _asleep(p.pid) else 0
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    return subprocess.CompletedProcess(argv, p.returncode, "".join(first) + out, err)
+
+
 @pytest.mark.parametrize("mode", ["reacted", "stuck", "off", "long-step"])
 def test_stuck_exit_ends_only_a_main_thread_that_cannot_react(tmp_path, mode: str) -> None:
     script, out = tmp_path / "w.py", tmp_path / "abandoned"
     script.write_text(SCRIPT)
-    r = subprocess.run(
-        [sys.executable, str(script), mode, str(out)], capture_output=True, text=True, timeout=60
-    )
+    r = _run_and_signal([sys.executable, str(script), mode, str(out)])
     if mode == "stuck":
         assert r.returncode == 128 + signal.SIGTERM, (r.returncode, r.stdout, r.stderr)
         assert out.read_text() == f"abandoned {int(signal.SIGTERM)}"
