@@ -61,7 +61,7 @@ def test_a_trainer_job_comes_back_from_a_node_loss_through_its_peers_memory(
     job = start_job(harness, [node0, node1], run_dir, [], faults="", argv=argv)
     spare = harness.add_node()
     add_spare(job, spare, _log)
-    killed_at = kill_mid_run(harness, job, node1, _log, at_step=KILL_AT)
+    killed_at = kill_mid_run(harness, job, node1, _log, at_step=KILL_AT, hold=True)
     finish(reference)
 
     [r] = restores(run_dir)

@@ -8,11 +8,14 @@ tests/nodes/test_memory_tier_nodes.py, so both run the same job the same way.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import psutil
 
 from steadytrain.testing.incidents.common import (
     IncidentJob,
@@ -197,16 +200,39 @@ def add_spare(job: ElasticJob, spare: Node, log: Log) -> None:
 
 
 def kill_mid_run(
-    h: NodeHarness, job: IncidentJob, victim: Node, log: Log, *, at_step: int = KILL_AT
+    h: NodeHarness,
+    job: IncidentJob,
+    victim: Node,
+    log: Log,
+    *,
+    at_step: int = KILL_AT,
+    hold: bool = False,
 ) -> int:
     """Kill ``victim`` once the job has traced ``at_step``; wait for the others to finish.
-    Returns the last step the job had traced when the kill came."""
+    Returns the last step the job had traced when the kill came. ``hold``: stop every
+    worker of the job (SIGSTOP; not the agents, whose heartbeats go on) from the moment the
+    step is seen until the victim is dead, so a job of fast steps cannot finish between the
+    two on a loaded machine (CI: a Lightning job of 24 steps at ~0.14 s each was seen at
+    step 16 for a kill asked at 6, and had ended when the kill landed)."""
     job.wait_for_step(at_step, timeout=300)
-    at = max((r["step"] for r in read_trace(job.run_dir)), default=0)
-    h.kill(victim)
+    held = _workers(h, job) if hold else []
+    for w in held:
+        w.suspend()
+    try:
+        at = max((r["step"] for r in read_trace(job.run_dir)), default=0)
+        h.kill(victim)
+    finally:
+        for w in held:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                w.resume()
     log(f"[node-loss] {os.path.basename(job.run_dir)}: killed {victim.name} at step ~{at}")
     job.wait(timeout=300, expect={victim.name: None})
     return at
+
+
+def _workers(h: NodeHarness, job: IncidentJob) -> list[psutil.Process]:
+    by_name = {n.name: n for n in h.nodes}
+    return [w for name, a in job.agents.items() for w in h.workers(by_name[name], a)]
 
 
 def restores(run_dir: str, rep: dict[str, Any] | None = None) -> list[dict[str, Any]]:
