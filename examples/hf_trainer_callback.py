@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import signal
+import time
 
 import torch
 from transformers import (
@@ -66,6 +67,17 @@ class CrashAt(TrainerCallback):
         mine = not self.in_save and args.process_index == 1
         if first_attempt() and mine and state.global_step + 1 == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Pace(TrainerCallback):
+    """``--step-sleep S``: S seconds after each step, so a job of tiny steps lasts long
+    enough for something outside it (a test's kill) to land mid-run."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
+        time.sleep(self.seconds)
 
 
 class Trace(TrainerCallback):
@@ -118,6 +130,7 @@ def main() -> None:
     p.add_argument("--checkpoints", choices=["steadytrain", "hf"], default="steadytrain")
     p.add_argument("--save-every", type=int, default=4, help="save_steps")
     p.add_argument("--memory-every", type=int, default=0, help="memory-tier snapshots (steps)")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds after each step")
     p.add_argument("--crash-at-step", type=int, default=0, help="first attempt only")
     p.add_argument("--crash-in-save", type=int, default=0, help="first attempt only")
     args = p.parse_args()
@@ -144,6 +157,8 @@ def main() -> None:
     tokens = 2 * 2 * targs.world_size * args.seq_len
     crash = args.crash_at_step or args.crash_in_save
     callbacks: list[TrainerCallback] = [CrashAt(crash, args.crash_in_save > 0)] if crash else []
+    if args.step_sleep > 0:
+        callbacks.append(Pace(args.step_sleep))
     if args.checkpoints == "steadytrain":
         # This rank's micro-batches, labels = input_ids (HF causal-LM models shift inside).
         loader = TokenLoader(

@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import signal
+import time
 from typing import Any
 
 import lightning as L
@@ -104,6 +105,17 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+class Pace(Callback):
+    """``--step-sleep S``: S seconds after each micro-batch, so a job of tiny steps lasts
+    long enough for something outside it (a test's kill) to land mid-run."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, idx) -> None:  # noqa: ANN001
+        time.sleep(self.seconds)
+
+
 class CrashAt(Callback):
     """SIGKILL rank 1 at the start of step ``step`` (first attempt only): a crash; or, with
     ``in_save``, rank 0 while the checkpoint of ``step`` is written (before its COMMIT)."""
@@ -131,6 +143,7 @@ def main() -> None:
     p.add_argument("--checkpoints", choices=["steadytrain", "lightning"], default="steadytrain")
     p.add_argument("--save-every", type=int, default=4, help="ModelCheckpoint's interval")
     p.add_argument("--memory-every", type=int, default=0, help="memory-tier snapshots (steps)")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds after each batch")
     p.add_argument("--crash-at-step", type=int, default=0, help="first attempt only")
     p.add_argument("--crash-in-save", type=int, default=0, help="first attempt only")
     args = p.parse_args()
@@ -158,6 +171,8 @@ def main() -> None:
     else:  # Lightning's own files and resume, steadytrain's ledger beside them
         callbacks += [SteadytrainCallback(args.run_dir), ExactResume(loader)]
         strategy = "ddp" if world > 1 else "auto"
+    if args.step_sleep > 0:
+        callbacks.append(Pace(args.step_sleep))
     if args.crash_at_step or args.crash_in_save:
         callbacks.append(CrashAt(args.crash_at_step or args.crash_in_save, args.crash_in_save > 0))
     trainer = L.Trainer(

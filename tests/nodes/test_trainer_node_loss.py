@@ -40,7 +40,18 @@ pytestmark = [pytest.mark.nodes, pytest.mark.e2e, pytest.mark.s3, pytest.mark.ti
 
 STEPS, KILL_AT = 24, 6
 # Memory every step; durable only at the end (the final save), so no restore can read it.
-FLAGS = ("--steps", str(STEPS), "--save-every", "1000", "--memory-every", "1")
+# Paced: unpaced, 24 steps took 2 s on a quiet machine, and the test (its poll of the trace
+# delayed by load) saw step 16 for a kill asked at 6 and killed a finished job (CI, twice).
+FLAGS = (
+    "--steps",
+    str(STEPS),
+    "--save-every",
+    "1000",
+    "--memory-every",
+    "1",
+    "--step-sleep",
+    "0.1",
+)
 
 
 def _log(msg: str) -> None:
