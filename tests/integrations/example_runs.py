@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -172,6 +173,27 @@ def assert_evaluations_are_eval(run_dir: str, evaluated_s: float, each_s: float)
     assert measured["badput"]["eval"] == pytest.approx(rep["badput"]["eval"], rel=0.05)
 
 
+# torchrun's agent logs one line per failed attempt: its first failure.
+_FIRST_FAILURE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) ")
+
+
+def assert_kill_reported(out: str, killed: int) -> None:
+    """torchrun's agent saw an attempt fail, and where its line names the SIGKILLed local rank
+    ``killed`` it says ``exitcode: -9`` (a warm entry that ended otherwise, e.g. by status
+    137, fails this in the usual order of events).
+
+    Not "it always names the killed rank": the agent logs the first failure it has seen at the
+    poll where one ends (``SubprocessContext._poll``). A fresh rank's SIGKILL ends the process
+    the agent watches before any peer notices; a rank forked from a warm process ends through
+    its entry (``steadytrain.warm.enter``), one process later, and on a loaded machine a
+    survivor's error (~150 ms after the kill) can reach a poll first and alone (CI on 71b03fe
+    and c304ded). That the entry ends by SIGKILL is checked without that race in
+    ``tests/unit/test_warm.py``; which rank failed is read from the run's own records."""
+    lines = [(int(code), int(rank)) for code, rank in _FIRST_FAILURE.findall(out)]
+    assert lines, out[-4000:]  # torchrun saw the crash's attempt fail
+    assert all(code == -9 for code, rank in lines if rank == killed), (lines, out[-4000:])
+
+
 # The crash inside a save: rank 0 is killed once step SAVE_CRASH's shards are written and
 # the ledger holds the step, before its COMMIT (steadytrain.testing.trainer_faults); the
 # restart must skip that partial checkpoint and resume from step SAVE_CRASH - 4.
@@ -191,8 +213,8 @@ def run_kills(script: str, data: str, tmp: str, nproc: int, *extra: str) -> dict
         ),
     }
     outs = {name: finish(proc) for name, proc in procs.items()}
-    for name in ("mid_step", "mid_save"):
-        assert "exitcode: -9" in outs[name], outs[name][-4000:]  # the SIGKILL, seen by torchrun
+    assert_kill_reported(outs["mid_step"], killed=1)
+    assert_kill_reported(outs["mid_save"], killed=0)
     return dirs
 
 

@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 import pytest
-from example_runs import finish
+from example_runs import assert_kill_reported, finish
 from harness import env as torchrun_env
 from harness import start_agent
 from warm_pool import launch
@@ -132,7 +132,7 @@ def test_readme_plain_pytorch_is_data_parallel_and_exact_under_torchrun(dataset,
         cmd += ["--monitor-interval=0.2", *entry]
         procs[name] = start_agent(cmd, torchrun_env(**warm_env, **kill), cwd=str(tmp_path / name))
     outs = {name: finish(proc) for name, proc in procs.items()}
-    assert "exitcode: -9" in outs["killed"], outs["killed"][-4000:]
+    assert_kill_reported(outs["killed"], killed=1)
 
     def ranks(name: str) -> list[dict]:
         return [json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in (0, 1)]
