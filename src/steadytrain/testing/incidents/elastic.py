@@ -12,7 +12,7 @@ import contextlib
 import glob
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psutil
@@ -35,6 +35,7 @@ __all__ = [
     "ElasticJob",
     "add_spare",
     "committed_steps",
+    "held_workers",
     "kill_mid_run",
     "memory_snapshots",
     "restores",
@@ -180,23 +181,9 @@ def add_spare(job: ElasticJob, spare: Node, log: Log) -> None:
     job.wait_for_step(1, timeout=300)
     if waits():
         return
-    # Hold the job's workers (not their agents: their heartbeats go on) until it does.
-    import psutil
-
-    held = [
-        c
-        for name, p in job.agents.items()
-        if name != spare.name
-        for c in psutil.Process(p.pid).children(recursive=True)
-    ]
-    log(f"[node-loss] holding {len(held)} worker(s) until {spare.name} waits as a spare")
-    for w in held:
-        w.suspend()
-    try:
+    with held_workers(job.h, job) as held:
+        log(f"[node-loss] holding {held} worker(s) until {spare.name} waits as a spare")
         _until(waits, f"{spare.name} in the redundancy list", job)
-    finally:
-        for w in held:
-            w.resume()
 
 
 def kill_mid_run(
@@ -215,24 +202,30 @@ def kill_mid_run(
     two on a loaded machine (CI: a Lightning job of 24 steps at ~0.14 s each was seen at
     step 16 for a kill asked at 6, and had ended when the kill landed)."""
     job.wait_for_step(at_step, timeout=300)
-    held = _workers(h, job) if hold else []
-    for w in held:
-        w.suspend()
-    try:
+    with held_workers(h, job) if hold else contextlib.nullcontext():
         at = max((r["step"] for r in read_trace(job.run_dir)), default=0)
         h.kill(victim)
-    finally:
-        for w in held:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                w.resume()
     log(f"[node-loss] {os.path.basename(job.run_dir)}: killed {victim.name} at step ~{at}")
     job.wait(timeout=300, expect={victim.name: None})
     return at
 
 
-def _workers(h: NodeHarness, job: IncidentJob) -> list[psutil.Process]:
+@contextlib.contextmanager
+def held_workers(h: NodeHarness, job: IncidentJob) -> Iterator[int]:
+    """Stop (SIGSTOP) every training process of ``job`` for the block -- fresh or forked from
+    a node's warm process (``h.workers``), not the agents, whose heartbeats go on -- and
+    resume the ones still alive after it; yields how many were held."""
     by_name = {n.name: n for n in h.nodes}
-    return [w for name, a in job.agents.items() for w in h.workers(by_name[name], a)]
+    held = [w for name, a in job.agents.items() for w in h.workers(by_name[name], a)]
+    for w in held:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            w.suspend()
+    try:
+        yield len(held)
+    finally:
+        for w in held:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                w.resume()
 
 
 def restores(run_dir: str, rep: dict[str, Any] | None = None) -> list[dict[str, Any]]:
