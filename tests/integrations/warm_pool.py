@@ -10,7 +10,7 @@ helpers).
 environment the agent needs: ``-m steadytrain.warm.enter SCRIPT`` with
 ``STEADYTRAIN_WARM_SOCKET``, or the script alone (fresh workers) with
 ``STEADYTRAIN_TEST_FRESH=1`` or while its warm process is not listening yet. What a forked worker shares with its siblings, and which
-tests stay fresh and why: docs/testing.md ("warm workers").
+tests stay fresh and why: docs/testing-log.md ("warm workers").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``./run.sh quick`` and ``./run.sh test`` start pytest with byte-code caches on.
 
 A shell that sets ``PYTHONDONTWRITEBYTECODE`` made every worker of every run redo pytest's
-assertion rewriting of every test module (~8 s of CPU per worker, docs/testing.md, "Sixth
+assertion rewriting of every test module (~8 s of CPU per worker, docs/testing-log.md, "Sixth
 pass"). run.sh runs here as written, in a copy of the repository's top whose ``.venv``
 holds a stand-in ``python`` that reports its arguments and environment (the set-up is
 skipped: its stamp is there), so no test suite runs.

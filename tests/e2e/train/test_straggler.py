@@ -42,7 +42,7 @@ STEPS, SLOW_FROM, SLOW_S = 40, 6, 0.08
 # Fresh ranks, not forked from a warm process (tests/e2e/train/harness.py, warm_ranks): with
 # warm ranks the live check twice named "storage on node node-b" instead of "data loading on
 # rank 1", both times beside other test runs (a CI run of 1bda21d, a helper's run); fresh, it
-# has not. Why is open (docs/testing.md, "Where the fifth pass leaves the suite").
+# has not. Why is open (docs/testing-log.md, "Where the fifth pass leaves the suite").
 
 
 def test_one_slow_node_is_named(dataset: str, tmp_path) -> None:

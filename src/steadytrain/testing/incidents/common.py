@@ -170,7 +170,7 @@ class IncidentJob:
         self.argv = args
         # A trainer script's job (argv) keeps fresh agents: the Lightning node-loss case's
         # forked agent twice waited 60 s in its first rendezvous `get` and exited (cause
-        # open, docs/testing.md); the CLI's jobs fork theirs.
+        # open, docs/testing-log.md); the CLI's jobs fork theirs.
         self.fork_agents: bool | None = False if argv is not None else None
         h.prewarm(self.nodes, args)  # each node's warm process at once (the CLI's ranks fork)
         self.agents = {
