@@ -2,6 +2,7 @@
 
     PYTHONPATH=scripts ./run.sh test -p suite_cpu          # writes .suite-cpu/<worker>.jsonl
     python scripts/suite_cpu.py [.suite-cpu] [--top 40]    # per folder, per file, per test
+    python scripts/suite_cpu.py [.suite-cpu] --workers     # per worker: when it ended, its tail
 
 The suite runs on 2 cores with 4 workers and keeps both busy, so its wall time follows its
 CPU, not its tests' durations (a test's duration counts the other workers' load too).
@@ -86,17 +87,43 @@ def summarise(rows: list[dict[str, Any]], top: int) -> str:
     return "\n".join(out)
 
 
+def workers(by_worker: dict[str, list[dict[str, Any]]]) -> str:
+    """Per worker, its rows in the order it ran them: when its last test ended (its tests'
+    wall times summed, from its first test's start: collection not counted), its longest
+    test and when that started, and its last test. A run whose workers end far apart, or
+    whose longest test started late, lost wall time to its order, not to its CPU."""
+    out = [
+        f"{'worker':<8} {'tests':>6} {'CPU s':>7} {'ends s':>7}  longest test (wall s, started at s); last test"
+    ]
+    for name in sorted(by_worker):
+        rows, t, longest = by_worker[name], 0.0, (0.0, 0.0, "")
+        for r in rows:
+            if r["wall_s"] > longest[0]:
+                longest = (r["wall_s"], t, r["id"])
+            t += r["wall_s"]
+        cpu = sum(r["cpu_s"] for r in rows)
+        last = rows[-1] if rows else {"wall_s": 0.0, "id": ""}
+        out.append(
+            f"{name:<8} {len(rows):6d} {cpu:7.0f} {t:7.0f}  {longest[2]} ({longest[0]:.1f}, "
+            f"{longest[1]:.0f}); {last['id']} ({last['wall_s']:.1f})"
+        )
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", nargs="?", default=OUT)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--workers", action="store_true", help="per worker: its end and its tail")
     args = ap.parse_args()
-    rows = [
-        json.loads(line) for f in glob.glob(os.path.join(args.dir, "*.jsonl")) for line in open(f)
-    ]
+    by_worker = {
+        os.path.basename(f).removesuffix(".jsonl"): [json.loads(line) for line in open(f)]
+        for f in glob.glob(os.path.join(args.dir, "*.jsonl"))
+    }
+    rows = [r for rs in by_worker.values() for r in rs]
     if not rows:
         raise SystemExit(f"{args.dir}: no *.jsonl rows (run the suite with -p suite_cpu first)")
-    print(summarise(rows, args.top))
+    print(workers(by_worker) if args.workers else summarise(rows, args.top))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -29,15 +30,18 @@ def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[st
     return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=180, env=full)
 
 
-@pytest.fixture
-def dataset(s3_server, s3_bucket, tmp_path):
-    """A real dataset at ``s3_bucket``, written by the CLI with the credentials where the
-    refusal says they go (the environment): the advice works."""
-    text = tmp_path / "in.txt"
+@pytest.fixture(scope="module")
+def dataset(s3_server, tmp_path_factory):
+    """A real dataset under a prefix of its own, written by the CLI with the credentials
+    where the refusal says they go (the environment): the advice works. Built once for the
+    module: every test only reads it (each command is refused before any request, and the
+    one that would write names another prefix)."""
+    text = tmp_path_factory.mktemp("secrets-dataset") / "in.txt"
     text.write_text("hello world\n" * 200)
-    res = _cli(["tokenize", str(text), "--out", s3_bucket], s3_server.env())
+    url = f"s3://steady/t-{uuid.uuid4().hex[:10]}"
+    res = _cli(["tokenize", str(text), "--out", url], s3_server.env())
     assert res.returncode == 0, res.stderr[-2000:]
-    return s3_bucket
+    return url
 
 
 def _commands(url: str, tmp) -> dict[str, list[str]]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from steadytrain.testing import forkserver
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,9 +20,9 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_check
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_gpu_check_on_cpu_reports_cuda_false(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--out", str(out)], capture_output=True, text=True, timeout=100
-    )
+    # Forked from the fork server (torch imported once per test process): nothing here is
+    # about the script's start-up.
+    proc = forkserver.run([sys.executable, SCRIPT, "--out", str(out)], timeout=100)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["cuda"] is False

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
 import uuid
 
@@ -22,6 +20,7 @@ from harness import BASE_SETTINGS, effective, make_dataset, read_trace  # noqa: 
 from test_hostile_diskfull import fill, mount_tmpfs, unmount  # noqa: E402
 
 from steadytrain.monitor.ledger import read_ledger  # noqa: E402
+from steadytrain.testing import forkserver  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -48,30 +47,22 @@ def test_train_goes_on_while_the_run_directory_is_full(tmp_path) -> None:
                 cmd += ["--set", s]
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                        STEADYTRAIN_FAULTS="slow_read_at_steps=6;slow_read_s=4")  # fmt: skip
-            proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
-            lines: list[str] = []
-            stalled = threading.Event()
-
-            def read() -> None:
-                assert proc.stderr is not None
-                for line in proc.stderr:
-                    lines.append(line)
-                    if STALL in line:
-                        stalled.set()
-
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
+            # Forked from the fork server (torch imported once per test process, not per
+            # run); its stderr goes to a file read as it grows.
+            err_path = tmp_path / "train.err"
+            with open(err_path, "w") as err_file:
+                proc = forkserver.popen(cmd, env=env, stderr=err_file)
             deadline = time.monotonic() + 150
-            while not stalled.wait(0.05):
-                assert proc.poll() is None, "".join(lines)[-3000:]
-                assert time.monotonic() < deadline, "".join(lines)[-3000:]
+            while STALL not in err_path.read_text():
+                assert proc.poll() is None, err_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, err_path.read_text()[-3000:]
+                time.sleep(0.05)
             trace_now = os.path.join(run, "trace-rank0.jsonl")
             # Steps 1..5 trained on a full disk: none of them could be written yet.
             assert not os.path.exists(trace_now) or os.path.getsize(trace_now) == 0
             os.unlink(filler)  # space returns during step 6's stall
             rc = proc.wait(timeout=150)
-            reader.join(10)
-            err = "".join(lines)
+            err = err_path.read_text()
             assert rc == 0, err[-3000:]
             assert "Traceback" not in err, err[-3000:]
             assert "write failed (ENOSPC" in err and "writing works again" in err
@@ -84,10 +75,10 @@ def test_train_goes_on_while_the_run_directory_is_full(tmp_path) -> None:
             assert sorted(effective(read_trace(run))) == want  # the trace: every step once
             with open(os.path.join(run, "final.json")) as f:
                 assert json.load(f)["step"] == STEPS
-            rep = subprocess.run(
+            rep = forkserver.run(  # only the JSON's numbers are read: no plots drawn
                 [sys.executable, "-m", "steadytrain.cli", "report", run, "--json",
-                 "--out", str(tmp_path / "rep")],
-                capture_output=True, text=True, timeout=120,
+                 "--out", str(tmp_path / "rep"), "--no-plots"],
+                timeout=120,
             )  # fmt: skip
             assert rep.returncode == 0, rep.stderr[-3000:]
             doc = json.loads(rep.stdout)

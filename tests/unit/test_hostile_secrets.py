@@ -33,6 +33,7 @@ from steadytrain.redact import (
     url_without_credentials,
 )
 from steadytrain.storage.store import Store
+from steadytrain.testing import forkserver
 
 MARK = "SEKRIT"  # planted in every generated secret; the surrounding text cannot spell it
 
@@ -334,11 +335,12 @@ def test_log_filter_masks_arguments_and_exception_text() -> None:
 
 def test_train_refuses_a_dataset_url_with_credentials(tmp_path) -> None:
     """``--set data.dataset=...`` reaches the library's ``Store``, which refuses it too."""
-    res = subprocess.run(
+    # Forked from the fork server: `train` imports torch, paid once per test process.
+    res = forkserver.run(
         [sys.executable, "-m", "steadytrain.cli", "train", "demo",
          "--set", "data.dataset=s3://AKIAPLANT:PLANTED-TR-23@steady/ds",
          "--set", f"run_dir={tmp_path / 'run'}", "--set", 'monitor.sinks=["jsonl"]'],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip
     assert res.returncode == 2, res.stderr[-2000:]
     assert "PLANTED-TR-23" not in res.stdout + res.stderr

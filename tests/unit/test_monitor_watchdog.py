@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from steadytrain.monitor.watchdog import (
     recover_hang_records,
 )
 from steadytrain.settings import InvalidSetting
+from steadytrain.testing import forkserver
 
 
 # -- detection-time policy ---------------------------------------------------------------
@@ -334,7 +334,8 @@ for step in range(1, 4):
 def test_sigstop_hang_fault_stops_the_process_once_per_run(tmp_path) -> None:
     psutil = pytest.importorskip("psutil")
     cmd = [sys.executable, "-c", HANG_CHILD, str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Forked from the fork server: the fault's module imports torch, once per test process.
+    proc = forkserver.popen(cmd, merge=False)
     try:
         marker = tmp_path / "faults" / "hang-2.fired"
         deadline = time.monotonic() + 60
@@ -349,6 +350,6 @@ def test_sigstop_hang_fault_stops_the_process_once_per_run(tmp_path) -> None:
         proc.send_signal(signal.SIGKILL)
         out, err = proc.communicate()
     assert out.split() == ["1"] and "hangs in step 2" in err
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)  # restarted
+    again = forkserver.run(cmd, timeout=60)  # restarted
     assert again.returncode == 0 and again.stdout.split() == ["1", "2", "3"]
     assert os.path.exists(marker)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from steadytrain.errors import ConfigError
+from steadytrain.testing import forkserver
 from steadytrain.warm.server import listen
 
 pytestmark = pytest.mark.timeout(300)
@@ -288,10 +289,11 @@ def test_cli_refuses_a_shared_socket_directory(tmp_path):
     shared.chmod(0o777)
     script = tmp_path / "job.py"
     script.write_text("print('never run')\n")
-    r = subprocess.run(
+    # Forked from the fork server: the refusal is what is checked, not the CLI's start-up.
+    r = forkserver.run(
         [sys.executable, "-m", "steadytrain.cli", "warm", "--socket", str(shared / "w.sock"),
          str(script)],
-        env=_env(), capture_output=True, text=True, timeout=120,
+        env=_env(), timeout=120,
     )  # fmt: skip
     assert r.returncode == 2
     assert f"steadytrain warm: error: {shared}" in r.stderr and "mode 0700" in r.stderr
