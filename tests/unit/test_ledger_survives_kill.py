@@ -56,6 +56,20 @@ def test_record_through_waits_for_a_step_the_loop_records_later(tmp_path) -> Non
     meter.close()
 
 
+def test_record_through_does_not_wait_for_the_step_this_attempt_restored(tmp_path) -> None:
+    # A new run directory over old checkpoints: the attempt restores step 6 (no ledger
+    # history, so nothing is written back) and saves it again before training any step.
+    # No record of step 6 will ever come; the hook says so at once instead of timing out
+    # (it returned False after its whole timeout, and the save waited it out).
+    meter = GoodputMeter(tmp_path, flush_interval_s=60.0)
+    meter.job_start(restored_step=6)
+    assert meter.record_through(6, timeout_s=10.0)
+    starts = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r["type"] == "job_start"]
+    assert [r["restored_step"] for r in starts] == [6]  # what was queued is in the file
+    assert not meter.record_through(7, timeout_s=0.05)  # a step of its own is still awaited
+    meter.close()
+
+
 def test_steps_a_checkpoint_covers_are_recovered_at_the_next_start(tmp_path) -> None:
     # Attempt 0 recorded steps 1..3; a synchronous save committed step 5 (and the process
     # died before steps 4 and 5 reached the file). Attempt 1 restores step 5.

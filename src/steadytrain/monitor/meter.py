@@ -104,6 +104,7 @@ class GoodputMeter:
         self.attempt = 0  # during start-up: the next attempt number seen in the ledger
         self._last_mono: float | None = None
         self._last_step = 0
+        self._restored_step = 0  # this attempt's: no step up to it is this attempt's to record
         self._n = 0
         self.memory_every = cfg.memory_every
         self._ranks = RankRecorder(self.run_dir, rank, world_size, cfg.snapshot_every)
@@ -252,6 +253,7 @@ class GoodputMeter:
             return
         self._last_mono = time.monotonic()
         self._last_step = int(restored_step)
+        self._restored_step = int(restored_step)
         if not self.enabled:
             if attempt is None:
                 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -351,13 +353,21 @@ class GoodputMeter:
     def record_through(self, step: int, timeout_s: float = 10.0) -> bool:
         """The Checkpointer's ``before_commit``: return once the ledger file holds (handed to
         the OS) every step record up to ``step`` -- a committed step is a recorded step
-        (monitor/recovered.py). False when ``step`` was not recorded within ``timeout_s``."""
+        (monitor/recovered.py). False when ``step`` was not recorded within ``timeout_s``.
+
+        A step up to the one this attempt restored is not waited for, once what is queued is
+        written: an earlier attempt trained it, and ``job_start`` wrote back what the ledger
+        lacked of it, or nothing at all for a ledger without history (a new run directory
+        over old checkpoints). A job that restores its last step and saves it again (a
+        memory-tier restore made durable at the end) waited the whole timeout for it."""
         if not self.enabled or self._closed:
             return True
         deadline = time.monotonic() + timeout_s
         while True:
             self._writer.flush(max(0.0, deadline - time.monotonic()))
             if self._acc.last_step >= step:  # processed, so written by the ledger sink
+                return True
+            if step <= self._restored_step:
                 return True
             if time.monotonic() >= deadline:
                 return False
