@@ -44,11 +44,23 @@ def fallback_key(attempt: str | int, rank: int) -> str:
     return f"{_PREFIX}/{attempt}/fallback/r{rank}"
 
 
-def note_fallback(store: Any, attempt: str | int, rank: int, why: str, step: int | None) -> None:
+def note_fallback(
+    store: Any,
+    attempt: str | int,
+    rank: int,
+    why: str,
+    step: int | None,
+    keep_existing: bool = False,
+) -> None:
     """Put a fallback's reason in the store for the next attempt's ledger (best effort: the
-    store may be going down with the attempt, and the restart must not wait for it)."""
+    store may be going down with the attempt, and the restart must not wait for it).
+    ``keep_existing``: a reason already there stays (the keeper's verdict on an exit status
+    is less precise than the reason its process left before it exited)."""
     try:
-        store.set(fallback_key(attempt, rank), json.dumps({"why": why, "step": step}))
+        key = fallback_key(attempt, rank)
+        if keep_existing and store.check([key]):
+            return
+        store.set(key, json.dumps({"why": why, "step": step}))
     except Exception as e:  # noqa: BLE001 - a reason lost, never the restart
         log.warning("could not note the in-place fallback in the store: %s", e)
 

@@ -225,3 +225,21 @@ def test_the_demo_shows_the_keepers_verdicts() -> None:
         show(line)
         == "[keeper] rank 0: process 12 killed by SIGKILL; replacing it in place (1 of 3)"
     )
+
+
+def test_the_keepers_verdict_leaves_the_reason_its_process_noted_first() -> None:
+    """A survivor (or an FSDP2 replacement) that gives up notes why, then exits with status
+    1; its keeper's verdict on that exit ("its own verdict") must not hide the reason."""
+    import json
+
+    import torch.distributed as dist
+
+    from steadytrain.run_inplace_step import fallback_key, note_fallback
+
+    store = dist.HashStore()
+    why = "rank 1: no snapshot step is held by every rank in the memory tier"
+    note_fallback(store, 0, 1, why, 7)
+    note_fallback(store, 0, 1, "exited with status 1 (its own verdict)", None, keep_existing=True)
+    note_fallback(store, 0, 0, "exited with status 1 (its own verdict)", None, keep_existing=True)
+    assert json.loads(store.get(fallback_key(0, 1))) == {"why": why, "step": 7}
+    assert "its own verdict" in json.loads(store.get(fallback_key(0, 0)))["why"]
