@@ -70,7 +70,7 @@ class InPlaceLedger:
     meter writes them)."""
 
     def __init__(self, inplace: InPlace) -> None:
-        self.recovery = inplace.recovery
+        self.inplace, self.recovery = inplace, inplace.recovery
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._pending: dict[str, Any] | None = None  # waiting for its redo to finish
         self._redo_from = 0.0
@@ -169,11 +169,19 @@ class InPlaceLedger:
     def recovered(self, run: Any, note: dict[str, Any], info: dict[str, Any]) -> None:
         """The record of the recovery just done, held until its redone steps are done; the
         rollback as the attempt's ``restore`` (tier ``in-place``: the survivors' memory)."""
-        restore = {"type": "restore", "step": run.start_step, "tier": IN_PLACE_TIER}
+        memory = self.inplace.memory_event if info.get("source") == "memory" else None
+        tier = memory["tier"] if memory else IN_PLACE_TIER  # the memory tier's, FSDP2
+        restore = {"type": "restore", "step": run.start_step, "tier": tier}
         run.meter.event({**restore, "restore_s": self.restore_s()})
         phases = {"detection_s": float(note.get("detection_s", 0.0))}
         phases.update(info.get("phases", {}))
         step = int(info.get("step", run.start_step))
+        if memory:
+            how = f"rolled back to the memory tier's step {step} (each rank its own shard)"
+        elif info.get("live"):
+            how = f"resumed from the survivors' live state at the start of step {step}"
+        else:
+            how = f"rolled back to the in-memory snapshot of step {step}"
         self._pending = recovery_record(
             path=IN_PLACE,
             failed_ranks=list(info.get("replaced", [])),
@@ -181,11 +189,7 @@ class InPlaceLedger:
             step=step,
             phases=phases,
             why=f"a peer's process was lost and replaced (generation {self.recovery.generation}); "
-            + (
-                f"resumed from the survivors' live state at the start of step {step}"
-                if info.get("live")
-                else f"rolled back to the in-memory snapshot of step {step}"
-            ),
+            + how,
             attempt=run.attempt,
         )
         self._redo_from = time.monotonic()
