@@ -168,10 +168,10 @@ def python(script: str, *args: str, **env_extra: str) -> dict:
     return {"args": [sys.executable, *entry, *args], "env": {**os.environ, **env_extra, **warm_env}}
 
 
-def start_inplace(worker: str, *args: str) -> Any:
-    """``torchrun`` (2 ranks, ``--max-restarts 1``, c10d) of ``WORKER ARGS`` under the keeper
-    (``keeper``), on torchrun's shared store, which the regroup needs; the agent."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+def start_inplace(worker: str, *args: str, ranks: int = 2) -> Any:
+    """``torchrun`` (``ranks``, ``--max-restarts 1``, c10d) of ``WORKER ARGS`` under the
+    keeper (``keeper``), on torchrun's shared store, which the regroup needs; the agent."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     entry, warm_env = keeper(worker)  # the keeper, forked from a warm process
     cmd += ["--monitor-interval=0.2", *entry, *args]
