@@ -253,6 +253,11 @@ class Run:
         held: list[dict[str, Any]] = []  # the restore event waits for job_start (see above)
         if self._inplace is not None:  # rebuilt after each regroup, before the loop's DDP
             ckpt = self._inplace.wrap_checkpointer(lambda: self._make_checkpointer(held.append))
+            if self._inplace.sharded and getattr(ckpt, "memory", None) is None and self.rank == 0:
+                self._say(
+                    "in-place recovery: FSDP2's shards come back from the memory tier, which "
+                    "is off (checkpoint.memory.every_steps): a fault restarts the job"
+                )
         else:
             ckpt = self._make_checkpointer(held.append)
         # One id per attempt, shared by all ranks (each agent counts its own restarts),

@@ -76,7 +76,9 @@ def test_fsdp2_rank_recovers_in_place_from_the_memory_tier_and_stays_exact(
 
 def test_fsdp2_without_the_memory_tier_falls_back_to_the_whole_restart(tmp_path) -> None:
     killed = str(tmp_path / "killed")
-    finish(start(killed, KILL_AT, 0))
+    log = finish(start(killed, KILL_AT, 0))
+
+    assert "FSDP2's shards come back from the memory tier, which is off" in log  # at entry
 
     recs = recoveries(killed)
     assert recs and {r["path"] for r in recs} == {"whole_restart"}, recs
