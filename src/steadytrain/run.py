@@ -40,8 +40,10 @@ What it owns, and why each is here rather than in the loop (issue 27):
   multiple of ``every_steps``;
 - in-place recovery, opt-in (``recovery={"inplace": True}``, run_inplace.py): under the
   keeper, Run forms the group, ``run.wrap`` rebuilds DDP and ``with run.recoverable(step)``
-  turns a lost peer into a rollback and a regroup instead of a whole restart; the decision
-  and its reason are ``run_inplace.decide``'s, the records ``run_inplace_step.py``'s;
+  turns a lost peer into a rollback and a regroup instead of a whole restart (FSDP2: the
+  loop calls ``run_inplace.form_group`` before ``fully_shard``, and every rank restores its
+  shard from the memory tier); the decision and its reason are ``run_inplace.decide``'s,
+  the records ``run_inplace_step.py``'s;
 - the closing order: the final save and the in-flight save finish (the meter records
   them), the watchdog stops, the meter writes ``job_end`` last; the process group is the
   caller's unless Run created it.
@@ -59,6 +61,7 @@ import torch.distributed as dist
 
 from steadytrain.checkpoint.checkpointer import Checkpointer
 from steadytrain.checkpoint.config import CheckpointerConfig
+from steadytrain.inplace import regroup
 from steadytrain.inplace.contract import ENV_INCARNATION
 from steadytrain.monitor.extras import loader_fields
 from steadytrain.monitor.meter import GoodputMeter
@@ -210,7 +213,9 @@ class Run:
             self.recovery,
             os.environ,
             world_size=self.world_size,
-            group_exists=dist.is_initialized(),
+            # a group that form_group formed in place is Run's own (a model sharded first)
+            group_exists=dist.is_initialized()
+            and regroup.formed(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) is None,
             rebuildable_checkpoint=given is None
             or isinstance(given, (bool, dict, CheckpointerConfig)),
         )
@@ -248,6 +253,11 @@ class Run:
         held: list[dict[str, Any]] = []  # the restore event waits for job_start (see above)
         if self._inplace is not None:  # rebuilt after each regroup, before the loop's DDP
             ckpt = self._inplace.wrap_checkpointer(lambda: self._make_checkpointer(held.append))
+            if self._inplace.sharded and getattr(ckpt, "memory", None) is None and self.rank == 0:
+                self._say(
+                    "in-place recovery: FSDP2's shards come back from the memory tier, which "
+                    "is off (checkpoint.memory.every_steps): a fault restarts the job"
+                )
         else:
             ckpt = self._make_checkpointer(held.append)
         # One id per attempt, shared by all ranks (each agent counts its own restarts),
@@ -269,7 +279,9 @@ class Run:
         if ckpt is not None and hasattr(ckpt, "run_nonce"):
             ckpt.run_nonce = self.nonce
         t_restore = time.perf_counter()
-        if replaced_step is not None:  # restored from a survivor and its own snapshot
+        if replaced_step is not None and self._inplace.sharded:  # its shard, from memory
+            step, restore_s = self._inplace.restore_replaced(), self._inplace_ledger.restore_s()
+        elif replaced_step is not None:  # restored from a survivor and its own snapshot
             step, restore_s = replaced_step, self._inplace_ledger.restore_s()
         else:
             step = ckpt.restore_latest(self.states) if ckpt is not None else self._restored_step

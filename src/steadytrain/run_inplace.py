@@ -16,7 +16,13 @@ today's whole restart.
 - ``recovery_record`` (pure): the ledger's ``inplace_recovery`` record (docs/format.md);
 - ``InPlace`` (mechanism): a ``Recovery`` over ``Run``'s states plus the rebuilt
   checkpointer (its side groups die with the broken group, so it is built again after
-  each regroup, before the user's DDP, in the order a replacement builds them).
+  each regroup, before the user's DDP, in the order a replacement builds them);
+- FSDP2 (a module of the states sharded by ``fully_shard``): each rank's shard is its own,
+  so no survivor can hand the replacement its state. Every rank restores its own shard from
+  the memory tier instead (the node's tmpfs outlives a process), at the newest step every
+  rank holds, on the checkpointer rebuilt over the new group; the FSDP2 modules are pointed
+  at the new default group first. The model is sharded before ``Run``, so the loop forms
+  the group first with ``form_group`` (``fully_shard`` needs it).
 """
 
 from __future__ import annotations
@@ -28,7 +34,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from steadytrain.checkpoint import torch_private as tp
 from steadytrain.errors import ConfigError
+from steadytrain.inplace import regroup
 from steadytrain.inplace.contract import ENV_INCARNATION, ENV_ON
 from steadytrain.inplace.recovery import Rebuilt
 
@@ -37,6 +48,7 @@ __all__ = [
     "RecoveryConfig",
     "classify",
     "decide",
+    "form_group",
     "recovery_config",
     "recovery_record",
 ]
@@ -126,7 +138,8 @@ def decide(
     if group_exists:
         return False, (
             "the process group existed before Run (in-place recovery forms it itself, on a "
-            "prefix a regroup can renew): let Run create it"
+            "prefix a regroup can renew): let Run create it, or, for a model sharded "
+            "before Run (FSDP2), call steadytrain.run_inplace.form_group first"
         )
     if not rebuildable_checkpoint:
         return False, (
@@ -134,6 +147,40 @@ def decide(
             "with the broken one): pass the checkpoint settings instead"
         )
     return True, "under the keeper, on torchrun's shared store"
+
+
+def form_group(
+    recovery: RecoveryConfig | Mapping[str, Any] | None = None, *, timeout_s: float = 600.0
+) -> bool:
+    """Form the process group as ``Run`` would with in-place recovery, before ``Run``: for
+    a loop that shards its model first (FSDP2's ``fully_shard`` needs the group, and
+    ``Run``'s states need the sharded model). True: formed (a replacement: it joined its
+    survivors' new group), and ``Run`` takes it over; False: in-place recovery is off
+    (``Run`` says why), nothing was done, and the loop forms its group as usual."""
+    cfg = recovery_config(recovery)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    exists = dist.is_initialized()
+    if not decide(
+        cfg, os.environ, world_size=world, group_exists=exists, rebuildable_checkpoint=True
+    )[0]:
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    first = int(os.environ.get(ENV_INCARNATION, "0")) == 0
+    wait_s = timeout_s if first else float(cfg.regroup_timeout_s)
+    regroup.join("gloo", rank, world, wait_s, attempt, first=first)
+    return True
+
+
+def sharded_modules(states: Mapping[str, Any]) -> list[torch.nn.Module]:
+    """The states' modules that FSDP2 sharded (their shards are each rank's own)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [
+        m
+        for m in states.values()
+        if isinstance(m, torch.nn.Module) and any(isinstance(x, FSDPModule) for x in m.modules())
+    ]
 
 
 # A fallback's message (keeper's or ``InPlaceFallback``'s) -> the reason the report groups by.
@@ -212,7 +259,7 @@ class _RebuiltCheckpointer(Rebuilt):
         if current is None:
             return
         try:
-            current.close()
+            current.close(keep_memory=True)  # the memory tier's copies: the regroup's source
         except Exception as e:  # noqa: BLE001 - the save lost its peer; nothing to keep
             log.warning("in-place recovery: the checkpointer's save in flight failed: %s", e)
 
@@ -223,18 +270,24 @@ class InPlace:
     def __init__(self, cfg: RecoveryConfig, states: Mapping[str, Any], run: Any) -> None:
         from steadytrain.inplace.recovery import Recovery
 
+        self._run, self.sharded = run, sharded_modules(states)
+        self.memory_event: dict[str, Any] | None = None  # the newest restore from memory
         per_rank = {k: v for k, v in states.items() if k in cfg.per_rank}
         per_rank["__steadytrain_run__"] = _Counters(run)
         replicated = {k: v for k, v in states.items() if k not in cfg.per_rank}
+        if self.sharded:  # FSDP2: every state comes back from the memory tier, nothing live
+            per_rank, replicated = {}, {}
         self.recovery = Recovery(
             replicated=replicated,
             per_rank=per_rank,
-            every_steps=cfg.every_steps,
+            every_steps=0 if self.sharded else cfg.every_steps,
             backend="gloo",
             timeout_s=float(run._backend_timeout_s or 600.0),
             regroup_timeout_s=float(cfg.regroup_timeout_s),
+            restore_from=self._from_memory if self.sharded else None,
         )
         self.checkpointer: _RebuiltCheckpointer | None = None
+        self._group_name = ""  # the default group's name, which FSDP2's meshes resolve
 
     @property
     def replaced(self) -> bool:
@@ -243,7 +296,70 @@ class InPlace:
 
     def start(self) -> int:
         """Form the group (a replacement: rejoin, agree, restore); the step to start from."""
-        return self.recovery.start()
+        step = self.recovery.start()
+        self._group_name = dist.group.WORLD.group_name if dist.is_initialized() else ""
+        return step
+
+    def restore_replaced(self) -> int:
+        """A replacement of an FSDP2 job: its shard from the memory tier (with the
+        survivors, once its checkpointer is built); the step."""
+        try:
+            return self.recovery.restore_replaced()
+        except regroup.InPlaceFallback as e:  # its reason, for the next attempt's ledger
+            from steadytrain.run_inplace_step import note_fallback
+
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = self.recovery._the_store()
+            note_fallback(store, attempt, self._run.rank, str(e), self._run.step)
+            raise
+
+    def _from_memory(self, replaced: bool) -> int:
+        """Every rank's own states from the memory tier at the newest step every rank holds
+        (a collective on the rebuilt checkpointer's group); ``InPlaceFallback`` when none.
+        ``replaced``: this process is the replacement in this regroup."""
+        from torch.distributed.fsdp import FSDPModule
+
+        rank = self._run.rank
+        ckpt = self.checkpointer.current if self.checkpointer is not None else None
+        if getattr(ckpt, "memory", None) is None:
+            raise regroup.InPlaceFallback(
+                f"rank {rank}: FSDP2's shards are each rank's own and the memory tier is off "
+                "(checkpoint.memory.every_steps), so no snapshot step is held by every rank; "
+                "torchrun's whole restart takes over"
+            )
+        why = tp.fsdp_rebind_groups(self.sharded, self._group_name)
+        if why is not None:
+            raise regroup.InPlaceFallback(
+                f"rank {rank}: FSDP2 cannot follow the new group ({why}); torchrun's whole "
+                "restart takes over"
+            )
+        for module in self.sharded:
+            # A survivor: FSDP2's own recovery from a forward or backward that raised (the
+            # iteration's gathers and reductions dropped, every parameter group resharded and
+            # idle; else its next step's collectives differ from the replacement's). A
+            # replacement has not run a step: nothing to end.
+            if replaced:
+                pass
+            elif isinstance(module, FSDPModule) and hasattr(module, "reset_iter_state"):
+                module.reset_iter_state()
+            else:
+                raise regroup.InPlaceFallback(
+                    f"rank {rank}: a state is not the root FSDP2 module, or this torch has no "
+                    "FSDPModule.reset_iter_state() to end its failed step; torchrun's whole "
+                    "restart takes over"
+                )
+            module.zero_grad(set_to_none=True)
+        ckpt.run_nonce = self._run.nonce  # a rebuilt one has none yet: only this run's copies
+        event, passed = ckpt.restore_memory(self._run.states)
+        if event is None:
+            reasons = "; ".join(str(p.get("reason", "")) for p in passed[-2:]) or "none in memory"
+            raise regroup.InPlaceFallback(
+                f"rank {rank}: no snapshot step is held by every rank in the memory tier "
+                f"({reasons}); torchrun's whole restart takes over"
+            )
+        self.memory_event = event
+        self._run.tokens_seen = int(getattr(ckpt, "tokens_seen", 0) or 0)
+        return int(event["step"])
 
     def wrap_checkpointer(self, factory: Callable[[], Any]) -> Any:
         built = _RebuiltCheckpointer(factory)

@@ -44,11 +44,23 @@ def fallback_key(attempt: str | int, rank: int) -> str:
     return f"{_PREFIX}/{attempt}/fallback/r{rank}"
 
 
-def note_fallback(store: Any, attempt: str | int, rank: int, why: str, step: int | None) -> None:
+def note_fallback(
+    store: Any,
+    attempt: str | int,
+    rank: int,
+    why: str,
+    step: int | None,
+    keep_existing: bool = False,
+) -> None:
     """Put a fallback's reason in the store for the next attempt's ledger (best effort: the
-    store may be going down with the attempt, and the restart must not wait for it)."""
+    store may be going down with the attempt, and the restart must not wait for it).
+    ``keep_existing``: a reason already there stays (the keeper's verdict on an exit status
+    is less precise than the reason its process left before it exited)."""
     try:
-        store.set(fallback_key(attempt, rank), json.dumps({"why": why, "step": step}))
+        key = fallback_key(attempt, rank)
+        if keep_existing and store.check([key]):
+            return
+        store.set(key, json.dumps({"why": why, "step": step}))
     except Exception as e:  # noqa: BLE001 - a reason lost, never the restart
         log.warning("could not note the in-place fallback in the store: %s", e)
 
@@ -58,7 +70,7 @@ class InPlaceLedger:
     meter writes them)."""
 
     def __init__(self, inplace: InPlace) -> None:
-        self.recovery = inplace.recovery
+        self.inplace, self.recovery = inplace, inplace.recovery
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._pending: dict[str, Any] | None = None  # waiting for its redo to finish
         self._redo_from = 0.0
@@ -157,11 +169,19 @@ class InPlaceLedger:
     def recovered(self, run: Any, note: dict[str, Any], info: dict[str, Any]) -> None:
         """The record of the recovery just done, held until its redone steps are done; the
         rollback as the attempt's ``restore`` (tier ``in-place``: the survivors' memory)."""
-        restore = {"type": "restore", "step": run.start_step, "tier": IN_PLACE_TIER}
+        memory = self.inplace.memory_event if info.get("source") == "memory" else None
+        tier = memory["tier"] if memory else IN_PLACE_TIER  # the memory tier's, FSDP2
+        restore = {"type": "restore", "step": run.start_step, "tier": tier}
         run.meter.event({**restore, "restore_s": self.restore_s()})
         phases = {"detection_s": float(note.get("detection_s", 0.0))}
         phases.update(info.get("phases", {}))
         step = int(info.get("step", run.start_step))
+        if memory:
+            how = f"rolled back to the memory tier's step {step} (each rank its own shard)"
+        elif info.get("live"):
+            how = f"resumed from the survivors' live state at the start of step {step}"
+        else:
+            how = f"rolled back to the in-memory snapshot of step {step}"
         self._pending = recovery_record(
             path=IN_PLACE,
             failed_ranks=list(info.get("replaced", [])),
@@ -169,11 +189,7 @@ class InPlaceLedger:
             step=step,
             phases=phases,
             why=f"a peer's process was lost and replaced (generation {self.recovery.generation}); "
-            + (
-                f"resumed from the survivors' live state at the start of step {step}"
-                if info.get("live")
-                else f"rolled back to the in-memory snapshot of step {step}"
-            ),
+            + how,
             attempt=run.attempt,
         )
         self._redo_from = time.monotonic()

@@ -232,3 +232,25 @@ def assert_restored(run_dir: str, steps: tuple[int, ...], skipped: str = "") -> 
         assert [(k["attempt"], k["path"]) for k in passed] == [(1, skipped)], passed
     assert rep["last_step"] == STEPS
     return rep
+
+
+def jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_same_as_uninterrupted(ref: str, killed: str, steps: int, ranks: int = 2) -> None:
+    """The in-place ``Run`` workers (inplace_run_worker.py, inplace_fsdp_worker.py): every
+    step's loss on each rank, the redone steps too, and the final weights of the killed run
+    equal the uninterrupted run's, bit for bit."""
+    import torch
+
+    for rank in range(ranks):
+        want = {r["step"]: r["loss"] for r in jsonl(os.path.join(ref, f"r{rank}.jsonl"))}
+        assert sorted(want) == list(range(steps))
+        for r in jsonl(os.path.join(killed, f"r{rank}.jsonl")):
+            assert r["loss"] == want[r["step"]], (rank, r, want[r["step"]])
+    expected = torch.load(os.path.join(ref, "final.pt"))
+    got = torch.load(os.path.join(killed, "final.pt"))
+    assert sorted(got) == sorted(expected)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)

@@ -11,13 +11,12 @@ first process SIGKILLs itself in step KILL_AT between its forward and its backwa
 other rank blocked in DDP's gradient all-reduce). Checkpoints: every 4 steps, thread-async.
 """
 
-import json
 import os
 import signal
 import sys
 
 import torch
-from inplace_worker import Loader
+from inplace_worker import Loader, write_step
 from torch.nn.parallel import DistributedDataParallel
 
 from steadytrain.run import Run  # preloaded by the keeper: Run's import-time clock too
@@ -57,12 +56,7 @@ def main() -> None:
                 optim.zero_grad()
                 run.step_done(step + 1, tokens=8, loss=loss.detach())
             if not s.recovered:
-                line = {"step": step, "loss": loss.item(), "pid": os.getpid()}
-                line.update(
-                    restart=os.environ["TORCHELASTIC_RESTART_COUNT"], incarnation=incarnation
-                )
-                record.write(json.dumps(line) + "\n")
-                record.flush()
+                write_step(record, step, loss, incarnation)
             step = s.next
         if rank == 0:
             torch.save(model.state_dict(), os.path.join(run_dir, "final.pt"))

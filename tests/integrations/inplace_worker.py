@@ -37,6 +37,15 @@ from steadytrain.inplace import Recovery
 from steadytrain.monitor.watchdog import HangWatchdog, WatchdogConfig
 
 
+def write_step(record, step: int, loss: torch.Tensor, incarnation: int) -> None:
+    """The step's line of ``r{RANK}.jsonl`` for the ``Run`` workers (inplace_run_worker.py,
+    inplace_fsdp_worker.py)."""
+    line = {"step": step, "loss": loss.item(), "pid": os.getpid()}
+    line.update(restart=os.environ["TORCHELASTIC_RESTART_COUNT"], incarnation=incarnation)
+    record.write(json.dumps(line) + "\n")
+    record.flush()
+
+
 class Loader:
     """A stateful loader: batch n of rank r is a pure function of (n, r)."""
 

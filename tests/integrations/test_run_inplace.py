@@ -19,16 +19,12 @@ keeps. The killed run:
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 
 import pytest
-import torch
-from example_runs import finish
-from harness import env, start_agent
-from warm_pool import keeper
+from example_runs import assert_same_as_uninterrupted, finish, jsonl
+from warm_pool import start_inplace
 
 from steadytrain.report.build import build_report
 from steadytrain.testing import forkserver
@@ -40,19 +36,7 @@ STEPS, KILL_AT = 12, 7  # the fault at 7 resumes at 7 (live: nothing is redone)
 
 
 def start(run_dir: str, kill_at: int) -> subprocess.Popen | forkserver.ForkedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
-    cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
-    entry, warm_env = keeper(WORKER)  # the keeper, forked from a warm process
-    cmd += ["--monitor-interval=0.2", *entry, run_dir]
-    cmd += [str(STEPS), str(kill_at), "0"]
-    e = env(**warm_env)
-    e.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")  # the regroup needs torchrun's shared store
-    return start_agent(cmd, e)
-
-
-def lines(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f]
+    return start_inplace(WORKER, run_dir, str(STEPS), str(kill_at), "0")
 
 
 def test_run_recovers_a_sigkilled_rank_in_place_and_stays_exact(tmp_path) -> None:
@@ -62,21 +46,14 @@ def test_run_recovers_a_sigkilled_rank_in_place_and_stays_exact(tmp_path) -> Non
     log = logs[1]
 
     assert "rank 0: process" in log and "replacing it in place (1 of 3)" in log, log[-4000:]
-    replaced, kept = (lines(os.path.join(killed, f"r{r}.jsonl")) for r in (0, 1))
+    replaced, kept = (jsonl(os.path.join(killed, f"r{r}.jsonl")) for r in (0, 1))
     assert {r["restart"] for r in kept + replaced} == {"0"}, "torchrun restarted the job"
     assert len({r["pid"] for r in kept}) == 1, "the survivor's process was replaced"
     assert [r["step"] for r in kept] == list(range(STEPS))  # step 7 once: it failed, then ran
     assert [r["step"] for r in replaced if r["incarnation"] == 1] == list(range(KILL_AT, STEPS))
-    for rank in (0, 1):  # every step's loss, the redone ones too, is the reference's
-        want = {r["step"]: r["loss"] for r in lines(os.path.join(ref, f"r{rank}.jsonl"))}
-        assert sorted(want) == list(range(STEPS))
-        for r in lines(os.path.join(killed, f"r{rank}.jsonl")):
-            assert r["loss"] == want[r["step"]], (rank, r, want[r["step"]])
-    expected = torch.load(os.path.join(ref, "final.pt"))
-    got = torch.load(os.path.join(killed, "final.pt"))
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert_same_as_uninterrupted(ref, killed, STEPS)  # losses, redone ones too; weights
 
-    ledger = lines(os.path.join(killed, "ledger.jsonl"))
+    ledger = jsonl(os.path.join(killed, "ledger.jsonl"))
     recs = [r for r in ledger if r["type"] == "inplace_recovery"]
     assert len(recs) == 1, recs
     rec = recs[0]

@@ -24,9 +24,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
-from harness import REPO, env
+from harness import REPO, env, start_agent
 
 FRESH = os.environ.get("STEADYTRAIN_TEST_FRESH") == "1"
 # How long a run waits for its warm process to listen (imports and one optimizer step:
@@ -165,3 +166,15 @@ def python(script: str, *args: str, **env_extra: str) -> dict:
     process."""
     entry, warm_env = launch(script)
     return {"args": [sys.executable, *entry, *args], "env": {**os.environ, **env_extra, **warm_env}}
+
+
+def start_inplace(worker: str, *args: str, ranks: int = 2) -> Any:
+    """``torchrun`` (``ranks``, ``--max-restarts 1``, c10d) of ``WORKER ARGS`` under the
+    keeper (``keeper``), on torchrun's shared store, which the regroup needs; the agent."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
+    cmd += ["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
+    entry, warm_env = keeper(worker)  # the keeper, forked from a warm process
+    cmd += ["--monitor-interval=0.2", *entry, *args]
+    e = env(**warm_env)
+    e.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    return start_agent(cmd, e)

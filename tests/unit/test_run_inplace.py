@@ -47,6 +47,15 @@ def test_in_place_only_when_asked_under_the_keeper_and_sure() -> None:
     [
         ("rank 0: could not form a new process group in place within 3 s (...)", "regroup_timeout"),
         ("no snapshot step is held by every rank (rank 0: [3]; rank 1: [])", "no_common_step"),
+        (
+            "rank 1: FSDP2's shards are each rank's own and the memory tier is off "
+            "(checkpoint.memory.every_steps), so no snapshot step is held by every rank",
+            "no_common_step",
+        ),
+        (
+            "rank 0: no snapshot step is held by every rank in the memory tier (...)",
+            "no_common_step",
+        ),
         ("every rank is a replacement: no process kept its state", "no_survivor"),
         ("rank 1: a peer was lost again after 3 in-place regroups", "repeated_fault"),
         ("the training process was killed by SIGKILL before it completed a step", "repeated_fault"),
@@ -225,3 +234,52 @@ def test_the_demo_shows_the_keepers_verdicts() -> None:
         show(line)
         == "[keeper] rank 0: process 12 killed by SIGKILL; replacing it in place (1 of 3)"
     )
+
+
+def test_the_keepers_verdict_leaves_the_reason_its_process_noted_first() -> None:
+    """A survivor (or an FSDP2 replacement) that gives up notes why, then exits with status
+    1; its keeper's verdict on that exit ("its own verdict") must not hide the reason."""
+    import json
+
+    import torch.distributed as dist
+
+    from steadytrain.run_inplace_step import fallback_key, note_fallback
+
+    store = dist.HashStore()
+    why = "rank 1: no snapshot step is held by every rank in the memory tier"
+    note_fallback(store, 0, 1, why, 7)
+    note_fallback(store, 0, 1, "exited with status 1 (its own verdict)", None, keep_existing=True)
+    note_fallback(store, 0, 0, "exited with status 1 (its own verdict)", None, keep_existing=True)
+    assert json.loads(store.get(fallback_key(0, 1))) == {"why": why, "step": 7}
+    assert "its own verdict" in json.loads(store.get(fallback_key(0, 0)))["why"]
+
+
+def test_fsdp2_follows_a_renewed_default_group_or_says_why_not() -> None:
+    """FSDP2 keeps the group object it resolved at ``fully_shard``; after the default group
+    is destroyed and formed again (a regroup) ``fsdp_rebind_groups`` points it at the new
+    one, and refuses, changing nothing, a mesh that is not the old default group. One
+    process, a real gloo group (world size 1)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from steadytrain.checkpoint.torch_private import fsdp_rebind_groups
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        fully_shard(model[0])
+        fully_shard(model)
+        info = model[0]._get_fsdp_state()._fsdp_param_group.mesh_info
+        old = dist.group.WORLD
+        assert info.shard_process_group is old
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        assert dist.group.WORLD is not old and info.shard_process_group is old
+        why = fsdp_rebind_groups([model], "elsewhere")
+        assert "not the default group 'elsewhere'" in why and info.shard_process_group is old
+        assert fsdp_rebind_groups([model], old.group_name) is None
+        assert info.shard_process_group is dist.group.WORLD
+        model(torch.ones(2, 4)).sum().backward()  # the rebound module still trains
+    finally:
+        dist.destroy_process_group()

@@ -110,7 +110,7 @@ def test_folder_marks_select_the_inner_loop_and_nothing_selected_exits_5(tmp_pat
 # run it (tests/e2e/train/harness.py, tests/integrations/example_runs.py, NodeHarness).
 LAUNCHES_TORCHRUN = re.compile(
     r"torch\.distributed\.run|\b(start_example|run_pair|run_kills|torchrun_cmd|start_torchrun"
-    r"|run_torchrun|start_agent)\(|\.torchrun\("
+    r"|run_torchrun|start_agent|start_inplace)\(|\.torchrun\("
 )
 # Modules that name the launcher without starting it.
 NAMES_TORCHRUN_ONLY = {"unit/test_slurm_sbatch.py": "reads an sbatch script's srun line"}

@@ -451,14 +451,8 @@ class Checkpointer:
         """Load the newest good recovery point (a memory generation at least as new as the
         newest durable commit, else the newest committed checkpoint that verifies); returns
         its step (0: none)."""
-        self.wait()
-        self._ensure_nonce(self.group)
-        event, passed = None, []
+        event, passed = self._restore_memory(states)
         nonce = self.run_nonce
-        if self.memory is not None:
-            self.memory.nonce = nonce
-            root = self.remote or self.local
-            event, passed = self.memory.restore(states, lambda: newest_durable_step(root, nonce))
         if event is None:
             event = _restore(states, self.group, self.local, self.remote, self.verify, nonce)
             event["skipped"] = passed + event["skipped"]
@@ -467,6 +461,30 @@ class Checkpointer:
                     "a memory snapshot failed while loading and no durable checkpoint could "
                     f"be restored over it ({passed[-1]['reason']}); restart the process"
                 )
+        self._restored(event)
+        self._emit(event)
+        return int(event["step"])
+
+    def restore_memory(self, states: dict[str, Any]) -> tuple[dict[str, Any] | None, list]:
+        """The memory tier's restore alone (collective on the tier's group): (the restore
+        event, or None: no generation every rank holds; what was passed over). In-place
+        recovery of FSDP2 shards uses it: there a durable restore is the whole restart's."""
+        event, passed = self._restore_memory(states)
+        if event is not None:
+            self._restored(event)
+        return event, passed
+
+    def _restore_memory(self, states: dict[str, Any]) -> tuple[dict[str, Any] | None, list]:
+        self.wait()
+        self._ensure_nonce(self.group)
+        if self.memory is None:
+            return None, []
+        nonce = self.run_nonce
+        self.memory.nonce = nonce
+        root = self.remote or self.local
+        return self.memory.restore(states, lambda: newest_durable_step(root, nonce))
+
+    def _restored(self, event: dict[str, Any]) -> None:
         if self.memory is not None:
             self.memory.forget_after(int(event["step"]))
             if event.get("tier", "durable") != "durable":  # held in memory only, so far
@@ -476,8 +494,6 @@ class Checkpointer:
             self.tokens_seen = event["tokens_seen"]
         for s in event["skipped"]:
             log.warning("skipped checkpoint %s: %s", s["path"], s["reason"])
-        self._emit(event)
-        return int(event["step"])
 
     # -- the run's identity ----------------------------------------------------------------
     def newest_run_nonce(self) -> str | None:
@@ -510,9 +526,10 @@ class Checkpointer:
                 )
         self.run_nonce = str(group.broadcast(nonce))
 
-    def close(self) -> None:
+    def close(self, keep_memory: bool = False) -> None:
         """Wait for the in-flight save, release the writer lease (the next job on this root
-        need not wait for it to age) and the staging buffers."""
+        need not wait for it to age) and the staging buffers. ``keep_memory``: the memory
+        tier's copies stay (an in-place regroup restores from them next)."""
         self.wait()
         leases, self._leases = self._leases or [], None
         for lease in leases:
@@ -520,7 +537,8 @@ class Checkpointer:
         self._stager.release()
         if self.memory is not None:
             # A clean end: the final durable save holds everything memory holds.
-            self.memory.close(remove=self._durable_ok >= self.memory.last_step)
+            remove = not keep_memory and self._durable_ok >= self.memory.last_step
+            self.memory.close(remove=remove)
 
     def __enter__(self) -> Checkpointer:
         return self

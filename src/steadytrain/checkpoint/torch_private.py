@@ -97,6 +97,7 @@ __all__ = [
     "ddp_rebuild_limits",
     "ddp_remove_hooks",
     "abort_process_groups",
+    "fsdp_rebind_groups",
     "check_all",
 ]
 
@@ -503,6 +504,48 @@ def abort_process_groups() -> Callable[[], None] | None:
     import torch.distributed.distributed_c10d as c10d
 
     return getattr(c10d, "_abort_process_group", None)
+
+
+# -- FSDP2 over a renewed default group (in-place recovery, run_inplace.py) ----------------
+_FSDP = "FSDPParamGroup.mesh_info.shard_process_group"
+_FSDP_WHY = "to point an FSDP2 module at the default group an in-place regroup formed again"
+
+
+def fsdp_rebind_groups(modules: Sequence[torch.nn.Module], old_name: str) -> str | None:
+    """Point every FSDP2 module in ``modules`` at the current default group; why not (None:
+    done). FSDP2 resolves its mesh's groups by name (the new default group is named as the
+    old one: ``destroy_process_group`` resets c10d's group count), but each parameter group
+    keeps the group object it resolved at ``fully_shard`` (``shard_process_group``) and a
+    separate reduce-scatter group, if one was set. Only a 1-D mesh over the old default
+    group ``old_name`` is rebound; anything else is refused before anything is changed."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    infos = []
+    for module in modules:
+        for sub in module.modules():
+            if not isinstance(sub, FSDPModule):
+                continue
+            group = getattr(sub._get_fsdp_state(), "_fsdp_param_group", None)  # noqa: SLF001
+            if group is None:  # a root without parameters of its own
+                continue
+            for info in (group.mesh_info, group.post_forward_mesh_info):
+                if info is None:
+                    continue
+                names = list(getattr(info.mesh, "_dim_group_names", None) or [])
+                if not hasattr(info, "shard_process_group") or names != [old_name]:
+                    return (
+                        f"an FSDP2 module is sharded over {names or 'an unknown mesh'}, not the "
+                        f"default group {old_name!r} alone ({_FSDP}; {_FSDP_WHY})"
+                    )
+                if getattr(info, "reduce_scatter_process_group", None) is not None:
+                    return "an FSDP2 module has a separate reduce-scatter group"
+                infos.append(info)
+    if dist.group.WORLD is None or dist.group.WORLD.group_name != old_name:
+        return f"the new default group is not named {old_name!r} as the old one was"
+    for info in infos:
+        info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
+    return None
 
 
 def check_all() -> list[str]:

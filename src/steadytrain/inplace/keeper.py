@@ -152,7 +152,7 @@ def _note_fallback(rank: str, why: str) -> None:
         from steadytrain.run_inplace_step import note_fallback
 
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        note_fallback(store(5.0), attempt, int(rank), why, None)
+        note_fallback(store(5.0), attempt, int(rank), why, None, keep_existing=True)
     except Exception as e:  # noqa: BLE001 - the reason is lost, never the restart
         log.warning("keeper: could not note the fallback in the store: %s", e)
 

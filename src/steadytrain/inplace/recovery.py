@@ -44,6 +44,11 @@ the step's forward and backward run, and each optimizer's ``step()`` waits for t
 kept (a rank may die between its peers' snapshot and its own); a regroup that cannot use
 the live states rolls back to the newest one every rank holds and redoes from there.
 
+``restore_from`` replaces all of that for states no survivor can give (FSDP2's shards,
+each rank's own; ``run_inplace.py`` passes the memory tier's restore): no live point or
+snapshot is kept, the regroup rebuilds the wrapped objects (the checkpointer) first and
+then every rank, the replacement included (``restore_replaced``), restores from outside.
+
 Only an error of a collective whose peer is gone (``regroup.is_peer_loss``), raised inside
 ``with recovery.step(...)``, is recovered; any other error goes on as it would without
 ``Recovery``. Every doubt (a regroup that times out, no live step and no snapshot all ranks
@@ -139,6 +144,7 @@ class Recovery:
         timeout_s: float = 600.0,
         regroup_timeout_s: float = 60.0,
         background: bool = True,
+        restore_from: Callable[[bool], int] | None = None,
     ) -> None:
         if not isinstance(every_steps, int) or every_steps < 0:
             raise ValueError(
@@ -153,6 +159,12 @@ class Recovery:
                     "load_state_dict(): pass objects that save and load their state"
                 )
         self.replicated, self.per_rank = replicated, dict(per_rank or {})
+        # Restores every state from outside the process (the memory tier: FSDP2's shards are
+        # each rank's own), after the regroup and the rebuild; called with whether this
+        # process is the replacement, returns the step. Then nothing is
+        # kept live or snapshotted here, and a replacement restores once its caller built
+        # what the restore needs (``restore_replaced``).
+        self.restore_from = restore_from
         self.every_steps, self.backend = every_steps, backend
         self.timeout_s, self.regroup_timeout_s = timeout_s, regroup_timeout_s
         self.enabled = os.environ.get(ENV_ON) == "1"
@@ -192,6 +204,7 @@ class Recovery:
             )
         self._rebuilt: list[Rebuilt] = []
         self._store: dist.Store | None = None
+        self._joined: tuple[float, list[int], float] = (0.0, [], 0.0)
         self.regroups = 0
         self.generation = 0
         # The newest regroup, for the caller's records (Run's inplace_recovery): the step
@@ -208,18 +221,69 @@ class Recovery:
                 timeout = datetime.timedelta(seconds=self.timeout_s)
                 dist.init_process_group(self.backend, timeout=timeout)
             return 0
-        if dist.is_initialized():
+        if dist.is_initialized() and regroup.formed(self._attempt) is None:
             raise RuntimeError(
                 "Recovery.start() initialises the process group itself (on a prefix of "
                 "torchrun's store that a regroup can renew): do not call "
                 "init_process_group before it"
             )
         if self.incarnation == 0:
-            regroup.join(
-                self.backend, self.rank, self.world, self.timeout_s, self._attempt, first=True
-            )
+            if regroup.formed(self._attempt) is None:  # else run_inplace.form_group did
+                regroup.join(
+                    self.backend, self.rank, self.world, self.timeout_s, self._attempt, first=True
+                )
             return 0
+        if self.restore_from is not None:
+            self._join_and_exchange(replaced=True)
+            return 0  # the step comes from restore_replaced()
         return self._regroup(replaced=True)
+
+    def restore_replaced(self) -> int:
+        """A replacement under ``restore_from``: restore now (collective with the survivors'
+        restore in ``_regroup``); the step."""
+        return self._restore_from(True, *self._joined)
+
+    def _join(self, replaced: bool) -> float:
+        """Join the next group (a replacement: unless ``form_group`` already did); when the
+        join began."""
+        t0 = time.monotonic()
+        generation = regroup.formed(self._attempt) if replaced else None
+        if generation is None:
+            generation, _ = regroup.join(
+                self.backend, self.rank, self.world, self.regroup_timeout_s, self._attempt
+            )
+        self.generation = generation
+        return t0
+
+    def _join_and_exchange(self, replaced: bool) -> None:
+        """Join the next group and learn who is replaced (``restore_from``: nothing else to
+        agree here, the restore agrees on its step)."""
+        t0 = self._join(replaced)
+        reports = regroup.exchange(regroup.Report(self.rank, (), replaced))
+        self._joined = (t0, [r.rank for r in reports if r.replaced], time.monotonic())
+
+    def _restore_from(
+        self, me: bool, t0: float, replaced: list[int], t_agreed: float, rebuild_s: float = 0.0
+    ) -> int:
+        try:
+            step = self.restore_from(me)  # type: ignore[misc]
+        except regroup.InPlaceFallback:
+            raise
+        except Exception as e:  # noqa: BLE001 - a half-restored state must never train
+            raise regroup.restore_failed(self.rank, e) from e
+        self.last_regroup = {
+            "step": step,
+            "live": False,
+            "source": "memory",
+            "replaced": replaced,
+            "phases": {
+                "regroup_s": t_agreed - t0,
+                # a replacement builds its checkpointer in between: counted as restore
+                "restore_s": time.monotonic() - t_agreed - rebuild_s,
+                "rebuild_s": rebuild_s,
+            },
+        }
+        return step
 
     def wrap(self, factory: Callable[[], Any]) -> Rebuilt:
         """``factory()`` now and after every regroup (DDP over the new default group)."""
@@ -320,10 +384,15 @@ class Recovery:
 
     def _regroup(self, replaced: bool) -> int:
         """Join the next group, agree on the step, restore the states, rebuild. The step."""
-        t0 = time.monotonic()
-        self.generation, _ = regroup.join(
-            self.backend, self.rank, self.world, self.regroup_timeout_s, self._attempt
-        )
+        if self.restore_from is not None:  # rebuilt first: the restore runs on its groups
+            self._join_and_exchange(replaced)
+            t0, lost, t_agreed = self._joined
+            t_rebuild = time.monotonic()
+            for built in self._rebuilt:
+                built.rebuild()
+            rebuild_s = time.monotonic() - t_rebuild
+            return self._restore_from(replaced, t0, lost, t_agreed, rebuild_s)
+        t0 = self._join(replaced)
         try:
             snaps, _ = self._slots.read("snap") if replaced else ({}, ())
             lives, ahead = self._slots.read("live") if replaced else ({}, ())
@@ -338,10 +407,7 @@ class Recovery:
         except regroup.InPlaceFallback:
             raise
         except Exception as e:  # noqa: BLE001 - a half-restored state must never train
-            raise regroup.InPlaceFallback(
-                f"rank {self.rank}: in-place restore failed ({type(e).__name__}: {e}); "
-                "torchrun's whole restart takes over"
-            ) from e
+            raise regroup.restore_failed(self.rank, e) from e
         t_restored = time.monotonic()
         for built in self._rebuilt:
             built.rebuild()

@@ -33,10 +33,12 @@ __all__ = [
     "InPlaceFallback",
     "Report",
     "agree",
+    "formed",
     "is_peer_loss",
     "join",
     "leave",
     "not_live",
+    "restore_failed",
     "store",
 ]
 
@@ -55,6 +57,14 @@ _PEER_LOSS = (
 class InPlaceFallback(RuntimeError):
     """In-place recovery cannot go on with certainty: the process exits with this error, its
     keeper passes the exit on, and torchrun's whole restart takes over."""
+
+
+def restore_failed(rank: int, exc: BaseException) -> InPlaceFallback:
+    """The fallback for a restore that raised: a half-restored state must never train."""
+    return InPlaceFallback(
+        f"rank {rank}: in-place restore failed ({type(exc).__name__}: {exc}); torchrun's "
+        "whole restart takes over"
+    )
 
 
 def is_peer_loss(exc: BaseException) -> bool:
@@ -93,6 +103,19 @@ def leave(backend: str) -> None:
     dist.destroy_process_group()
 
 
+# The default group this process's last ``join`` formed: (attempt, generation, group).
+_FORMED: tuple[str, int, Any] | None = None
+
+
+def formed(attempt: str) -> int | None:
+    """The generation of the default group if ``join`` formed it in this attempt (a loop
+    that shards its model before ``Run`` forms it early: ``run_inplace.form_group``)."""
+    if _FORMED is None or not dist.is_initialized():
+        return None
+    at, generation, group = _FORMED
+    return generation if at == attempt and group is dist.group.WORLD else None
+
+
 def join(
     backend: str, rank: int, world: int, timeout_s: float, attempt: str, first: bool = False
 ) -> tuple[int, dist.Store]:
@@ -122,6 +145,8 @@ def join(
             f"rank {rank}: could not form a new process group in place within {timeout_s:g} s "
             f"({type(e).__name__}: {e}); torchrun's whole restart takes over"
         ) from e
+    global _FORMED
+    _FORMED = (attempt, generation, dist.group.WORLD)
     return generation, base
 
 
