@@ -1,11 +1,12 @@
 """A DDP loop on ``steadytrain.Run`` with in-place recovery on (tests/integrations/
-test_run_inplace.py).
+test_run_inplace.py, and test_run_inplace_slurm.py: under srun's variables, no torchrun).
 
     torchrun --nproc-per-node 2 -m steadytrain.inplace.keeper inplace_run_worker.py RUN_DIR \
         STEPS KILL_AT KILL_RANK
 
 The model, loader and records are ``inplace_worker.py``'s: every step appends
-``{"step", "loss", "pid", "restart", "incarnation"}`` to ``RUN_DIR/r{RANK}.jsonl``, rank 0
+``{"step", "loss", "pid", "restart", "incarnation"}`` to ``RUN_DIR/r{RANK}.jsonl`` (restart:
+torchrun's restart count, "none" without torchrun), rank 0
 saves the final weights to ``RUN_DIR/final.pt``. With ``KILL_AT`` > 0, rank KILL_RANK's
 first process SIGKILLs itself in step KILL_AT between its forward and its backward (the
 other rank blocked in DDP's gradient all-reduce). Checkpoints: every 4 steps, thread-async.
@@ -59,7 +60,8 @@ def main() -> None:
             if not s.recovered:
                 line = {"step": step, "loss": loss.item(), "pid": os.getpid()}
                 line.update(
-                    restart=os.environ["TORCHELASTIC_RESTART_COUNT"], incarnation=incarnation
+                    restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "none"),
+                    incarnation=incarnation,
                 )
                 record.write(json.dumps(line) + "\n")
                 record.flush()
