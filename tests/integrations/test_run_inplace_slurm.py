@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import pytest
@@ -42,7 +43,9 @@ STEPS, KILL_AT, WORLD = 12, 7, 2
 NOT_UNDER_SRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 
 
-def srun(run_dir: str, kill_at: int, kill_rank: int) -> list[forkserver.ForkedProcess]:
+def srun(
+    run_dir: str, kill_at: int, kill_rank: int, **extra: str
+) -> list[forkserver.ForkedProcess]:
     """What ``srun --ntasks=2 python -m steadytrain.inplace.keeper WORKER ARGS`` starts on
     one node: one keeper per task, each with its task's variables."""
     (port,) = free_ports(1)
@@ -66,6 +69,7 @@ def srun(run_dir: str, kill_at: int, kill_rank: int) -> list[forkserver.ForkedPr
             SLURM_TASKS_PER_NODE=str(WORLD),
             SLURM_STEP_TASKS_PER_NODE=str(WORLD),
             MASTER_PORT=str(port),  # srun's jobs share this machine: a free port each
+            **extra,
         )
         cmd = [sys.executable, *entry, run_dir, str(STEPS), str(kill_at), str(kill_rank)]
         tasks.append(forkserver.popen(cmd, env=e, cwd=REPO))
@@ -131,3 +135,23 @@ def test_srun_recovers_a_sigkilled_rank_in_place_and_stays_exact(
         ("in_place", [victim])
     ]
     assert build_report(reference)["recoveries"] == []
+
+
+def test_the_store_hosts_death_ends_every_rank_for_the_whole_restart(tmp_path) -> None:
+    """Rank 0's keeper (the store's host) SIGKILLed in step 7 (its training process dies
+    with it): nothing can be recovered in place. The survivor's regroup cannot reach the
+    store; it exits with ``InPlaceFallback`` within its regroup timeout, its keeper passes
+    the failure on (srun's ``--kill-on-bad-exit=1`` would end the step already at rank 0's
+    death), and no rank trains on or hangs: Slurm's requeue is the whole restart."""
+    run_dir = str(tmp_path / "host-lost")
+    os.makedirs(run_dir)
+    tasks = srun(run_dir, KILL_AT, 0, INPLACE_KILL_KEEPER="1", INPLACE_REGROUP_TIMEOUT_S="5")
+    outs = [task.communicate(timeout=120)[0] for task in tasks]
+    assert tasks[0].returncode == -signal.SIGKILL, outs[0][-4000:]
+    assert tasks[1].returncode == 1, outs[1][-4000:]
+    assert "could not form a new process group in place within 5 s" in outs[1], outs[1][-4000:]
+    assert "rank 1: process" in outs[1] and "; whole restart: " in outs[1], outs[1][-4000:]
+    assert "replacing it in place" not in "".join(outs)
+    for rank in range(WORLD):  # no step after the one the keeper died in
+        assert max(r["step"] for r in lines(os.path.join(run_dir, f"r{rank}.jsonl"))) < KILL_AT
+    assert not os.path.exists(os.path.join(run_dir, "final.pt"))

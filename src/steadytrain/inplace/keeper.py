@@ -1,6 +1,8 @@
-"""The keeper: the process torchrun starts for a rank, which forks the training process.
+"""The keeper: the process torchrun (or srun) starts for a rank, which forks the training
+process.
 
     torchrun --nproc-per-node 8 ... -m steadytrain.inplace.keeper train.py --my-args
+    srun --ntasks-per-node 8 --kill-on-bad-exit=1 python -m steadytrain.inplace.keeper train.py
 
 Why a process between torchrun and the training process (measured by
 ``bench/inplace_detect.py``): torchrun's agent restarts its whole local worker group when
@@ -18,8 +20,9 @@ torchrun's whole restart is the fallback, as without a keeper.
 
 In-place recovery needs a store that outlives any training process: torchrun's own
 TCPStore, which workers share unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (then rank
-0's training process hosts it and dies with it). Without it the keeper warns once and runs
-the script with in-place recovery off.
+0's training process hosts it and dies with it), or under ``srun`` without torchrun (one
+task per rank) the store rank 0's keeper hosts (``slurm.py``: the ranks from ``SLURM_*``).
+Without either the keeper warns once and runs the script with in-place recovery off.
 
 What the child gets (``Recovery`` reads it): ``STEADYTRAIN_INPLACE`` ("1" on, "0" off),
 ``STEADYTRAIN_INPLACE_INCARNATION`` (0 for the first process, n for the n-th replacement),
