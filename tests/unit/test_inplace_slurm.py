@@ -25,6 +25,7 @@ from steadytrain.testing.ports import free_ports
 # What srun gives task 5 of 8 tasks, 4 per node, on the second node of two.
 TASK = {
     "SLURM_JOB_ID": "123456",
+    "SLURM_STEP_ID": "0",
     "SLURM_PROCID": "5",
     "SLURM_LOCALID": "1",
     "SLURM_NODEID": "1",
@@ -91,6 +92,9 @@ def test_the_ranks_are_slurms_and_only_the_master_can_be_given() -> None:
 
 def test_not_under_srun_or_under_torchrun_nothing_is_derived() -> None:
     assert slurm_ranks({}) is None
+    # The batch script's own process (as the harness's Slurm sets it): one process, no step.
+    batch = {k: v for k, v in TASK.items() if not k.startswith("SLURM_STEP_")}
+    assert slurm_ranks({**batch, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}) is None
     assert slurm_ranks({**TASK, "TORCHELASTIC_RUN_ID": "job"}) is None  # srun torchrun ...
 
 

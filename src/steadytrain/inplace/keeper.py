@@ -267,7 +267,9 @@ def main(argv: Sequence[str]) -> None:
         except BlockingIOError:  # a grandchild still holds the pipe open, with nothing sent
             stepped = False
         os.close(read_end)
-        if code == 0 and on and slurm is not None:  # the store outlives every rank's use
+        # The store outlives every rank's use of it (not when srun stops the step: then its
+        # SIGKILL follows the SIGTERM, and rank 0's keeper must not wait for ranks that failed)
+        if code == 0 and on and slurm is not None and not stopping:
             leave_together(store, int(os.environ["WORLD_SIZE"]))
         if code == 0 or stopping:
             _end_like(code)

@@ -86,10 +86,12 @@ def default_port(job_id: str) -> int:
 
 def slurm_ranks(env: Mapping[str, str]) -> dict[str, str] | None:
     """torch's variables for this task from ``srun``'s (None: not a task ``srun`` started,
-    or one under torchrun, whose agent sets them). The ranks are always Slurm's (an exported
+    or one under torchrun, whose agent sets them). A batch script's own process has
+    ``SLURM_PROCID=0`` and the allocation's ``SLURM_NTASKS`` but no step (``SLURM_STEP_ID``,
+    seen on the harness's Slurm 22.05): it is one process, never a rank of N. The ranks are always Slurm's (an exported
     ``RANK`` is the same on every task); ``MASTER_ADDR``/``MASTER_PORT``, when set, win.
     ``ValueError`` names the variable that cannot be read."""
-    if "TORCHELASTIC_RUN_ID" in env or "SLURM_PROCID" not in env:
+    if "TORCHELASTIC_RUN_ID" in env or "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:
         return None
     try:
         world = env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]
