@@ -1,14 +1,18 @@
 """A DDP loop on ``steadytrain.Run`` with in-place recovery on (tests/integrations/
-test_run_inplace.py).
+test_run_inplace.py, and test_run_inplace_slurm.py: under srun's variables, no torchrun).
 
     torchrun --nproc-per-node 2 -m steadytrain.inplace.keeper inplace_run_worker.py RUN_DIR \
         STEPS KILL_AT KILL_RANK
 
 The model, loader and records are ``inplace_worker.py``'s: every step appends
-``{"step", "loss", "pid", "restart", "incarnation"}`` to ``RUN_DIR/r{RANK}.jsonl``, rank 0
-saves the final weights to ``RUN_DIR/final.pt``. With ``KILL_AT`` > 0, rank KILL_RANK's
-first process SIGKILLs itself in step KILL_AT between its forward and its backward (the
-other rank blocked in DDP's gradient all-reduce). Checkpoints: every 4 steps, thread-async.
+``{"step", "loss", "pid", "restart", "incarnation"}`` to ``RUN_DIR/r{RANK}.jsonl`` (restart:
+torchrun's restart count, "none" without torchrun), rank 0 saves the final weights to
+``RUN_DIR/final.pt``. With ``KILL_AT`` > 0, rank KILL_RANK's first process SIGKILLs itself
+in step KILL_AT between its forward and its backward (the other rank blocked in DDP's
+gradient all-reduce); with ``INPLACE_KILL_KEEPER=1`` it SIGKILLs its keeper first, then
+itself (the keeper's death signal would take it too, but only after it may have finished
+the step). Checkpoints: every 4 steps, thread-async. ``INPLACE_REGROUP_TIMEOUT_S``: the
+``regroup_timeout_s`` (default 60).
 """
 
 import os
@@ -39,7 +43,9 @@ def main() -> None:
     loader = Loader(rank)
     torch.manual_seed(1 + rank)  # each rank's own dropout stream
     states = {"model": model, "optim": optim, "loader": loader}
-    recovery = {"inplace": True, "regroup_timeout_s": 60}  # live recovery: no snapshot
+    timeout_s = float(os.environ.get("INPLACE_REGROUP_TIMEOUT_S", "60"))
+    recovery = {"inplace": True, "regroup_timeout_s": timeout_s}  # live recovery: no snapshot
+    victim = os.getppid() if os.environ.get("INPLACE_KILL_KEEPER") == "1" else os.getpid()
     checkpoint = {"every_steps": 4, "async_mode": "thread"}
     with Run(run_dir, states, total_steps=steps, checkpoint=checkpoint, recovery=recovery) as run:
         ddp = run.wrap(lambda: DistributedDataParallel(model))
@@ -50,7 +56,8 @@ def main() -> None:
                 x, y = loader.next()
                 loss = torch.nn.functional.mse_loss(ddp(x), y)
                 if kill_at and rank == kill_rank and step == kill_at and incarnation == 0:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(victim, signal.SIGKILL)  # the keeper first: it sees no death
+                    os.kill(os.getpid(), signal.SIGKILL)  # not left to the death signal's race
                 loss.backward()
                 optim.step()
                 optim.zero_grad()

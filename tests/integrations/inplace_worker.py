@@ -39,9 +39,10 @@ from steadytrain.monitor.watchdog import HangWatchdog, WatchdogConfig
 
 def write_step(record, step: int, loss: torch.Tensor, incarnation: int) -> None:
     """The step's line of ``r{RANK}.jsonl`` for the ``Run`` workers (inplace_run_worker.py,
-    inplace_fsdp_worker.py)."""
+    inplace_fsdp_worker.py); ``restart``: torchrun's restart count, "none" without torchrun."""
     line = {"step": step, "loss": loss.item(), "pid": os.getpid()}
-    line.update(restart=os.environ["TORCHELASTIC_RESTART_COUNT"], incarnation=incarnation)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "none")
+    line.update(restart=restart, incarnation=incarnation)
     record.write(json.dumps(line) + "\n")
     record.flush()
 

@@ -15,6 +15,9 @@ checkpoint committed before it, and every step trained twice (on 2 nodes before 
   (``Restarts=0``, no requeue delay). Extended: it runs with ``STEADYTRAIN_EXTENDED_TESTS=1``
   (the node tests' CI budget is 6 minutes; the elastic continuation itself is in every run,
   through the node-loss replay).
+
+And one short job of its own without torchrun: ``srun`` starts every rank's keeper, a
+killed training process is recovered in place (``test_srun_keepers_...``).
 """
 
 from __future__ import annotations
@@ -229,3 +232,50 @@ def test_no_kill_job_continues_on_the_node_left(cluster: SlurmCluster, url: str,
     # No requeue: the same allocation, shrunk to node-0, where torchrun went on elastically.
     assert final["Restarts"] == "0", final
     _assert_resumed_exactly(run_dir, before, t_kill)
+
+
+INPLACE_WORKER = os.path.join(REPO, "tests", "integrations", "inplace_run_worker.py")
+INPLACE_STEPS, INPLACE_KILL_AT = 12, 7
+
+
+def test_srun_keepers_recover_a_killed_rank_in_place(cluster: SlurmCluster, tmp_path) -> None:
+    """In-place recovery under the real srun, without torchrun: one task per node, each the
+    keeper (``steadytrain.inplace.slurm``: the ranks and the master from srun's variables,
+    rank 0's keeper hosts the store). Rank 1's training process (on node-1) SIGKILLs itself
+    in step 7; its keeper forks a replacement that rejoins rank 0 on node-0, whose process
+    is kept, and the job completes without a requeue (one short job: ~12 tiny DDP steps)."""
+    for node in cluster.h.nodes:
+        cluster.revive(node)  # an earlier test may have killed it
+    run_dir, out = str(tmp_path / "run"), str(tmp_path / "job.out")
+    os.makedirs(run_dir)
+    script = tmp_path / "inplace.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        'srun --kill-on-bad-exit=1 "$STEADYTRAIN_PY" -m steadytrain.inplace.keeper '
+        f'"{INPLACE_WORKER}" "{run_dir}" {INPLACE_STEPS} {INPLACE_KILL_AT} 1\n'
+    )
+    env = cluster.job_env({"STEADYTRAIN_PY": sys.executable})
+    job = cluster.sbatch(
+        ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", f"--output={out}", str(script)],
+        env=env,
+    )
+    final = cluster.wait_job(job, lambda j: j["JobState"] in DONE, "the end", timeout=300)
+    with open(out) as f:
+        log = f.read()
+    assert (final["JobState"], final["Restarts"]) == ("COMPLETED", "0"), (final, log[-6000:])
+    assert "rank 1: process" in log and "replacing it in place (1 of 3)" in log, log[-6000:]
+
+    def records(rank: int) -> list[dict[str, Any]]:
+        with open(os.path.join(run_dir, f"r{rank}.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+    kept, replaced = records(0), records(1)
+    assert len({r["pid"] for r in kept}) == 1, "rank 0's process was replaced"
+    assert [r["step"] for r in kept] == list(range(INPLACE_STEPS))
+    assert [r["step"] for r in replaced if r["incarnation"] == 1] == list(
+        range(INPLACE_KILL_AT, INPLACE_STEPS)
+    )
+    recs = [r for r in _ledger(run_dir) if r["type"] == "inplace_recovery"]
+    assert [(r["path"], r["failed_ranks"], r["step"]) for r in recs] == [
+        ("in_place", [1], INPLACE_KILL_AT)
+    ], recs

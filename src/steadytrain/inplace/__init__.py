@@ -9,6 +9,8 @@ forked from a process that already imported torch and the script's modules.
 - ``keeper``: the process torchrun starts for a rank (``torchrun ... -m
   steadytrain.inplace.keeper SCRIPT ARGS``); it imports once and forks the training process,
   and forks a new one when that process dies of a signal and ``policy`` allows;
+- ``slurm``: the keeper under ``srun`` without torchrun: the ranks from ``SLURM_*``, the
+  store rank 0's keeper hosts;
 - ``policy``: which child deaths are recovered in place, which fall back to torchrun's
   whole restart (pure);
 - ``regroup``: leave the broken group, agree on a generation through torchrun's store, join

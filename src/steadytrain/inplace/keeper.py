@@ -1,6 +1,8 @@
-"""The keeper: the process torchrun starts for a rank, which forks the training process.
+"""The keeper: the process torchrun (or srun) starts for a rank, which forks the training
+process.
 
     torchrun --nproc-per-node 8 ... -m steadytrain.inplace.keeper train.py --my-args
+    srun --ntasks-per-node 8 --kill-on-bad-exit=1 python -m steadytrain.inplace.keeper train.py
 
 Why a process between torchrun and the training process (measured by
 ``bench/inplace_detect.py``): torchrun's agent restarts its whole local worker group when
@@ -18,8 +20,9 @@ torchrun's whole restart is the fallback, as without a keeper.
 
 In-place recovery needs a store that outlives any training process: torchrun's own
 TCPStore, which workers share unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (then rank
-0's training process hosts it and dies with it). Without it the keeper warns once and runs
-the script with in-place recovery off.
+0's training process hosts it and dies with it), or under ``srun`` without torchrun (one
+task per rank) the store rank 0's keeper hosts (``slurm.py``: the ranks from ``SLURM_*``).
+Without either the keeper warns once and runs the script with in-place recovery off.
 
 What the child gets (``Recovery`` reads it): ``STEADYTRAIN_INPLACE`` ("1" on, "0" off),
 ``STEADYTRAIN_INPLACE_INCARNATION`` (0 for the first process, n for the n-th replacement),
@@ -49,6 +52,7 @@ from collections.abc import Sequence
 
 from steadytrain.inplace.contract import ENV_FD, ENV_INCARNATION, ENV_MAX, ENV_ON
 from steadytrain.inplace.policy import Death, Policy
+from steadytrain.inplace.slurm import host_store, leave_together, slurm_ranks
 
 __all__ = ["imports_of", "main"]
 
@@ -113,8 +117,16 @@ def _store_shared() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def _become_child(script: str, args: Sequence[str], env: dict[str, str], keeper: int) -> int:
-    """In the forked child: run ``script`` as ``__main__``; its exit status."""
+def _become_child(
+    script: str, args: Sequence[str], env: dict[str, str], keeper: int, hosted: object = None
+) -> int:
+    """In the forked child: run ``script`` as ``__main__``; its exit status. ``hosted``: the
+    store rank 0's keeper hosts under srun, which the child must never destroy: its server
+    thread is the keeper's, and the destructor's join of a thread the fork did not copy
+    aborts the child as it exits (std::system_error, seen here). One reference more, never
+    released, and Python's exit leaves it alone."""
+    if hosted is not None:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(hosted))
     for sig in _FORWARDED:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -181,23 +193,34 @@ def _end_like(code: int) -> None:
 def main(argv: Sequence[str]) -> None:
     if not argv or argv[0].startswith("-"):
         raise SystemExit(
-            "usage: torchrun ... -m steadytrain.inplace.keeper SCRIPT.py [ARGS...] (the "
-            "training script's path, then its arguments)"
+            "usage: torchrun ... -m steadytrain.inplace.keeper SCRIPT.py [ARGS...], or srun "
+            "... python -m steadytrain.inplace.keeper SCRIPT.py [ARGS...] (the training "
+            "script's path, then its arguments)"
         )
     script, args = os.path.abspath(argv[0]), list(argv[1:])
     if not os.path.isfile(script):
         raise SystemExit(f"steadytrain.inplace.keeper: no script at {script}")
+    try:  # under srun without torchrun: torch's variables from Slurm's (slurm.py)
+        slurm = slurm_ranks(os.environ)
+    except ValueError as e:
+        raise SystemExit(f"steadytrain.inplace.keeper: {e}") from None
+    os.environ.update(slurm or {})  # the child's environment, and this keeper's store client
     rank = os.environ.get("RANK", "?")
     policy = Policy(int(os.environ.get(ENV_MAX, "3")))
-    on = policy.max_recoveries > 0 and _store_shared()
+    on = policy.max_recoveries > 0 and (_store_shared() or slurm is not None)
     if policy.max_recoveries > 0 and not on:
         print(
             f"steadytrain.inplace: rank {rank}: in-place recovery is off: it needs torchrun's "
-            "shared store (unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE); a fault restarts the "
-            "whole job, as without the keeper",
+            "shared store (unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE) or srun's tasks (rank "
+            "0's keeper hosts the store); a fault restarts the whole job, as without the keeper",
             file=sys.stderr,
             flush=True,
         )
+    store = None  # rank 0's keeper under srun: the store that outlives its training process
+    if on and slurm is not None:
+        if rank == "0":
+            store = host_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # env:// is the store's client
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` has it, for the preload too
     _preload(script)
     _warm_up()
@@ -231,7 +254,7 @@ def main(argv: Sequence[str]) -> None:
         child = os.fork()
         if child == 0:
             os.close(read_end)
-            code = _become_child(script, args, env, keeper)
+            code = _become_child(script, args, env, keeper, store)
             if code < 0:  # its end (threads, atexit, stdio), then the signal, as CPython does
                 _finish_then_kill(-code)
             raise SystemExit(code)  # atexit, threads joined, stdio flushed, as a fresh Python
@@ -244,6 +267,10 @@ def main(argv: Sequence[str]) -> None:
         except BlockingIOError:  # a grandchild still holds the pipe open, with nothing sent
             stepped = False
         os.close(read_end)
+        # The store outlives every rank's use of it (not when srun stops the step: then its
+        # SIGKILL follows the SIGTERM, and rank 0's keeper must not wait for ranks that failed)
+        if code == 0 and on and slurm is not None and not stopping:
+            leave_together(store, int(os.environ["WORLD_SIZE"]))
         if code == 0 or stopping:
             _end_like(code)
         death = Death(code, stepped)

@@ -75,12 +75,14 @@ def is_peer_loss(exc: BaseException) -> bool:
 
 
 def store(timeout_s: float) -> dist.Store:
-    """A client of torchrun's shared TCPStore (the keeper checked that workers share it)."""
+    """A client of the store that outlives the training processes: torchrun's shared
+    TCPStore, or under srun the one rank 0's keeper hosts (the keeper checked for either)."""
     try:
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     except (KeyError, ValueError) as e:
         raise InPlaceFallback(
-            f"in-place regroup needs torchrun's MASTER_ADDR and MASTER_PORT ({e})"
+            f"in-place regroup needs MASTER_ADDR and MASTER_PORT (torchrun's, or the keeper's "
+            f"under srun) ({e})"
         ) from e
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
