@@ -126,12 +126,14 @@ def decide(
     if ENV_ON not in env:
         return False, (
             "not under the keeper (start the job with `torchrun ... -m "
+            "steadytrain.inplace.keeper SCRIPT`, or `srun ... python -m "
             "steadytrain.inplace.keeper SCRIPT`)"
         )
     if env[ENV_ON] != "1":
         return False, (
             "the keeper turned it off (it needs torchrun's shared store: unset "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE)"
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE; or srun's tasks, whose rank 0 keeper "
+            "hosts one)"
         )
     if world_size < 2:
         return False, "a single rank has no peer to recover with"
@@ -146,7 +148,7 @@ def decide(
             "a ready-made checkpointer cannot be rebuilt after a regroup (its groups die "
             "with the broken one): pass the checkpoint settings instead"
         )
-    return True, "under the keeper, on torchrun's shared store"
+    return True, "under the keeper, on a store that outlives the training processes"
 
 
 def form_group(

@@ -29,7 +29,7 @@ def _decide(cfg=ON, env=KEEPER, world=2, group=False, rebuildable=True) -> tuple
 
 
 def test_in_place_only_when_asked_under_the_keeper_and_sure() -> None:
-    assert _decide() == (True, "under the keeper, on torchrun's shared store")
+    assert _decide() == (True, "under the keeper, on a store that outlives the training processes")
     cases = {
         "recovery.inplace is off": _decide(cfg=RecoveryConfig()),
         "not under the keeper": _decide(env={}),
