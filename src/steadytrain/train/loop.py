@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -220,6 +221,16 @@ def run_training(
             ddp_model = model
         elif not inplace:  # in place: after Run formed the group (run.wrap, below)
             ddp_model = make_ddp()
+
+        def drop_ddp() -> None:
+            # Before the group goes (callbacks run newest first): a DDP freed after it holds
+            # the group's last reference and frees it with the GIL held, joining gloo's
+            # threads while one may wait for the GIL to free the last collective's work.
+            nonlocal ddp_model
+            ddp_model = None
+            gc.collect()
+
+        closing.callback(drop_ddp)
         # bf16 autocast on GPU; fp32 on CPU (exact and, at this size, no slower).
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda else nullcontext()
 
