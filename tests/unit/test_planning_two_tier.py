@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from steadytrain.cli import main
@@ -156,6 +156,21 @@ def test_recommendation_beats_every_pair_on_a_grid(mtbf_s: float, c_m: float) ->
 
 @settings(max_examples=60, deadline=None)
 @given(c=tiers, m=mtbfs, k=st.integers(1, 5000))
+# Found by hypothesis: G still rose at the end of the storage piece (1.01 s beat the 1.0 s
+# returned), and the edge itself is the memory piece's start, a step down.
+@example(
+    c=TierCosts(
+        step_s=0.05,
+        memory_cost_s=12.0,
+        memory_restore_s=46.0,
+        durable_cost_s=1.0,
+        restart_s=0.0,
+        durable_restore_s=0.0,
+        survives=1.0,
+    ),
+    m=600.0,
+    k=22,
+)
 def test_durable_interval_closed_form_is_the_maximum(c: TierCosts, m: float, k: int) -> None:
     tau = best_durable_interval_s(k, c, m)
     least = max(c.durable_cost_s, c.durable_s or 0.0)  # one save in flight

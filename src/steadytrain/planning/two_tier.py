@@ -172,7 +172,7 @@ def evaluate(k: int | None, tau: float, c: TierCosts, mtbf_s: float) -> dict[str
         period = tau * (1.0 + a) + block
         train = tau / period if period > 0 else 1.0 / (1.0 + a)
         snap = tau * a / period if period > 0 else a / (1.0 + a)
-        w_d = period / 2.0 + l_d - block
+        w_d = _durable_age(tau, a, c, l_d)
     # The newest usable point wins (a tie: memory): a memory-kind failure whose snapshot is
     # older than the durable save restarts from durable storage.
     per_memory = c.memory_restart_s + w_m if w_m <= w_d else c.restart_s + w_d
@@ -224,8 +224,29 @@ def best_durable_interval_s(k: int | None, c: TierCosts, mtbf_s: float) -> float
     if math.isfinite(w_m):  # where W_d = W_m: P_d = 2 (W_m - L_d + c_d)
         edge = (2.0 * (w_m - l_d + c.durable_cost_s) - c.durable_cost_s) / (1.0 + a)
         if edge > l_d:
-            cands.add(edge)
+            cands.add(edge)  # the memory piece's start (a tie restarts from memory)
+            cands.add(_last_durable_tau(edge, a, c, l_d, w_m))  # the storage piece's end
     return max(sorted(cands), key=lambda tau: goodput_two_tier(k, tau, c, mtbf_s))
+
+
+def _last_durable_tau(edge: float, a: float, c: TierCosts, l_d: float, w_m: float) -> float:
+    """The largest ``tau_d`` below ``edge`` whose durable point is strictly the newer one
+    (``W_d < W_m``, as ``evaluate`` decides it). ``G`` jumps down at the edge, where a tie
+    restarts from memory, so while the storage piece still rises there its best value is
+    this one, not the edge (hypothesis found 1.0 returned where 1.01 was better)."""
+    tau = edge
+    for _ in range(64):  # W_d grows by about (1 + a)/2 per ulp of tau: a few steps
+        tau = math.nextafter(tau, -math.inf)
+        if tau <= l_d or _durable_age(tau, a, c, l_d) < w_m:
+            break
+    return max(tau, l_d)
+
+
+def _durable_age(tau: float, a: float, c: TierCosts, l_d: float) -> float:
+    """``W_d`` at a finite ``tau``: the work a durable-kind failure loses, on average."""
+    block = max(c.durable_cost_s, l_d - tau)
+    period = tau * (1.0 + a) + block
+    return period / 2.0 + l_d - block
 
 
 def _best_k(c: TierCosts, mtbf_s: float) -> tuple[int, float, float]:
