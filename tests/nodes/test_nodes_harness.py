@@ -143,7 +143,11 @@ def test_a_cpu_quota_holds_one_node_and_its_process_sees_it(harness: NodeHarness
     cg = after[-1]["dirs"][0]
     assert cg.endswith(f"steadytrain-{harness.tag}/node-1") and cg != before["dirs"][0]
     assert all(a["quota"] == pytest.approx(0.1) for a in after)
-    assert all(a["throttled"] > 0.3 for a in after), after  # a tenth of a core, busy
+    # Throttled by the quota, in every sample. How much depends on the machine: a busy loop
+    # held to a tenth of a core is throttled most of the time on an idle machine, but when the
+    # suite's other workers leave it about a tenth anyway it seldom reaches its quota (CI on
+    # 6e909ea: 0.106 against a former bound of 0.3). Without the quota it is never throttled.
+    assert all(a["throttled"] > 0 for a in after), after
     assert quiet["quota"] is None and not quiet["throttled"], quiet
 
 
