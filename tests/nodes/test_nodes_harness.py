@@ -133,7 +133,7 @@ def test_a_cpu_quota_holds_one_node_and_its_process_sees_it(harness: NodeHarness
         assert before["dirs"], before  # the node sees a cgroup tree (it used to see none)
         moved = harness.cpu_quota(node1, 0.1)
         assert procs["node-1"].pid in moved and procs["node-0"].pid not in moved
-        after = lines("node-1", 4)[-2:]
+        after = lines("node-1", 6)[-4:]
         quiet = lines("node-0", 3)[-1]
     finally:
         harness.cpu_quota(node1, None)
@@ -143,11 +143,12 @@ def test_a_cpu_quota_holds_one_node_and_its_process_sees_it(harness: NodeHarness
     cg = after[-1]["dirs"][0]
     assert cg.endswith(f"steadytrain-{harness.tag}/node-1") and cg != before["dirs"][0]
     assert all(a["quota"] == pytest.approx(0.1) for a in after)
-    # Throttled by the quota, in every sample. How much depends on the machine: a busy loop
-    # held to a tenth of a core is throttled most of the time on an idle machine, but when the
-    # suite's other workers leave it about a tenth anyway it seldom reaches its quota (CI on
-    # 6e909ea: 0.106 against a former bound of 0.3). Without the quota it is never throttled.
-    assert all(a["throttled"] > 0 for a in after), after
+    # Throttled by the quota, as the recorder reads it. How much depends on the machine: a busy
+    # loop held to a tenth of a core is throttled most of the time on an idle machine, but when
+    # the suite's other workers leave it about a tenth anyway it seldom reaches its quota (CI on
+    # 6e909ea: 0.106 in a 0.3 s sample; on f0201d0 one of two samples 0). Without the quota it
+    # is never throttled, so four samples, at least one of them throttled.
+    assert max(a["throttled"] for a in after) > 0, after
     assert quiet["quota"] is None and not quiet["throttled"], quiet
 
 
