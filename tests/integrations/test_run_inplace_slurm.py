@@ -26,8 +26,7 @@ import signal
 import sys
 
 import pytest
-import torch
-from example_runs import finish
+from example_runs import assert_same_as_uninterrupted, finish
 from harness import REPO, env
 from warm_pool import keeper
 
@@ -107,14 +106,7 @@ def test_srun_recovers_a_sigkilled_rank_in_place_and_stays_exact(
     assert [r["step"] for r in kept] == list(range(STEPS))  # step 7 once: it failed, then ran
     assert [r["step"] for r in replaced if r["incarnation"] == 1] == list(range(KILL_AT, STEPS))
     assert len({r["pid"] for r in replaced if r["incarnation"] == 1}) == 1
-    for rank in range(WORLD):  # every step's loss, the redone ones too, is the reference's
-        want = {r["step"]: r["loss"] for r in lines(os.path.join(reference, f"r{rank}.jsonl"))}
-        assert sorted(want) == list(range(STEPS))
-        for r in lines(os.path.join(killed, f"r{rank}.jsonl")):
-            assert r["loss"] == want[r["step"]], (rank, r, want[r["step"]])
-    expected = torch.load(os.path.join(reference, "final.pt"))
-    got = torch.load(os.path.join(killed, "final.pt"))
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert_same_as_uninterrupted(reference, killed, STEPS, WORLD)
 
     ledger = lines(os.path.join(killed, "ledger.jsonl"))
     recs = [r for r in ledger if r["type"] == "inplace_recovery"]
