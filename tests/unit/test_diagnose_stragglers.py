@@ -44,6 +44,7 @@ def _step(rank: int, step: int, rng: random.Random, noise: float, host: bool) ->
         "forward_s": 0.03 * (1 + noise * rng.uniform(-1, 1)),
         "compute_s": 0.09,
         "read_p99_s": 0.15 * (1 + 0.1 * rng.random()),  # an object store: 150 ms p99
+        "read_s": 0.0015 * (1 + noise * rng.random()),  # reads ahead, mostly from the cache
         "cache_hits": 2,
         "cache_misses": 0,
         "rss_bytes": 500 * MiB + rng.randrange(0, MiB),
@@ -590,3 +591,36 @@ def test_a_one_rank_run_with_a_data_stall_is_an_incident(tmp_path: Path) -> None
     make_run(tmp_path, slow_storage({0}), ranks={0: "node-0"})
     [inc] = diagnose(tmp_path)
     assert (inc.kind, inc.ranks, inc.nodes) == ("storage", [0], ["node-0"])
+
+
+@pytest.mark.parametrize("reads_slow", [False, True], ids=["loader-stall", "slow-reads"])
+def test_a_slow_read_that_cannot_account_for_the_wait_is_not_storage(
+    tmp_path: Path, reads_slow: bool
+) -> None:
+    """CI of 7fc5cdc (tests/e2e/train/test_straggler.py): a rank whose loader stalled
+    0.08 s a step outside its reads was named "storage on node node-b" by the live check,
+    its read p99 over 2x its peer's (one read on a loaded host, kept in the p99 of the
+    loader's last 1,024 reads). The reads' own time per step (``read_s``) says whether
+    they can account for the wait: flat, the loader is named; up by the wait, storage."""
+    from steadytrain.monitor.alerts import AlertConfig
+    from steadytrain.monitor.straggler_live import StragglerCheck
+
+    def tweak(rank: int, step: int, rec: dict[str, Any]) -> None:
+        rec["step_s"] = 0.19
+        if rank == 1:
+            rec["data_wait_s"] = 0.09
+            rec["read_p99_s"] = 0.4  # one slow read: 2.5x the healthy ranks' p99
+            if reads_slow:
+                rec["read_s"] = 0.09
+
+    check = StragglerCheck(tmp_path, AlertConfig())
+    check.check()  # first sight: the tail starts at each file's end
+    make_run(tmp_path, tweak, to=STEPS)  # still slow at the end, for the live check
+    [a] = check.check()
+    [inc] = diagnose(tmp_path)
+    assert (a["rank"], a["node"], inc.ranks, inc.nodes) == (1, "node-1", [1], ["node-1"])
+    if reads_slow:
+        assert (a["cause"], inc.kind) == ("storage on node node-1", "storage"), a
+    else:
+        assert (a["cause"], inc.kind) == ("data loading on rank 1", "dataloader"), a
+        assert a["evidence"]["read_s_per_step"] < 0.01 < a["evidence"]["read_p99_s"]

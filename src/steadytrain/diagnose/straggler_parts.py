@@ -87,6 +87,8 @@ def fold_windows(ws: list[Window]) -> Window:
             out.forward_s = (out.forward_s or 0.0) + w.forward_s
         if w.cache_misses is not None:
             out.cache_misses = (out.cache_misses or 0.0) + w.cache_misses
+        if w.read_s is not None:
+            out.read_s = (out.read_s or 0.0) + w.read_s
         if w.mem_first is not None and out.mem_first is None:
             out.mem_first = w.mem_first
         if w.mem_last is not None:

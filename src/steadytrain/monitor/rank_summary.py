@@ -26,6 +26,7 @@ RANK_KEYS = (
     "checkpoint_block_s",
     "eval_s",
     "read_p99_s",
+    "read_s",
     "bytes_read",
     "cache_hits",
     "cache_misses",
@@ -67,7 +68,7 @@ class StepSeries:
     At most ``max_bins`` bins; when a step falls beyond them, neighbours merge in pairs
     and the bin width doubles (memory flat in the run's length, resolution halves)."""
 
-    FIELDS = ("step_s", "data_wait_s", "forward_s", "compute_s", "cache_misses")
+    FIELDS = ("step_s", "data_wait_s", "forward_s", "compute_s", "cache_misses", "read_s")
     # host signals of rank_recorder.HostSampler, summed per bin like the timings (mean =
     # sum / n): the diagnosis tells host contention from a slow rank with them
     HOST = ("host_run_queue", "host_cpus", "host_steal", "host_throttled")

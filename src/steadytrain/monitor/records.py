@@ -72,6 +72,7 @@ _WARN_PER_FILE = 5  # warnings logged per file; the rest are only counted
 _STEP_METRICS = {
     "compute_s": "dur?",
     "read_p99_s": "dur?",
+    "read_s": "dur?",
     "rss_bytes": "nonneg?",
     "shm_bytes": "nonneg?",
     "bytes_read": "nonneg?",

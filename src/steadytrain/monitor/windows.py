@@ -68,6 +68,7 @@ class Window:
     forward_s: float | None = None
     cache_misses: float | None = None
     read_p99_s: float | None = None  # the window's maximum
+    read_s: float | None = None  # the reads' own time (rank_step ``read_s``), summed
     mem_first: float | None = None  # RSS + /dev/shm at the window's first sample
     mem_last: float | None = None
     first_step: int | None = None
@@ -95,7 +96,7 @@ def fold(parts: Iterable[tuple[int, dict[str, Any]]]) -> Window:
     Plain locals, not attributes: the live check folds every rank's window each time."""
     n = host_n = 0
     step_s = wait = rq = cpus = 0.0
-    fwd = miss = p99 = mem_first = mem_last = steal = thr = None
+    fwd = miss = p99 = reads = mem_first = mem_last = steal = thr = None
     first = last = None
     for step, p in parts:
         k = p.get("n", 1)
@@ -112,6 +113,8 @@ def fold(parts: Iterable[tuple[int, dict[str, Any]]]) -> Window:
             miss = (miss or 0.0) + v
         if (v := p.get("read_p99_s")) is not None:
             p99 = v if p99 is None or v > p99 else p99
+        if (v := p.get("read_s")) is not None:
+            reads = (reads or 0.0) + v
         rss, shm = p.get("rss_bytes"), p.get("shm_bytes")
         if rss is not None or shm is not None:
             mem_last = float((rss or 0.0) + (shm or 0.0))
@@ -131,6 +134,7 @@ def fold(parts: Iterable[tuple[int, dict[str, Any]]]) -> Window:
         forward_s=fwd,
         cache_misses=miss,
         read_p99_s=p99,
+        read_s=reads,
         mem_first=mem_first,
         mem_last=mem_last,
         first_step=first,
@@ -176,6 +180,14 @@ def host_state(w: Window) -> tuple[bool | None, dict[str, Any]]:
 # read p99 at least this many times the healthy ranks' (or the rank's own earlier) marks a
 # data-waiting straggler's cause as storage (data_cause)
 STRAGGLER_READ_FACTOR = 2.0
+# ... when its reads' own time per step (``read_s``) exceeds the healthy ranks' by at least
+# this share of its data wait's excess: slow reads that cannot account for the wait are not
+# its cause. A read p99 is one read's time (over the loader's last 1,024 reads, so one slow
+# read stays in it for the rest of a short run); on a loaded host one read of a rank that
+# stalled elsewhere passed 2x its peer's p99 and named storage for a loader stall (CI of
+# 7fc5cdc, tests/e2e/train/test_straggler.py). Reads that cause a wait take at least the
+# wait (it is the part of them nothing overlapped), so half leaves room for noise.
+READ_EXPLAINS_SHARE = 0.5
 
 
 def data_cause(
@@ -199,6 +211,8 @@ def data_cause(
     for ref in (h99, b99):
         if p99 is not None and ref is not None:
             slow_reads |= p99 >= max(factor * ref, cfg.read_p99_min_s)
+    if slow_reads:
+        slow_reads = _reads_explain(me, peers, ev)
     miss = me.per(me.cache_misses)
     hmiss = median(w.per(w.cache_misses) for w in peers)
     ev.update(cache_misses_per_step=miss, healthy_cache_misses_per_step=hmiss)
@@ -215,6 +229,18 @@ def data_cause(
     if memory:
         return "loader-memory", ev
     return "dataloader", ev
+
+
+def _reads_explain(me: Window, peers: list[Window], ev: dict[str, Any]) -> bool:
+    """Whether a rank's reads took long enough to account for its extra data wait
+    (``READ_EXPLAINS_SHARE`` of it) beyond the healthy ranks'. True when it or they did not
+    record ``read_s`` (older rank files, a loader that does not count it): the p99 decides."""
+    mine, theirs = me.per(me.read_s), median(w.per(w.read_s) for w in peers)
+    if mine is None or theirs is None:
+        return True
+    wait = (me.per(me.data_wait_s) or 0.0) - (median(w.per(w.data_wait_s) for w in peers) or 0.0)
+    ev.update(read_s_per_step=mine, healthy_read_s_per_step=theirs)
+    return mine - theirs >= READ_EXPLAINS_SHARE * wait
 
 
 def _load(ev: dict[str, Any]) -> float:

@@ -190,8 +190,9 @@ class TokenLoader:
         self._refs = Reader(self.datasets, self.sampler, self.plan)  # main-thread lookups
         self.last_data_wait_s = 0.0
         self._reads: collections.deque[float] = collections.deque(maxlen=1024)
-        self._bytes_total, self._wait_total = 0, 0.0
-        self._baseline = (0, 0, 0.0)  # (micro-batches, bytes, wait) at the last metrics()
+        self._bytes_total, self._wait_total, self._read_total = 0, 0.0, 0.0
+        # (micro-batches, bytes, wait, read time) at the last metrics()
+        self._baseline: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)
         self._between_total, self._between_base = 0.0, 0.0  # time the caller spent between
         self._last_return: float | None = None  # ... next() calls, and when next() returned
         # The workers' cache counters (their producer's list) and (hits, misses) at the
@@ -267,6 +268,7 @@ class TokenLoader:
         self._reads.append(read_s)
         self._bytes_total += nbytes
         self._wait_total += wait
+        self._read_total += read_s
         if self.device is not None:  # on the caller's thread: its current CUDA stream
             batch = {k: v.to(self.device, non_blocking=self.pin_memory) for k, v in batch.items()}
         self._last_return = clock()
@@ -341,7 +343,7 @@ class TokenLoader:
         """Counters since the previous call (one call per step gives per-step values),
         ``*_total`` since construction, and read-time percentiles of the last 1024 reads."""
         reads = np.fromiter(self._reads, dtype=np.float64) if self._reads else np.zeros(1)
-        n0, b0, w0 = self._baseline
+        n0, b0, w0, r0 = self._baseline
         micro = self._handed - n0
         out: dict[str, float] = {
             "micro_batches": micro,
@@ -349,6 +351,9 @@ class TokenLoader:
             "tokens": micro * self.micro_batch * self.seq_len,
             "bytes_read": self._bytes_total - b0,
             "data_wait_s": self._wait_total - w0,
+            # the reads' own time (a worker's or the prefetch thread's, overlapped or not):
+            # slow storage shows here; a wait with reads as fast as ever is the loader's
+            "read_s": self._read_total - r0,
             "micro_batches_total": self._handed,
             "samples_total": self._handed * self.micro_batch,
             "bytes_read_total": self._bytes_total,
@@ -360,7 +365,7 @@ class TokenLoader:
             "between_next_s": self._between_total - self._between_base,
         }
         self._between_base = self._between_total
-        self._baseline = (self._handed, self._bytes_total, self._wait_total)
+        self._baseline = (self._handed, self._bytes_total, self._wait_total, self._read_total)
         hits, misses = cache_counts(self.datasets)  # reads on this process's own threads
         totals = getattr(self._producer, "cache", None)  # ... and inside worker processes
         if totals is not None:
