@@ -218,3 +218,54 @@ def test_the_keepers_training_process_reports_an_uncaught_exception_as_python_do
     r = forkserver.run(cmd, timeout=300)
     assert r.returncode == status, r.stderr
     assert said in [s.strip() for s in r.stderr.splitlines()], r.stderr  # the hook, no traceback
+
+
+def test_the_keeper_freezes_what_it_made_before_it_forks(tmp_path) -> None:
+    """A forked training process's full collection scans only the objects it made itself:
+    a survivor's regroup collects the DDP it dropped, 0.18 s over torch's and the trainer's
+    objects unfrozen against 0.012 s frozen (measured), while the replacement waits."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import gc, json\nprint(json.dumps([gc.get_freeze_count(), len(gc.get_objects())]))\n"
+    )
+    cmd = [sys.executable, "-m", "steadytrain.inplace.keeper", str(script)]
+    # a fresh interpreter: the test fork server froze its own heap already
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    frozen, scanned = json.loads(r.stdout.strip().splitlines()[-1])
+    assert frozen > 10 * scanned > 0, (frozen, scanned)  # torch's objects: out of sight
+
+
+def test_the_trainers_entry_preloads_everything_its_mlflow_sink_imports(tmp_path) -> None:
+    """A replaced rank 0 opens the MLflow sink again: whatever it still has to import then
+    runs in the sink's thread, and its GIL slowed the first steps after a regroup (the
+    SQLite store's modules: 0.8 s; the demo's first-step excess, 0.3 s -> 0.1 s)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("mlflow")
+    probe = (
+        "import json, sys\n"
+        "from steadytrain.inplace.keeper import _preload\n"
+        "from steadytrain.train.demo_run import train_entry\n"
+        "_preload(train_entry())\n"
+        "before = set(sys.modules)\n"
+        "from steadytrain.monitor.mlflow_sink import MlflowSink\n"
+        f"MlflowSink({str(tmp_path)!r}).close('finished')\n"
+        "new = sorted(m for m in set(sys.modules) - before\n"
+        "             if m.split('.')[0] in ('mlflow', 'sqlalchemy', 'alembic'))\n"
+        "print(json.dumps(new))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "mlflow.db").exists()  # the sink did open its store
+    # A handful is left (the SQLite dialect, the store's migrations: 14 modules, 0.05 s of
+    # the sink's opening); without the store's preload it was 288 (0.8 s).
+    new = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(new) <= 25, new
+    assert "mlflow.store.tracking.sqlalchemy_store" not in new

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import gc
 import importlib
 import logging
 import os
@@ -90,7 +91,8 @@ def _warm_up() -> None:
     """One optimizer step on a tiny DDP-free model: torch imports and initialises much of
     itself on first use (the optimizers' compile checks, autograd's engine), ~2-3 s here
     that every replacement would otherwise pay again. On one intra-op thread, so the keeper
-    starts no thread pool that a fork would copy without its threads."""
+    starts no thread pool that a fork would copy without its threads. Then every object so
+    far is frozen out of the collector's scans (below)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -103,6 +105,13 @@ def _warm_up() -> None:
             optim.zero_grad()
     finally:
         torch.set_num_threads(threads)
+    # What the imports and this step made lives as long as the keeper: moved out of the
+    # collector's sight (gc.freeze, as Python's docs advise before a fork), so a forked
+    # process's full collection scans only what it made itself. A survivor's regroup collects
+    # the dropped DDP: 0.18 s over the ~380,000 objects of torch and the trainer's imports,
+    # 0.012 s frozen (measured on the demo's process), on the path the replacement waits on.
+    gc.collect()
+    gc.freeze()
 
 
 def foreign_threads() -> list[str]:

@@ -100,8 +100,9 @@ class Rebuilt:
         self.current = None
 
     def rebuild(self) -> None:
-        self.drop()
-        gc.collect()
+        if self.current is not None:  # else dropped already, and collected (_recover)
+            self.drop()
+            gc.collect()
         self.current = self._factory()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -65,7 +65,7 @@ from steadytrain.ddp import exact_ddp
 from steadytrain.errors import CheckpointError
 from steadytrain.redact import redact
 from steadytrain.run import Run
-from steadytrain.run_inplace import decide
+from steadytrain.run_inplace import decide, form_group
 from steadytrain.storage.publish import publish_bytes
 from steadytrain.train.config import Config
 from steadytrain.train.evaluation import eval_batches, evaluate
@@ -143,12 +143,14 @@ def run_training(
         timedelta(seconds=cfg.train.backend_timeout_s) if cfg.train.backend_timeout_s else None
     )
     # In-place recovery ([recovery], steadytrain/run_inplace.py): under the keeper, Run forms
-    # the group itself (on a prefix a regroup can renew) and rebuilds DDP after a regroup.
+    # the group itself (on a prefix a regroup can renew) and rebuilds DDP after a regroup;
+    # FSDP2 shards the model first, so the group is formed here (form_group), and every rank
+    # restores its own shard from the memory tier after a regroup.
     recovery = cfg.recovery
-    if recovery.inplace and (use_cuda or cfg.train.parallel != "ddp"):
+    if recovery.inplace and use_cuda:
         if rank == 0:
-            say("in-place recovery is off: it is proven with DDP on CPU (gloo) only; a fault "
-                "restarts the job")  # fmt: skip
+            say("in-place recovery is off: it is proven on CPU (gloo) only; a fault restarts "
+                "the job")  # fmt: skip
         recovery = dataclasses.replace(recovery, inplace=False)
     inplace, _ = decide(
         recovery,
@@ -157,7 +159,9 @@ def run_training(
         group_exists=False,
         rebuildable_checkpoint=cfg.checkpoint.engine != "torch_save",
     )
-    if inplace:
+    if inplace and cfg.train.parallel == "fsdp":
+        form_group(recovery, timeout_s=cfg.train.backend_timeout_s or 600.0)  # Run takes it
+    elif inplace:
         pass  # Run forms the group
     elif "MASTER_ADDR" in os.environ:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=pg_timeout)
@@ -282,8 +286,8 @@ def run_training(
             say=say,
         )
         closing.enter_context(run)  # its exit: final save, in-flight save, watchdog, ledger
-        if inplace:  # built again after each in-place regroup (hold no other reference)
-            ddp_model = run.wrap(make_ddp)
+        if inplace and cfg.train.parallel == "ddp":  # built again after each regroup (hold
+            ddp_model = run.wrap(make_ddp)  # no other reference); FSDP2 is rebound, not rebuilt
         step = run.start_step
         if step != state.step:
             raise CheckpointError(
@@ -324,6 +328,7 @@ def run_training(
             # A peer lost inside the block, with in-place recovery on: the states roll back
             # and s.next is the step to redo from (Run.recoverable); otherwise step + 1.
             with run.recoverable(step) as s:
+                trace.begin(run.attempt_id)  # a redone step is the new attempt's
                 t0 = time.perf_counter()
                 data_wait = faults.before_data(step + 1)  # an injected slow/stalled read
                 forward_s = 0.0  # local compute before any collective (DDP syncs in backward)

@@ -212,6 +212,14 @@ class StepTrace:
         }
         self._ids: list[int] = []
 
+    def begin(self, attempt_id: float) -> None:
+        """A step (or a step done again) begins, in ``Run``'s attempt ``attempt_id``: after
+        an in-place recovery a survivor's redone step is the new attempt's (the process and
+        its torchrun attempt stay), and the ids its failed try had noted are not that
+        step's."""
+        self._fixed["attempt_id"] = attempt_id
+        self._ids = []
+
     def add(self, batch: dict[str, torch.Tensor]) -> None:
         """Note one micro-batch's sample ids (skipped when off: ``tolist`` is not free)."""
         if self._f is not None:
