@@ -12,7 +12,7 @@ import contextlib
 import glob
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psutil
@@ -194,16 +194,21 @@ def kill_mid_run(
     *,
     at_step: int = KILL_AT,
     hold: bool = False,
+    before_kill: Callable[[], object] | None = None,
 ) -> int:
     """Kill ``victim`` once the job has traced ``at_step``; wait for the others to finish.
     Returns the last step the job had traced when the kill came. ``hold``: stop every
     worker of the job (SIGSTOP; not the agents, whose heartbeats go on) from the moment the
     step is seen until the victim is dead, so a job of fast steps cannot finish between the
     two on a loaded machine (CI: a Lightning job of 24 steps at ~0.14 s each was seen at
-    step 16 for a kill asked at 6, and had ended when the kill landed)."""
+    step 16 for a kill asked at 6, and had ended when the kill landed; the node-loss
+    replay's was killed at step 13 for 6, past its first durable checkpoint at 10).
+    ``before_kill``: called right before the kill, inside the hold."""
     job.wait_for_step(at_step, timeout=300)
     with held_workers(h, job) if hold else contextlib.nullcontext():
         at = max((r["step"] for r in read_trace(job.run_dir)), default=0)
+        if before_kill is not None:  # what to look at as the victim dies (the job held)
+            before_kill()
         h.kill(victim)
     log(f"[node-loss] {os.path.basename(job.run_dir)}: killed {victim.name} at step ~{at}")
     job.wait(timeout=300, expect={victim.name: None})

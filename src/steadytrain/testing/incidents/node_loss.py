@@ -164,7 +164,7 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
             _clear(n.cache_dir)
         naive_dir = os.path.join(workdir, "without_fix")
         naive_job = start_job(h, [node0, node1], naive_dir, settings(url))
-        killed_at = {"without_fix": kill_mid_run(h, naive_job, node1, log)}
+        killed_at = {"without_fix": kill_mid_run(h, naive_job, node1, log, hold=True)}
 
         spare = h.add_node()
         staged = h.stage(spare, url)
@@ -182,10 +182,13 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
             h, [node0, node1], fixed_dir, settings(url, every=FIX_EVERY, memory_every=MEMORY_EVERY)
         )
         add_spare(job, spare, log)
-        job.wait_for_step(KILL_AT, timeout=300)
+        # Held from the step seen to the kill: a job of fast steps ran from the asked step
+        # 6 to 13 before it (CI of b70aad4), past the first durable checkpoint (10).
         # What node-0's memory held when node-1 died: its own copies and node-1's.
-        held = memory_snapshots(node0)
-        killed_at["with_fix"] = kill_mid_run(h, job, node1, log)
+        held: dict[int, list[int]] = {}
+        killed_at["with_fix"] = kill_mid_run(
+            h, job, node1, log, hold=True, before_kill=lambda: held.update(memory_snapshots(node0))
+        )
         spare_link_bytes = spare.link.down.bytes - link_after_stage
         spare_fetched = fetched_lines(_log_text(job, spare.name))
 
