@@ -146,8 +146,14 @@ def test_past_the_bound_records_lost_covers_exactly_the_dropped_steps(
     assert lost["count"] == sum(lost["types"].values())
     assert lost["file"] == "ledger.jsonl" and lost["reason"] == "ENOSPC"
     assert lost["t0"] <= lost["t1"]
-    # Where the lost records were: after the last step before the gap, before the next.
-    types = [(r["type"], r.get("step")) for r in read_ledger(ledger)]
+    # Where the lost records were: after the last step before the gap, before the next
+    # (among the steps: an alert of the last dropped step may be the first record kept,
+    # as in a CI run of b1c3fab under load: ('alert', 73) between the gap and step 74).
+    types = [
+        (r["type"], r.get("step"))
+        for r in read_ledger(ledger)
+        if r["type"] in ("step", "records_lost")
+    ]
     at = types.index(("records_lost", None))
     assert types[at - 1] == ("step", lost["first_step"] - 1)
     assert types[at + 1] == ("step", lost["last_step"] + 1)

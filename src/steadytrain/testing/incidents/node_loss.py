@@ -16,7 +16,7 @@ At step ``KILL_AT`` the harness kills node-1 whole (agent and worker, SIGKILL by
   (``checkpoint.memory.every_steps=1``, issue 28): node-0's memory holds node-1's copy,
   the killed node's memory is emptied with it (``NodeHarness.kill``), so the spare comes
   back from its peer's memory (tier ``peer-memory``), at most one step behind the kill;
-  its durable checkpoints come every ``FIX_EVERY`` steps, the first after the kill.
+  its only durable checkpoint is the last step's (``FIX_EVERY``), long after the kill.
 
 Each run's ``restores`` (tier, seconds, steps lost per restart) are its report's
 (``steadytrain report --json``), or, from a report that has none, its ledger's ``restore``
@@ -98,7 +98,13 @@ MEMORY_EVERY = 1  # the with-fix run's memory-tier snapshot interval (steps)
 # step KILL_AT), so the newest good point when the spare starts can only be in memory (a
 # durable save of the kill's very step would otherwise tie with memory, or beat a memory
 # generation whose peer copy was still in flight, and the spare would read storage).
-FIX_EVERY = 10
+FIX_EVERY = STEPS  # the final step's save only: no durable point however late the kill lands
+# Every step from 3 to the last but one waits 0.3 s for data (elastic.FAULTS stops at
+# KILL_AT + 3): the kill is held at the step seen, but a test process the machine starves
+# sees it late, and a job that ran its fast steps meanwhile had finished (CI of 304990f:
+# held at step 16 of 16). Uniform on every rank: no straggler, and a 16-step run completes
+# no baseline for a shared slowdown.
+PACED = "slow_read_at_steps=" + ",".join(map(str, range(3, STEPS))) + ";slow_read_s=0.3"
 REL_TOL = 1e-4  # losses of 1-rank steps against 2-rank ones (summation order only)
 
 
@@ -163,7 +169,7 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
         for n in (node0, node1):
             _clear(n.cache_dir)
         naive_dir = os.path.join(workdir, "without_fix")
-        naive_job = start_job(h, [node0, node1], naive_dir, settings(url))
+        naive_job = start_job(h, [node0, node1], naive_dir, settings(url), faults=PACED)
         killed_at = {"without_fix": kill_mid_run(h, naive_job, node1, log, hold=True)}
 
         spare = h.add_node()
@@ -179,11 +185,15 @@ def replay(workdir: str, *, log: Log) -> dict[str, Any]:
         # The fix is the spare and the memory tier: a snapshot every step, a copy on the
         # other node (node-1's on node-0), so the spare comes back from node-0's memory.
         job = start_job(
-            h, [node0, node1], fixed_dir, settings(url, every=FIX_EVERY, memory_every=MEMORY_EVERY)
+            h,
+            [node0, node1],
+            fixed_dir,
+            settings(url, every=FIX_EVERY, memory_every=MEMORY_EVERY),
+            faults=PACED,
         )
         add_spare(job, spare, log)
         # Held from the step seen to the kill: a job of fast steps ran from the asked step
-        # 6 to 13 before it (CI of b70aad4), past the first durable checkpoint (10).
+        # 6 to 13 before it (CI of b70aad4), past a durable checkpoint then at 10.
         # What node-0's memory held when node-1 died: its own copies and node-1's.
         held: dict[int, list[int]] = {}
         killed_at["with_fix"] = kill_mid_run(
