@@ -101,7 +101,7 @@ MEMORY_EVERY = 1  # the with-fix run's memory-tier snapshot interval (steps)
 FIX_EVERY = STEPS  # the final step's save only: no durable point however late the kill lands
 # Every step from 3 to the last but one waits 0.3 s for data (elastic.FAULTS stops at
 # KILL_AT + 3): the kill is held at the step seen, but a test process the machine starves
-# sees it late, and a job that ran its fast steps meanwhile had finished (CI of 304990f:
+# sees it late, and a job that ran its fast steps meanwhile had finished (CI of b1c3fab:
 # held at step 16 of 16). Uniform on every rank: no straggler, and a 16-step run completes
 # no baseline for a shared slowdown.
 PACED = "slow_read_at_steps=" + ",".join(map(str, range(3, STEPS))) + ";slow_read_s=0.3"
