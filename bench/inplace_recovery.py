@@ -115,11 +115,21 @@ def _pid(out: str) -> str | None:
         return None
 
 
-def summary(faults: list[tuple[float, str]]) -> dict:
-    gaps = [g for g, _ in faults]
-    kept = [g for g, path in faults if path == "in_place"]
+def summary(faults: list[tuple[float, str]] | list[float]) -> dict:
+    """Median and spread of ``(seconds, path)`` per fault, or of plain seconds (the stop
+    bench's phases: no path, no ``paths`` keys)."""
+    if faults and not isinstance(faults[0], tuple):
+        gaps = [float(g) for g in faults]  # type: ignore[arg-type]
+        return {
+            "median_s": round(statistics.median(gaps), 3),
+            "min_s": round(min(gaps), 3),
+            "max_s": round(max(gaps), 3),
+            "each_s": [round(g, 3) for g in gaps],
+        }
+    gaps = [g for g, _ in faults]  # type: ignore[misc]
+    kept = [g for g, path in faults if path == "in_place"]  # type: ignore[misc]
     return {
-        "paths": [path for _, path in faults],
+        "paths": [path for _, path in faults],  # type: ignore[misc]
         "in_place_only_median_s": round(statistics.median(kept), 3) if kept else None,
         "median_s": round(statistics.median(gaps), 3),
         "min_s": round(min(gaps), 3),
