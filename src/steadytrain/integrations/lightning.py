@@ -128,10 +128,12 @@ class SteadytrainCallback(CallbackState, Callback):
             self._save_t = None  # a save cut short is no checkpoint; its step did finish
         try:
             self._flush(run)
+            self._end_phase()
+            self.on_validation_end(None, None)  # a validation cut short ends its phase too
         except BaseException as e:  # recording it failed: still close the Run, as a crash
             exc = exc or e
-        self._end_phase()
-        self.on_validation_end(None, None)  # a validation cut short ends its phase too
+        # (with self.run already None, nothing else would close it: the meter's own exit
+        # hook would end the attempt as a clean "interpreter_exit")
         self._release(run, exc)
 
     # -- steps -----------------------------------------------------------------------------
