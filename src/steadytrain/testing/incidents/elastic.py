@@ -177,13 +177,15 @@ def add_spare(job: ElasticJob, spare: Node, log: Log) -> None:
         )
 
     _until(full, "the first rendezvous round with 2 nodes", job)
-    _join(job, spare)
+    # Held from its first step until the spare waits: starting the spare's agent took longer
+    # than the whole job once (CI of 00ba558: "holding 0 worker(s)", the job done, and the
+    # spare found the rendezvous closed).
     job.wait_for_step(1, timeout=300)
-    if waits():
-        return
     with held_workers(job.h, job) as held:
-        log(f"[node-loss] holding {held} worker(s) until {spare.name} waits as a spare")
-        _until(waits, f"{spare.name} in the redundancy list", job)
+        _join(job, spare)
+        if not waits():
+            log(f"[node-loss] holding {held} worker(s) until {spare.name} waits as a spare")
+            _until(waits, f"{spare.name} in the redundancy list", job)
 
 
 def kill_mid_run(
@@ -222,6 +224,10 @@ def held_workers(h: NodeHarness, job: IncidentJob) -> Iterator[int]:
     resume the ones still alive after it; yields how many were held."""
     by_name = {n.name: n for n in h.nodes}
     held = [w for name, a in job.agents.items() for w in h.workers(by_name[name], a)]
+    if not held:  # an example script's workers (no "steadytrain" in their command line):
+        for a in job.agents.values():  # the agents' own children: torchrun's workers
+            with contextlib.suppress(psutil.NoSuchProcess):
+                held += psutil.Process(a.pid).children()
     for w in held:
         with contextlib.suppress(psutil.NoSuchProcess):
             w.suspend()
